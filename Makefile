@@ -1,0 +1,40 @@
+# `make demo` and `make test` work on a fresh machine with nothing but Python 3.10+:
+# they create .venv, install the pinned torch, then this package with its extras.
+PYTHON ?= python3
+TORCH_VERSION ?= 2.13.0
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# Every pip call after torch goes through this constraints file, so no dependency's
+# version range can replace the pinned torch (an unpinned torch is several GB of CUDA).
+CONSTRAINTS := $(VENV)/torch-constraint.txt
+STAMP := $(VENV)/.installed-$(TORCH_VERSION)
+PYTEST_ARGS ?=
+
+.PHONY: install demo test lint bench clean
+
+install: $(STAMP)
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): $(PY) pyproject.toml
+	echo "torch==$(TORCH_VERSION)" > $(CONSTRAINTS)
+	$(PIP) install "torch==$(TORCH_VERSION)"
+	$(PIP) install -c $(CONSTRAINTS) -e ".[dev]"
+	touch $(STAMP)
+
+demo: install
+	$(PY) -m lightning_spdkfac.demo
+
+test: install
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint: install
+	$(PY) -m ruff check lightning_spdkfac tests examples benchmarks
+
+bench: install
+	$(PY) benchmarks/overhead.py
+
+clean:
+	rm -rf $(VENV) lightning_logs .pytest_cache

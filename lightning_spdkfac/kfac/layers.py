@@ -1,0 +1,161 @@
+"""Per-layer-type math: how a module's input and output gradient become Kronecker-factor rows.
+
+Each helper knows, for one module type, how to turn the layer input into the rows ``a_r`` of
+the A factor and the output gradient into the rows ``d_r`` of the G factor, how to read the
+gradient of the weight (and bias) as one ``out x in`` matrix, and how to write a
+preconditioned matrix back. Nothing here keeps state across steps or touches torch.distributed.
+See docs/math.md for the definitions.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class LayerHelper:
+    """Math of one supported module. Subclasses fill in the row extraction."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+        self.has_bias = getattr(module, "bias", None) is not None
+
+    # -- shapes -----------------------------------------------------------------------
+    @property
+    def a_dim(self) -> int:
+        """Side of the A factor (inputs per output, plus one for the bias)."""
+        return self.in_features + int(self.has_bias)
+
+    @property
+    def g_dim(self) -> int:
+        """Side of the G factor (outputs)."""
+        return self.out_features
+
+    @property
+    def in_features(self) -> int:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    @property
+    def out_features(self) -> int:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    # -- factor rows ------------------------------------------------------------------
+    def batch_size(self, x: torch.Tensor) -> int:
+        """B: the first dimension of the layer input (1 for an unbatched input)."""
+        return 1 if x.dim() == self.unbatched_dim else x.shape[0]
+
+    unbatched_dim = -1
+
+    def a_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """The input rows ``R x in`` without the bias column (the 1s are added in closed form)."""
+        raise NotImplementedError  # pragma: no cover
+
+    def g_rows(self, grad_output: torch.Tensor) -> torch.Tensor:
+        """The output-gradient rows ``R x out``."""
+        raise NotImplementedError  # pragma: no cover
+
+    # -- gradient as a matrix ---------------------------------------------------------
+    def grad_matrix(self) -> torch.Tensor | None:
+        """``[dW, db]`` as one ``out x a_dim`` matrix, or None when the weight has no gradient."""
+        w = self.module.weight
+        if w.grad is None:
+            return None
+        g = w.grad.reshape(w.shape[0], -1)
+        if self.has_bias:
+            b = self.module.bias
+            if b.grad is None:
+                return None
+            g = torch.cat([g, b.grad.reshape(-1, 1)], dim=1)
+        return g
+
+    def write_grad(self, matrix: torch.Tensor, scale: torch.Tensor | None) -> None:
+        """Write ``scale * matrix`` back into ``weight.grad`` (and ``bias.grad``) in place."""
+        w = self.module.weight
+        n_in = self.in_features
+        w_view = w.grad.view(w.shape[0], n_in)
+        _scaled_copy(w_view, matrix[:, :n_in], scale)
+        if self.has_bias:
+            _scaled_copy(self.module.bias.grad.view(-1), matrix[:, n_in], scale)
+
+
+def _scaled_copy(dst: torch.Tensor, src: torch.Tensor, scale: torch.Tensor | None) -> None:
+    if scale is None:
+        dst.copy_(src)
+    elif src.dtype == dst.dtype:
+        torch.mul(src, scale, out=dst)
+    else:
+        dst.copy_(src * scale)
+
+
+class LinearHelper(LayerHelper):
+    """``nn.Linear`` with inputs of any number of leading dimensions (contiguous or not)."""
+
+    unbatched_dim = 1
+
+    @property
+    def in_features(self) -> int:
+        return self.module.in_features
+
+    @property
+    def out_features(self) -> int:
+        return self.module.out_features
+
+    def a_rows(self, x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(-1, x.shape[-1])
+
+    def g_rows(self, grad_output: torch.Tensor) -> torch.Tensor:
+        return grad_output.reshape(-1, grad_output.shape[-1])
+
+
+class Conv2dHelper(LayerHelper):
+    """``nn.Conv2d`` (groups=1) with any stride, padding, dilation and padding mode (KFC rows)."""
+
+    unbatched_dim = 3
+
+    def __init__(self, module: nn.Conv2d):
+        super().__init__(module)
+        m = module
+        self._explicit_pad = isinstance(m.padding, str) or m.padding_mode != "zeros"
+
+    @property
+    def in_features(self) -> int:
+        m = self.module
+        return m.in_channels * m.kernel_size[0] * m.kernel_size[1]
+
+    @property
+    def out_features(self) -> int:
+        return self.module.out_channels
+
+    def a_rows(self, x: torch.Tensor) -> torch.Tensor:
+        m = self.module
+        if x.dim() == 3:
+            x = x.unsqueeze(0)
+        if self._explicit_pad:
+            # String padding ('same', 'valid') and non-zero padding modes: pad exactly as the
+            # module's forward does, then take patches without implicit padding.
+            mode = "constant" if m.padding_mode == "zeros" else m.padding_mode
+            x = F.pad(x, m._reversed_padding_repeated_twice, mode=mode)
+            padding = 0
+        else:
+            padding = m.padding
+        patches = F.unfold(x, m.kernel_size, dilation=m.dilation, padding=padding, stride=m.stride)
+        # (B, C*kh*kw, L) -> (B*L, C*kh*kw); the column order matches weight.view(out, -1).
+        return patches.transpose(1, 2).reshape(-1, patches.shape[1])
+
+    def g_rows(self, grad_output: torch.Tensor) -> torch.Tensor:
+        if grad_output.dim() == 3:
+            grad_output = grad_output.unsqueeze(0)
+        # (B, out, Ho, Wo) -> (B*Ho*Wo, out)
+        return grad_output.flatten(2).transpose(1, 2).reshape(-1, grad_output.shape[1])
+
+
+def make_helper(module: nn.Module) -> tuple[LayerHelper | None, str | None]:
+    """The helper for a module, or ``(None, reason)`` when the module is not supported."""
+    if isinstance(module, nn.Linear):
+        return LinearHelper(module), None
+    if isinstance(module, nn.Conv2d):
+        if module.groups != 1:
+            return None, f"grouped convolution (groups={module.groups}) is not supported by K-FAC"
+        return Conv2dHelper(module), None
+    return None, None

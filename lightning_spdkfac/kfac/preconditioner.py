@@ -1,0 +1,425 @@
+"""KFACPreconditioner: the single-process K-FAC state machine.
+
+Usage (plain PyTorch)::
+
+    pre = KFACPreconditioner(model, lr=lambda step: opt.param_groups[0]["lr"])
+    for x, y in data:
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        pre.step()          # rewrites .grad of the registered layers in place
+        opt.step()
+
+One optimizer step is: hooks collect factor statistics during forward/backward (on factor steps)
+-> ``step()`` turns them into this step's factors, checks they and the gradients are finite,
+updates the running averages -> (on inverse steps) damped inverses -> preconditioned gradients
+-> KL clip -> written back to ``.grad``. The math is in docs/math.md.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from . import hparams as hp
+from .inverse import damped_inverses
+from .layers import LayerHelper, make_helper
+
+STATE_VERSION = 1
+
+
+@dataclass(eq=False)
+class KFACLayer:
+    """State of one registered layer: this step's accumulators, running factors, inverses."""
+
+    name: str
+    helper: LayerHelper
+    # Accumulators of the current optimizer step (sums over micro-batches and calls).
+    xx: torch.Tensor | None = None  # sum_r x_r x_r^T (without the bias column)
+    x_sum: torch.Tensor | None = None  # sum_r x_r (the bias row/column of A)
+    rows: int = 0  # R, rows seen by A
+    dd: torch.Tensor | None = None  # sum_r d_r d_r^T
+    examples: int = 0  # N, examples seen (counted once per micro-batch, not per call)
+    a_calls: int = 0
+    g_calls: int = 0
+    last_micro_batch: int = -1
+    ran: bool = False  # forward ran in training mode since the last step
+    # Running averages and inverses.
+    A: torch.Tensor | None = None
+    G: torch.Tensor | None = None
+    A_inv: torch.Tensor | None = None
+    G_inv: torch.Tensor | None = None
+    handles: list = field(default_factory=list)
+
+    def reset_accumulators(self) -> None:
+        self.rows = self.examples = self.a_calls = self.g_calls = 0
+        self.last_micro_batch = -1
+        self.ran = False
+
+    def new_factors(self, factor_dtype: torch.dtype, g_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """This step's A and G from the accumulators (see docs/math.md)."""
+        n = self.helper.in_features
+        if self.helper.has_bias:
+            A = torch.empty(n + 1, n + 1, dtype=factor_dtype, device=self.xx.device)
+            A[:n, :n] = self.xx
+            A[:n, n] = self.x_sum
+            A[n, :n] = self.x_sum
+            A[n, n] = self.rows
+        else:
+            A = self.xx.clone()
+        A.div_(self.rows)
+        G = self.dd * (self.examples * g_scale)
+        return A, G
+
+
+def _autocast_off(device_type: str):
+    if torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return None
+
+
+class KFACPreconditioner:
+    """K-FAC for ``nn.Linear`` and ``nn.Conv2d`` layers of a model, usable with any optimizer.
+
+    Args:
+        model: the module whose supported layers get K-FAC.
+        damping: added to the diagonal of each factor before inversion (>= 0); number or schedule.
+        factor_decay: running-average decay of the factors, in [0, 1); 0 uses the current batch alone.
+        kl_clip: KL-clip bound (> 0), or None to turn clipping off.
+        lr: the learning rate the KL clip assumes: a number or a callable of the step
+            (for example one that reads ``optimizer.param_groups[0]["lr"]``).
+        factor_update_steps: factors are updated every this many steps.
+        inv_update_steps: inverses are recomputed every this many steps.
+        skip_layers: regular expressions; a module whose name or class name matches one is skipped.
+        factor_dtype: dtype of the stored factors (float32 by default, also under bf16/fp16 autocast).
+        inv_dtype: dtype of the inversion and of the preconditioning matmuls (float32 or float64).
+        grad_scaler: a ``torch.amp.GradScaler`` in use (fp16): G factors are unscaled with its scale.
+            Call ``scaler.unscale_(optimizer)`` before :meth:`step`.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        damping: hp.Schedule = 1e-3,
+        factor_decay: hp.Schedule = 0.95,
+        kl_clip: hp.Schedule | None = 1e-3,
+        lr: hp.Schedule = 0.1,
+        factor_update_steps: int = 1,
+        inv_update_steps: int = 10,
+        skip_layers: str | Iterable[str] = (),
+        factor_dtype: torch.dtype = torch.float32,
+        inv_dtype: torch.dtype = torch.float32,
+        grad_scaler: torch.amp.GradScaler | None = None,
+    ):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        hp.check_schedule("damping", damping, hp.NONNEGATIVE)
+        hp.check_schedule("factor_decay", factor_decay, hp.DECAY)
+        if kl_clip is not None:
+            hp.check_schedule("kl_clip", kl_clip, hp.POSITIVE, " (use kl_clip=None to turn clipping off)")
+        hp.check_schedule("lr", lr, hp.NONNEGATIVE)
+        self.factor_update_steps = hp.check_positive_int("factor_update_steps", factor_update_steps)
+        self.inv_update_steps = hp.check_positive_int("inv_update_steps", inv_update_steps)
+        if self.inv_update_steps % self.factor_update_steps != 0:
+            warnings.warn(
+                f"inv_update_steps={inv_update_steps} is not a multiple of factor_update_steps="
+                f"{factor_update_steps}: some inverses will be computed from factors a few steps old",
+                stacklevel=2,
+            )
+        for name, dt in (("factor_dtype", factor_dtype), ("inv_dtype", inv_dtype)):
+            if not isinstance(dt, torch.dtype) or not dt.is_floating_point:
+                raise TypeError(f"{name} must be a floating torch.dtype, got {dt!r}")
+        if inv_dtype not in (torch.float32, torch.float64):
+            raise ValueError(f"inv_dtype must be torch.float32 or torch.float64, got {inv_dtype}")
+        if isinstance(skip_layers, str):
+            skip_layers = (skip_layers,)
+        try:
+            self.skip_layers = tuple(re.compile(p) for p in skip_layers)
+        except (TypeError, re.error) as e:
+            raise ValueError(f"skip_layers must be regular expressions, got {skip_layers!r}: {e}") from None
+
+        self.model = model
+        self.damping = damping
+        self.factor_decay = factor_decay
+        self.kl_clip = kl_clip
+        self.lr = lr
+        self.factor_dtype = factor_dtype
+        self.inv_dtype = inv_dtype
+        self.grad_scaler = grad_scaler
+
+        self.steps = 0  # optimizer steps taken (calls of step())
+        self.skipped_factor_steps = 0  # factor updates skipped for non-finite values
+        self._micro_batch = 0
+        self._backward_seen = False
+        self._warned: set[tuple[str, str]] = set()
+        self.layers: dict[str, KFACLayer] = {}
+        self.skipped: dict[str, str] = {}
+        self._register(model)
+
+    # ------------------------------------------------------------------ registration
+    def _register(self, model: nn.Module) -> None:
+        seen_types = []
+        for name, module in model.named_modules():
+            seen_types.append(type(module).__name__)
+            helper, reason = make_helper(module)
+            if helper is None:
+                if reason is not None:
+                    self.skipped[name] = reason
+                    warnings.warn(f"K-FAC skips layer {name!r}: {reason}", stacklevel=3)
+                continue
+            cls = type(module).__name__
+            if any(p.search(name) or p.search(cls) for p in self.skip_layers):
+                self.skipped[name] = "matched skip_layers"
+                continue
+            if not all(p.requires_grad for p in module.parameters(recurse=False)):
+                self.skipped[name] = "parameters do not all require grad"
+                continue
+            layer = KFACLayer(name=name, helper=helper)
+            layer.handles.append(module.register_forward_hook(self._make_forward_hook(layer)))
+            self.layers[name] = layer
+        if not self.layers:
+            found = ", ".join(sorted(set(seen_types)))
+            detail = "; ".join(f"{n or '<root>'}: {r}" for n, r in self.skipped.items())
+            raise ValueError(
+                "KFACPreconditioner found no supported layer (nn.Linear, nn.Conv2d) in model; "
+                f"module types found: {found}" + (f"; skipped: {detail}" if detail else "")
+            )
+
+    def remove_hooks(self) -> None:
+        """Detach all hooks from the model (the preconditioner is unusable afterwards)."""
+        for layer in self.layers.values():
+            for h in layer.handles:
+                h.remove()
+            layer.handles.clear()
+
+    @property
+    def collecting(self) -> bool:
+        """Whether the hooks collect factor statistics for the coming step."""
+        return self.steps % self.factor_update_steps == 0
+
+    # ------------------------------------------------------------------ hooks
+    def _make_forward_hook(self, layer: KFACLayer) -> Callable:
+        def forward_hook(module, inputs, output):
+            if not module.training or not torch.is_grad_enabled():
+                return
+            layer.ran = True
+            if not self.collecting or not isinstance(output, torch.Tensor) or not output.requires_grad:
+                return
+            if self._backward_seen:  # a forward after a backward starts a new micro-batch
+                self._micro_batch += 1
+                self._backward_seen = False
+            x = inputs[0]
+            ctx = _autocast_off(x.device.type)
+            if ctx is None:
+                self._accumulate_a(layer, x)
+            else:
+                with ctx:
+                    self._accumulate_a(layer, x)
+            output.register_hook(self._make_grad_hook(layer, x))
+
+        return forward_hook
+
+    def _make_grad_hook(self, layer: KFACLayer, x: torch.Tensor) -> Callable:
+        batch = layer.helper.batch_size(x)
+        micro_batch = self._micro_batch
+
+        def grad_hook(grad_output):
+            self._backward_seen = True
+            ctx = _autocast_off(grad_output.device.type)
+            if ctx is None:
+                self._accumulate_g(layer, grad_output, batch, micro_batch)
+            else:
+                with ctx:
+                    self._accumulate_g(layer, grad_output, batch, micro_batch)
+
+        return grad_hook
+
+    def _accumulate_a(self, layer: KFACLayer, x: torch.Tensor) -> None:
+        a = layer.helper.a_rows(x.detach()).to(self.factor_dtype)
+        if layer.a_calls == 0:
+            if layer.xx is None or layer.xx.shape[0] != a.shape[1] or layer.xx.device != a.device:
+                layer.xx = torch.empty(a.shape[1], a.shape[1], dtype=self.factor_dtype, device=a.device)
+            torch.mm(a.T, a, out=layer.xx)
+            layer.x_sum = a.sum(0) if layer.helper.has_bias else None
+        else:
+            layer.xx.addmm_(a.T, a)
+            if layer.helper.has_bias:
+                layer.x_sum.add_(a.sum(0))
+        layer.rows += a.shape[0]
+        layer.a_calls += 1
+
+    def _accumulate_g(self, layer: KFACLayer, grad_output: torch.Tensor, batch: int, micro_batch: int) -> None:
+        d = layer.helper.g_rows(grad_output).to(self.factor_dtype)
+        if layer.g_calls == 0:
+            if layer.dd is None or layer.dd.shape[0] != d.shape[1] or layer.dd.device != d.device:
+                layer.dd = torch.empty(d.shape[1], d.shape[1], dtype=self.factor_dtype, device=d.device)
+            torch.mm(d.T, d, out=layer.dd)
+        else:
+            layer.dd.addmm_(d.T, d)
+        if micro_batch != layer.last_micro_batch:  # several calls in one forward share examples
+            layer.examples += batch
+            layer.last_micro_batch = micro_batch
+        layer.g_calls += 1
+
+    # ------------------------------------------------------------------ the step
+    def _warn_once(self, layer: str, key: str, message: str) -> None:
+        if (layer, key) not in self._warned:
+            self._warned.add((layer, key))
+            warnings.warn(message, stacklevel=3)
+
+    def _collected_layers(self) -> list[KFACLayer]:
+        ready = []
+        for layer in self.layers.values():
+            if layer.a_calls == 0 and layer.g_calls == 0:
+                continue
+            if layer.a_calls != layer.g_calls or layer.rows == 0:
+                self._warn_once(
+                    layer.name,
+                    "calls",
+                    f"K-FAC layer {layer.name!r}: {layer.a_calls} forward call(s) but {layer.g_calls} "
+                    "backward call(s) in one step (a forward whose output got no gradient?); "
+                    "its factors are not updated on such steps",
+                )
+                continue
+            ready.append(layer)
+        return ready
+
+    def _grads_finite(self, extra: list[torch.Tensor]) -> bool:
+        sums = [p.grad.sum() for p in self.model.parameters() if p.grad is not None]
+        sums += [t.sum() for t in extra]
+        if not sums:
+            return True
+        return bool(torch.isfinite(torch.stack([s.float() for s in sums]).sum()))
+
+    def _update_factors(self, k: int) -> None:
+        ready = self._collected_layers()
+        if not ready:
+            return
+        g_scale = 1.0
+        if self.grad_scaler is not None and self.grad_scaler.is_enabled():
+            g_scale = 1.0 / float(self.grad_scaler.get_scale()) ** 2
+        new = [layer.new_factors(self.factor_dtype, g_scale) for layer in ready]
+        if not self._grads_finite([f for pair in new for f in pair]):
+            self.skipped_factor_steps += 1
+            return
+        decay = hp.resolve("factor_decay", self.factor_decay, k, hp.DECAY)
+        for layer, (A, G) in zip(ready, new):
+            if layer.A is None or layer.A.shape != A.shape or decay == 0.0:
+                layer.A, layer.G = A, G
+            else:
+                layer.A.mul_(decay).add_(A, alpha=1.0 - decay)
+                layer.G.mul_(decay).add_(G, alpha=1.0 - decay)
+
+    def _update_inverses(self, k: int) -> None:
+        due = k % self.inv_update_steps == 0
+        todo = [l for l in self.layers.values() if l.A is not None and (due or l.A_inv is None)]
+        if not todo:
+            return
+        damping = hp.resolve("damping", self.damping, k, hp.NONNEGATIVE)
+        factors = [f for l in todo for f in (l.A, l.G)]
+        inverses, failed = damped_inverses(factors, damping, self.inv_dtype)
+        for i in failed:
+            layer = todo[i // 2]
+            which = "A" if i % 2 == 0 else "G"
+            self._warn_once(
+                layer.name,
+                "eigh",
+                f"K-FAC layer {layer.name!r}: Cholesky of the damped {which} factor failed at step {k}; "
+                "using a clamped eigendecomposition (consider a larger damping)",
+            )
+        for j, layer in enumerate(todo):
+            layer.A_inv, layer.G_inv = inverses[2 * j], inverses[2 * j + 1]
+
+    def _precondition(self, k: int) -> None:
+        todo, grads, precs = [], [], []
+        for layer in self.layers.values():
+            if not layer.ran or layer.A_inv is None:
+                continue
+            g = layer.helper.grad_matrix()
+            if g is None:
+                continue
+            if layer.A_inv.shape[0] != g.shape[1] or layer.G_inv.shape[0] != g.shape[0]:
+                continue  # the layer changed shape since its factors were taken
+            gi = g.to(self.inv_dtype)
+            todo.append(layer)
+            grads.append(gi)
+            precs.append(layer.G_inv @ gi @ layer.A_inv)
+        if not todo:
+            return
+        scale = None
+        if self.kl_clip is not None:
+            kl_clip = hp.resolve("kl_clip", self.kl_clip, k, hp.POSITIVE)
+            lr = hp.resolve("lr", self.lr, k, hp.NONNEGATIVE)
+            vg = torch.stack([torch.vdot(p.flatten(), g.flatten()) for p, g in zip(precs, grads)]).sum()
+            vg = vg.abs() * (lr * lr)
+            # nu = min(1, sqrt(kl_clip / |vg|)); vg == 0 gives inf -> 1. No host sync.
+            scale = torch.sqrt(kl_clip / vg).clamp(max=1.0)
+        for layer, p in zip(todo, precs):
+            layer.helper.write_grad(p, scale)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Precondition the gradients of the registered layers in place (call after backward)."""
+        k = self.steps
+        if self.collecting:
+            self._update_factors(k)
+        self._update_inverses(k)
+        self._precondition(k)
+        for layer in self.layers.values():
+            layer.reset_accumulators()
+        self._micro_batch = 0
+        self._backward_seen = False
+        self.steps += 1
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict:
+        """Everything the next step needs: counters, running factors and current inverses."""
+        layers = {}
+        for name, l in self.layers.items():
+            if l.A is None:
+                continue
+            layers[name] = {"A": l.A, "G": l.G, "A_inv": l.A_inv, "G_inv": l.G_inv}
+        return {
+            "version": STATE_VERSION,
+            "steps": self.steps,
+            "skipped_factor_steps": self.skipped_factor_steps,
+            "layers": layers,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`; refuses, without changing anything, a state of another model."""
+        if not isinstance(state, dict) or "layers" not in state or "steps" not in state:
+            raise ValueError("not a KFACPreconditioner state dict (missing 'steps' or 'layers')")
+        problems = []
+        for name, s in state["layers"].items():
+            layer = self.layers.get(name)
+            if layer is None:
+                problems.append(f"{name!r}: not a K-FAC layer of this model")
+                continue
+            want = (layer.helper.a_dim, layer.helper.g_dim)
+            got = (tuple(s["A"].shape), tuple(s["G"].shape))
+            if got != ((want[0], want[0]), (want[1], want[1])):
+                problems.append(f"{name!r}: factor shapes {got[0]}, {got[1]}; this model needs "
+                                f"({want[0]}, {want[0]}), ({want[1]}, {want[1]})")
+        if problems:
+            raise ValueError("K-FAC state does not match this model:\n  " + "\n  ".join(problems))
+        for layer in self.layers.values():
+            s = state["layers"].get(layer.name)
+            dev = layer.helper.module.weight.device
+            if s is None:
+                layer.A = layer.G = layer.A_inv = layer.G_inv = None
+                continue
+            layer.A = s["A"].to(device=dev, dtype=self.factor_dtype).clone()
+            layer.G = s["G"].to(device=dev, dtype=self.factor_dtype).clone()
+            inv = (s["A_inv"], s["G_inv"])
+            layer.A_inv, layer.G_inv = (
+                (None, None) if inv[0] is None else
+                tuple(t.to(device=dev, dtype=self.inv_dtype).clone() for t in inv)
+            )
+        self.steps = int(state["steps"])
+        self.skipped_factor_steps = int(state.get("skipped_factor_steps", 0))

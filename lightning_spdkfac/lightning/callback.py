@@ -1,0 +1,135 @@
+"""The ``KFAC`` Lightning callback: K-FAC on any optimizer from ``configure_optimizers``.
+
+It builds a :class:`~lightning_spdkfac.kfac.KFACPreconditioner` on the LightningModule at fit
+start and preconditions in ``on_before_optimizer_step``: Lightning calls that hook once per
+optimizer step (at the accumulation boundary), after the closure ran backward and after a
+fp16 GradScaler unscaled the gradients, and before gradient clipping and ``optimizer.step()``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.callbacks import Callback
+
+from ..kfac import hparams as hp
+from ..kfac.preconditioner import KFACPreconditioner
+
+
+class KFAC(Callback):
+    """K-FAC preconditioning for ``Trainer(callbacks=[KFAC(...)])``.
+
+    Args:
+        damping: added to each factor's diagonal before inversion (>= 0); number or schedule.
+        factor_decay: running-average decay of the factors, in [0, 1).
+        kl_clip: KL-clip bound (> 0), or None to turn clipping off.
+        lr: the learning rate the KL clip assumes; None (default) reads
+            ``param_groups[0]["lr"]`` of the optimizer at every step, so LR schedulers are followed.
+        factor_update_steps: factors are updated every this many optimizer steps.
+        inv_update_steps: inverses are recomputed every this many optimizer steps.
+        skip_layers: regular expressions on module names or class names of layers to leave alone.
+        factor_dtype: dtype of the stored factors ("float32" default; "float64" allowed).
+        inv_dtype: dtype of inversions and preconditioning ("float32" or "float64").
+        log_step_time: log ``kfac/step_ms`` (host time of the K-FAC step) through the Trainer's logger.
+    """
+
+    def __init__(
+        self,
+        damping: float = 1e-3,
+        factor_decay: float = 0.95,
+        kl_clip: float | None = 1e-3,
+        lr: float | None = None,
+        factor_update_steps: int = 1,
+        inv_update_steps: int = 10,
+        skip_layers: str | Iterable[str] = (),
+        factor_dtype: str | torch.dtype = "float32",
+        inv_dtype: str | torch.dtype = "float32",
+        log_step_time: bool = True,
+    ):
+        super().__init__()
+        self.kwargs: dict[str, Any] = dict(
+            damping=damping,
+            factor_decay=factor_decay,
+            kl_clip=kl_clip,
+            factor_update_steps=factor_update_steps,
+            inv_update_steps=inv_update_steps,
+            skip_layers=skip_layers,
+            factor_dtype=_dtype("factor_dtype", factor_dtype),
+            inv_dtype=_dtype("inv_dtype", inv_dtype),
+        )
+        if lr is not None:
+            hp.check_schedule("lr", lr, hp.NONNEGATIVE)
+        self.lr = lr
+        self.log_step_time = log_step_time
+        # Validate everything now (a bad YAML value fails at construction, not at fit start).
+        self._validate()
+        self.preconditioner: KFACPreconditioner | None = None
+        self._pending_state: dict | None = None
+        self._trainer: pl.Trainer | None = None
+
+    def _validate(self) -> None:
+        probe = torch.nn.Linear(1, 1)
+        KFACPreconditioner(probe, lr=0.0 if self.lr is None else self.lr, **self.kwargs).remove_hooks()
+
+    @property
+    def state_key(self) -> str:
+        return "KFAC"
+
+    # ------------------------------------------------------------------ lifecycle
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit" or self.preconditioner is not None:
+            return
+        self._trainer = trainer
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        self.preconditioner = KFACPreconditioner(
+            pl_module, lr=self.lr if self.lr is not None else self._optimizer_lr, grad_scaler=scaler, **self.kwargs
+        )
+        if self._pending_state is not None:
+            self.preconditioner.load_state_dict(self._pending_state)
+            self._pending_state = None
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit" and self.preconditioner is not None:
+            self.preconditioner.remove_hooks()
+            self.preconditioner = None
+
+    def _optimizer_lr(self, step: int) -> float:
+        return float(self._trainer.optimizers[0].param_groups[0]["lr"])
+
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        pre = self.preconditioner
+        if pre is None:
+            return
+        t0 = time.perf_counter()
+        pre.step()
+        if self.log_step_time:
+            pl_module.log("kfac/step_ms", (time.perf_counter() - t0) * 1e3, on_step=True, on_epoch=False)
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        if self.preconditioner is None:
+            return dict(self._pending_state or {})
+        return self.preconditioner.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if not state_dict:
+            return
+        if self.preconditioner is None:
+            self._pending_state = state_dict
+        else:
+            self.preconditioner.load_state_dict(state_dict)
+
+
+def _dtype(name: str, value: str | torch.dtype) -> torch.dtype:
+    if isinstance(value, torch.dtype):
+        return value
+    dt = getattr(torch, str(value), None)
+    if not isinstance(dt, torch.dtype):
+        raise ValueError(f"{name} must be a torch dtype name such as 'float32' or 'float64', got {value!r}")
+    return dt
