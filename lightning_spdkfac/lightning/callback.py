@@ -68,7 +68,8 @@ class KFAC(Callback):
         # Validate everything now (a bad YAML value fails at construction, not at fit start).
         self._validate()
         self.preconditioner: KFACPreconditioner | None = None
-        self._pending_state: dict | None = None
+        self._pending_state: dict | None = None  # loaded before setup built the preconditioner
+        self._final_state: dict | None = None  # kept after teardown, for save_checkpoint after fit
         self._trainer: pl.Trainer | None = None
 
     def _validate(self) -> None:
@@ -84,6 +85,7 @@ class KFAC(Callback):
         if stage != "fit" or self.preconditioner is not None:
             return
         self._trainer = trainer
+        self._final_state = None
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         self.preconditioner = KFACPreconditioner(
             pl_module, lr=self.lr if self.lr is not None else self._optimizer_lr, grad_scaler=scaler, **self.kwargs
@@ -94,6 +96,7 @@ class KFAC(Callback):
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit" and self.preconditioner is not None:
+            self._final_state = self.preconditioner.state_dict()
             self.preconditioner.remove_hooks()
             self.preconditioner = None
 
@@ -114,7 +117,7 @@ class KFAC(Callback):
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         if self.preconditioner is None:
-            return dict(self._pending_state or {})
+            return dict(self._pending_state or self._final_state or {})
         return self.preconditioner.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

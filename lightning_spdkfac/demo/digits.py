@@ -1,0 +1,269 @@
+"""Digits demo pieces: a data module, a small CNN and a time-to-accuracy callback.
+
+The data is scikit-learn's bundled ``load_digits()`` (1797 grayscale 8x8 images of the digits
+0-9, shipped inside the scikit-learn wheel), so nothing is downloaded and an epoch takes well
+under a second on a laptop CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from typing import Any, Literal
+
+import pytorch_lightning as pl
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from torchmetrics.classification import MulticlassAccuracy
+
+NUM_CLASSES = 10
+
+
+def load_digits_tensors() -> tuple[torch.Tensor, torch.Tensor]:
+    """All 1797 digits as ``(N, 1, 8, 8)`` float32 images in [0, 1] and ``(N,)`` int64 labels."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0  # pixels are 0..16
+    y = torch.tensor(digits.target, dtype=torch.int64)
+    return x, y
+
+
+def stratified_split(
+    y: torch.Tensor, val_fraction: float, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Train and validation indices with the class proportions of ``y``, deterministic in ``seed``."""
+    from sklearn.model_selection import train_test_split
+
+    idx = torch.arange(len(y)).numpy()
+    train_idx, val_idx = train_test_split(
+        idx, test_size=val_fraction, stratify=y.numpy(), random_state=seed, shuffle=True
+    )
+    return torch.as_tensor(train_idx), torch.as_tensor(val_idx)
+
+
+class DigitsDataModule(pl.LightningDataModule):
+    """scikit-learn's 8x8 digits as ``(N, 1, 8, 8)`` tensors with a stratified train/val split.
+
+    Args:
+        batch_size: training batch size (validation uses the whole split in one batch).
+        val_fraction: fraction of the 1797 images held out for validation, in (0, 1).
+        seed: seed of the train/val split and of the training-set shuffling.
+        num_workers: DataLoader workers (0 is fastest for this tiny in-memory data set).
+    """
+
+    def __init__(self, batch_size: int = 64, val_fraction: float = 0.2, seed: int = 0, num_workers: int = 0):
+        super().__init__()
+        if batch_size <= 0:
+            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+        if not 0.0 < val_fraction < 1.0:
+            raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction!r}")
+        self.save_hyperparameters()
+        self.batch_size = batch_size
+        self.val_fraction = val_fraction
+        self.seed = seed
+        self.num_workers = num_workers
+        self.train_set: TensorDataset | None = None
+        self.val_set: TensorDataset | None = None
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is not None:
+            return
+        x, y = load_digits_tensors()
+        train_idx, val_idx = stratified_split(y, self.val_fraction, self.seed)
+        self.train_set = TensorDataset(x[train_idx], y[train_idx])
+        self.val_set = TensorDataset(x[val_idx], y[val_idx])
+
+    def train_dataloader(self) -> DataLoader:
+        # An explicit generator: the shuffling order depends on `seed` alone.
+        gen = torch.Generator().manual_seed(self.seed)
+        return DataLoader(
+            self.train_set, batch_size=self.batch_size, shuffle=True, generator=gen, num_workers=self.num_workers
+        )
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val_set, batch_size=len(self.val_set), num_workers=self.num_workers)
+
+
+class DigitsCNN(pl.LightningModule):
+    """A small CNN for 8x8 digits, trained with SGD (momentum) and an optional LR schedule.
+
+    ``conv(1->c1) - ReLU - conv(c1->c2) - ReLU - maxpool 2 - flatten - linear(16*c2 -> hidden) - ReLU - linear(-> 10)``
+
+    Args:
+        lr: peak learning rate of SGD.
+        momentum: SGD momentum.
+        weight_decay: L2 weight decay (coupled, as in ``torch.optim.SGD``).
+        nesterov: use Nesterov momentum.
+        lr_schedule: "cosine" (per step, from ``lr`` down to 0 at the end of ``max_epochs``),
+            "step" (multiply by ``gamma`` every ``step_epochs`` epochs) or "constant".
+        warmup_epochs: linear warmup from 0 over this many epochs (may be fractional; 0 = none).
+        step_epochs: period of the "step" schedule, in epochs.
+        gamma: factor of the "step" schedule.
+        channels: output channels of the two convolutions.
+        hidden: width of the hidden linear layer.
+    """
+
+    def __init__(
+        self,
+        lr: float = 0.05,
+        momentum: float = 0.9,
+        weight_decay: float = 5e-4,
+        nesterov: bool = False,
+        lr_schedule: Literal["cosine", "step", "constant"] = "cosine",
+        warmup_epochs: float = 0.0,
+        step_epochs: int = 5,
+        gamma: float = 0.1,
+        channels: tuple[int, int] = (32, 64),
+        hidden: int = 128,
+    ):
+        super().__init__()
+        self.save_hyperparameters()
+        c1, c2 = channels
+        self.net = nn.Sequential(
+            nn.Conv2d(1, c1, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(c1, c2, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Flatten(),
+            nn.Linear(c2 * 4 * 4, hidden),
+            nn.ReLU(),
+            nn.Linear(hidden, NUM_CLASSES),
+        )
+        self.val_acc = MulticlassAccuracy(num_classes=NUM_CLASSES, average="micro")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.log("train_loss", loss, on_step=False, on_epoch=True, batch_size=len(y))
+        return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        logits = self(x)
+        self.val_acc(logits, y)
+        self.log("val_loss", F.cross_entropy(logits, y), on_epoch=True, batch_size=len(y))
+        self.log("val_acc", self.val_acc, on_epoch=True, batch_size=len(y))
+
+    def configure_optimizers(self) -> Any:
+        h = self.hparams
+        opt = torch.optim.SGD(
+            self.parameters(), lr=h.lr, momentum=h.momentum, weight_decay=h.weight_decay, nesterov=h.nesterov
+        )
+        total = max(1, int(self.trainer.estimated_stepping_batches))
+        per_epoch = max(1, total // max(1, self.trainer.max_epochs or 1))
+        warmup = int(round(h.warmup_epochs * per_epoch))
+        schedule, step_epochs, gamma = h.lr_schedule, h.step_epochs, h.gamma
+
+        def factor(step: int) -> float:  # multiplier of the peak lr at optimizer step `step`
+            if step < warmup:
+                return (step + 1) / warmup
+            if schedule == "cosine":
+                t = (step - warmup) / max(1, total - warmup)
+                return 0.5 * (1.0 + math.cos(math.pi * min(1.0, t)))
+            if schedule == "step":
+                return gamma ** (step // (step_epochs * per_epoch))
+            return 1.0
+
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class TimeToAccuracy(pl.Callback):
+    """Record when validation accuracy first reaches a target, and the final and best accuracy.
+
+    After every validation run of ``fit`` (the sanity check excluded) it reads ``monitor`` from
+    the logged metrics. The result (also kept in :attr:`results`) is::
+
+        {"target": 0.97, "reached": true, "epoch": 7, "seconds": 4.1,
+         "final_val_acc": 0.98, "best_val_acc": 0.985, "best_epoch": 9, "epochs": 10,
+         "total_seconds": 6.3, "history": [{"epoch": 1, "val_acc": 0.80, "seconds": 0.6}, ...]}
+
+    ``epoch`` is 1-based; ``seconds`` is wall-clock time since fit start, validation included;
+    ``epoch`` and ``seconds`` are null when the target was not reached.
+
+    Args:
+        target: accuracy to reach, in (0, 1].
+        path: where to write the JSON (after each validation and at fit end), or None to only
+            keep it in memory. A relative path is taken relative to ``trainer.default_root_dir``
+            (the current directory unless set), so ``--trainer.default_root_dir`` moves it too.
+        monitor: name of the logged accuracy metric.
+    """
+
+    def __init__(self, target: float = 0.97, path: str | None = None, monitor: str = "val_acc"):
+        super().__init__()
+        if not 0.0 < target <= 1.0:
+            raise ValueError(f"target must be in (0, 1], got {target!r}")
+        self.target = target
+        self.path = path
+        self.monitor = monitor
+        self.results: dict[str, Any] = {}
+        self._t0 = 0.0
+
+    def resolved_path(self, trainer: pl.Trainer) -> str | None:
+        if self.path is None:
+            return None
+        path = os.path.expanduser(self.path)
+        return path if os.path.isabs(path) else os.path.join(trainer.default_root_dir, path)
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._t0 = time.perf_counter()
+        self.results = {
+            "target": self.target,
+            "monitor": self.monitor,
+            "reached": False,
+            "epoch": None,
+            "seconds": None,
+            "final_val_acc": None,
+            "best_val_acc": None,
+            "best_epoch": None,
+            "epochs": 0,
+            "total_seconds": None,
+            "history": [],
+        }
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.sanity_checking or not self.results:
+            return
+        value = trainer.callback_metrics.get(self.monitor)
+        if value is None:
+            raise KeyError(
+                f"TimeToAccuracy: metric {self.monitor!r} was not logged; "
+                f"logged: {sorted(trainer.callback_metrics)}"
+            )
+        acc = float(value)
+        seconds = time.perf_counter() - self._t0
+        epoch = trainer.current_epoch + 1
+        r = self.results
+        r["history"].append({"epoch": epoch, self.monitor: acc, "seconds": round(seconds, 4)})
+        r["epochs"] = epoch
+        r["final_val_acc"] = acc
+        if r["best_val_acc"] is None or acc > r["best_val_acc"]:
+            r["best_val_acc"], r["best_epoch"] = acc, epoch
+        if not r["reached"] and acc >= self.target:
+            r.update(reached=True, epoch=epoch, seconds=round(seconds, 4))
+        self._write(trainer)
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self.results:
+            return
+        self.results["total_seconds"] = round(time.perf_counter() - self._t0, 4)
+        self._write(trainer)
+
+    def _write(self, trainer: pl.Trainer) -> None:
+        path = self.resolved_path(trainer)
+        if path is None or not trainer.is_global_zero:
+            return
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.results, f, indent=2)
+        os.replace(tmp, path)

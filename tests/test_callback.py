@@ -1,0 +1,170 @@
+"""The KFAC callback under a real Trainer, checked against a hand-written loop over the core."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import pytorch_lightning as pl
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_spdkfac import KFAC, KFACPreconditioner
+
+warnings.filterwarnings("ignore", ".*does not have many workers.*")
+warnings.filterwarnings("ignore", ".*GPU available but not used.*")
+
+
+def data(n=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
+
+
+class Tiny(pl.LightningModule):
+    def __init__(self, lr=0.2, batch_size=8, scheduler=False, n=32):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+        self.lr, self.batch_size, self.scheduler, self.n = lr, batch_size, scheduler, n
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, _):
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+        if not self.scheduler:
+            return opt
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(*data(self.n)), batch_size=self.batch_size, shuffle=False)
+
+
+def trainer(**kw):
+    defaults = dict(
+        accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )
+    defaults.update(kw)
+    return pl.Trainer(**defaults)
+
+
+def manual(steps, batch_size, kfac_kwargs, lr=0.2, scheduler=False, clip=None):
+    """The same training written by hand over KFACPreconditioner."""
+    model = Tiny(lr=lr).net
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5) if scheduler else None
+    pre = KFACPreconditioner(model, lr=lambda s: opt.param_groups[0]["lr"], **kfac_kwargs)
+    x, y = data()
+    i = 0
+    for _ in range(steps):
+        xb, yb = x[i:i + batch_size], y[i:i + batch_size]
+        i = (i + batch_size) % len(x)
+        opt.zero_grad()
+        F.cross_entropy(model(xb), yb).backward()
+        pre.step()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        if sched is not None:
+            sched.step()
+    return model
+
+
+KW = dict(damping=0.01, kl_clip=0.01, inv_update_steps=3)
+
+
+def assert_same_params(net, ref, rtol=1e-5, atol=1e-6):
+    for a, b in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=rtol, atol=atol)
+
+
+def test_callback_equals_manual_loop_with_lr_schedule():
+    model = Tiny(scheduler=True)
+    trainer(max_steps=7, callbacks=[KFAC(**KW)]).fit(model)
+    assert_same_params(model.net, manual(7, 8, KW, scheduler=True))
+    # And K-FAC really acted: plain SGD ends elsewhere.
+    sgd = Tiny(scheduler=True)
+    trainer(max_steps=7).fit(sgd)
+    assert not torch.allclose(sgd.net[0].weight, model.net[0].weight, atol=1e-4)
+
+
+def test_accumulate_grad_batches_equals_larger_batch():
+    model = Tiny(batch_size=4)
+    trainer(max_steps=3, accumulate_grad_batches=2, callbacks=[KFAC(**KW)]).fit(model)
+    assert_same_params(model.net, manual(3, 8, KW), rtol=1e-4, atol=1e-5)
+
+
+def test_gradient_clipping_runs_after_preconditioning():
+    model = Tiny()
+    kw = dict(KW, kl_clip=None)
+    trainer(max_steps=4, gradient_clip_val=0.05, callbacks=[KFAC(**kw)]).fit(model)
+    assert_same_params(model.net, manual(4, 8, kw, clip=0.05))
+    # clipping before preconditioning would give a different result
+    other = manual(4, 8, kw, clip=None)
+    assert not torch.allclose(other[0].weight, model.net[0].weight, atol=1e-4)
+
+
+def test_checkpoint_resume_equals_uninterrupted(tmp_path):
+    full = Tiny()
+    trainer(max_epochs=2, callbacks=[KFAC(**KW)]).fit(full)  # 2 epochs x 4 steps
+
+    first = Tiny()
+    t1 = trainer(max_epochs=1, callbacks=[KFAC(**KW)])
+    t1.fit(first)
+    ckpt = tmp_path / "epoch1.ckpt"
+    t1.save_checkpoint(ckpt)
+    saved = torch.load(ckpt, weights_only=False)
+    assert saved["callbacks"]["KFAC"]["steps"] == 4
+
+    resumed = Tiny()
+    cb = KFAC(**KW)
+    trainer(max_epochs=2, callbacks=[cb]).fit(resumed, ckpt_path=ckpt)
+    assert_same_params(resumed.net, full.net, rtol=0, atol=0)
+
+
+def test_step_time_is_logged(tmp_path):
+    from pytorch_lightning.loggers import CSVLogger
+
+    model = Tiny()
+    t = trainer(max_steps=3, logger=CSVLogger(tmp_path), log_every_n_steps=1, callbacks=[KFAC(**KW)])
+    t.fit(model)
+    assert "kfac/step_ms" in t.logged_metrics
+    assert float(t.logged_metrics["kfac/step_ms"]) > 0
+
+
+def test_bf16_mixed_precision_trains_with_fp32_factors():
+    model = Tiny()
+    cb = KFAC(**KW)
+    seen = {}
+
+    class Probe(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            pre = cb.preconditioner
+            seen.update({n: (l.A.dtype, l.G.dtype, bool(torch.isfinite(l.G).all())) for n, l in pre.layers.items()})
+
+    trainer(max_steps=4, precision="bf16-mixed", callbacks=[cb, Probe()]).fit(model)
+    assert seen and all(v == (torch.float32, torch.float32, True) for v in seen.values())
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_bad_callback_arguments_fail_at_construction():
+    with pytest.raises(ValueError, match="damping must be >= 0"):
+        KFAC(damping=-1)
+    with pytest.raises(ValueError, match="factor_dtype must be a torch dtype name"):
+        KFAC(factor_dtype="float33")
+    with pytest.raises(ValueError, match="lr must be >= 0"):
+        KFAC(lr=-1.0)
+
+
+def test_callback_is_deepcopyable_before_fit():
+    cb = KFAC(**KW)
+    assert copy.deepcopy(cb).kwargs == cb.kwargs
