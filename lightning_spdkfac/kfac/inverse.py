@@ -42,10 +42,14 @@ def damped_inverses(
     inverses, bad = [], []
     for f in factors:
         L, info = torch.linalg.cholesky_ex(_damped_copy(f, damping, dtype))
+        failed_here = info.ne(0)
+        # A failed factorization may hold zeros on its diagonal, on which cholesky_inverse
+        # raises; swap in the identity without a host sync (the result is discarded below).
+        L = torch.where(failed_here, torch.eye(L.shape[0], dtype=L.dtype, device=L.device), L)
         inv = torch.cholesky_inverse(L)
         inverses.append(inv)
         # Cholesky can also "succeed" on a near-singular matrix whose inverse overflows.
-        bad.append(info.ne(0) | ~torch.isfinite(inv).all())
+        bad.append(failed_here | ~torch.isfinite(inv).all())
     failed = torch.stack(bad).nonzero().flatten().tolist()  # the one sync
     for i in failed:
         inverses[i] = eigh_inverse(factors[i], damping, dtype)

@@ -312,8 +312,9 @@ class KFACPreconditioner:
             if layer.A is None or layer.A.shape != A.shape or decay == 0.0:
                 layer.A, layer.G = A, G
             else:
-                layer.A.mul_(decay).add_(A, alpha=1.0 - decay)
-                layer.G.mul_(decay).add_(G, alpha=1.0 - decay)
+                # decay*F + (1-decay)*F_new in one pass
+                layer.A.lerp_(A, 1.0 - decay)
+                layer.G.lerp_(G, 1.0 - decay)
 
     def _update_inverses(self, k: int) -> None:
         due = k % self.inv_update_steps == 0
