@@ -40,10 +40,10 @@ def lightning_cli(args: Sequence[str] | None = None, run: bool = True) -> Lightn
 
 def main(args: Sequence[str] | None = None) -> int:
     """Entry point of the ``spdkfac`` console script; ``args`` defaults to ``sys.argv[1:]``."""
-    argv = list(sys.argv[1:] if args is None else args)
+    argv = sys.argv[1:] if args is None else list(args)
     if argv and argv[0] in COMMANDS:
         return COMMANDS[argv[0]](argv[1:]) or 0
-    lightning_cli(argv)
+    lightning_cli(args)  # None: LightningCLI reads sys.argv itself
     return 0
 
 

@@ -149,7 +149,7 @@ def test_bf16_mixed_precision_trains_with_fp32_factors():
     class Probe(pl.Callback):
         def on_train_batch_end(self, trainer, pl_module, *args):
             pre = cb.preconditioner
-            seen.update({n: (l.A.dtype, l.G.dtype, bool(torch.isfinite(l.G).all())) for n, l in pre.layers.items()})
+            seen.update({n: (ly.A.dtype, ly.G.dtype, bool(torch.isfinite(ly.G).all())) for n, ly in pre.layers.items()})
 
     trainer(max_steps=4, precision="bf16-mixed", callbacks=[cb, Probe()]).fit(model)
     assert seen and all(v == (torch.float32, torch.float32, True) for v in seen.values())

@@ -265,7 +265,7 @@ def test_bf16_autocast_keeps_factors_fp32_and_close_to_fp32():
     p16.step()
     for name in p32.layers:
         for f in ("A", "G", "A_inv", "G_inv"):
-            t16, t32 = getattr(p16.layers[name], f), getattr(p32.layers[name], f)
+            t16 = getattr(p16.layers[name], f)
             assert t16.dtype == torch.float32 and torch.isfinite(t16).all()
         torch.testing.assert_close(p16.layers[name].A, p32.layers[name].A, rtol=0.05, atol=0.02)
         rel = (p16.layers[name].G - p32.layers[name].G).norm() / p32.layers[name].G.norm()
@@ -291,7 +291,7 @@ def test_grad_scaler_unscales_g_and_overflow_skips_factor_update():
     scaler.step(opt)
     scaler.update()
     # An overflow step: factors untouched, counted, and the scaler skips the step.
-    before = {n: (l.A.clone(), l.G.clone()) for n, l in p_sc.layers.items()}
+    before = {n: (layer.A.clone(), layer.G.clone()) for n, layer in p_sc.layers.items()}
     params_before = [p.detach().clone() for p in m_sc.parameters()]
     opt.zero_grad()
     scaler.scale(F.cross_entropy(m_sc(x), y)).backward()

@@ -110,7 +110,7 @@ class DigitsCNN(pl.LightningModule):
 
     def __init__(
         self,
-        lr: float = 0.05,
+        lr: float = 0.1,
         momentum: float = 0.9,
         weight_decay: float = 5e-4,
         nesterov: bool = False,
@@ -118,8 +118,8 @@ class DigitsCNN(pl.LightningModule):
         warmup_epochs: float = 0.0,
         step_epochs: int = 5,
         gamma: float = 0.1,
-        channels: tuple[int, int] = (32, 64),
-        hidden: int = 128,
+        channels: tuple[int, int] = (16, 32),
+        hidden: int = 64,
     ):
         super().__init__()
         self.save_hyperparameters()

@@ -44,12 +44,13 @@ def damped_inverses(
         L, info = torch.linalg.cholesky_ex(_damped_copy(f, damping, dtype))
         failed_here = info.ne(0)
         # A failed factorization may hold zeros on its diagonal, on which cholesky_inverse
-        # raises; swap in the identity without a host sync (the result is discarded below).
-        L = torch.where(failed_here, torch.eye(L.shape[0], dtype=L.dtype, device=L.device), L)
+        # raises; put ones there without a host sync (that result is discarded below).
+        L.diagonal().masked_fill_(failed_here, 1.0)
         inv = torch.cholesky_inverse(L)
         inverses.append(inv)
-        # Cholesky can also "succeed" on a near-singular matrix whose inverse overflows.
-        bad.append(failed_here | ~torch.isfinite(inv).all())
+        # Cholesky can also "succeed" on a near-singular matrix whose inverse overflows
+        # (one pass: a non-finite entry makes the sum non-finite).
+        bad.append(failed_here | ~torch.isfinite(inv.sum()))
     failed = torch.stack(bad).nonzero().flatten().tolist()  # the one sync
     for i in failed:
         inverses[i] = eigh_inverse(factors[i], damping, dtype)

@@ -128,20 +128,30 @@ class Conv2dHelper(LayerHelper):
         return self.module.out_channels
 
     def a_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """Patch rows ``R x (C*kh*kw)``, columns in the order of ``weight.view(out, -1)``.
+
+        The patches are one strided view of the (padded) input, copied once by the final
+        reshape; ``F.unfold`` followed by the transpose to rows would copy them twice.
+        """
         m = self.module
         if x.dim() == 3:
             x = x.unsqueeze(0)
         if self._explicit_pad:
             # String padding ('same', 'valid') and non-zero padding modes: pad exactly as the
-            # module's forward does, then take patches without implicit padding.
+            # module's forward does.
             mode = "constant" if m.padding_mode == "zeros" else m.padding_mode
             x = F.pad(x, m._reversed_padding_repeated_twice, mode=mode)
-            padding = 0
-        else:
-            padding = m.padding
-        patches = F.unfold(x, m.kernel_size, dilation=m.dilation, padding=padding, stride=m.stride)
-        # (B, C*kh*kw, L) -> (B*L, C*kh*kw); the column order matches weight.view(out, -1).
-        return patches.transpose(1, 2).reshape(-1, patches.shape[1])
+        elif m.padding[0] or m.padding[1]:
+            x = F.pad(x, (m.padding[1], m.padding[1], m.padding[0], m.padding[0]))
+        x = x.contiguous()
+        (kh, kw), (sh, sw), (dh, dw) = m.kernel_size, m.stride, m.dilation
+        B, C, H, W = x.shape
+        ho, wo = (H - dh * (kh - 1) - 1) // sh + 1, (W - dw * (kw - 1) - 1) // sw + 1
+        patches = x.as_strided(
+            (B, ho, wo, C, kh, kw),
+            (C * H * W, sh * W, sw, H * W, dh * W, dw),
+        )
+        return patches.reshape(B * ho * wo, C * kh * kw)
 
     def g_rows(self, grad_output: torch.Tensor) -> torch.Tensor:
         if grad_output.dim() == 3:

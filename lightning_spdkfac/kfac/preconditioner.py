@@ -60,20 +60,40 @@ class KFACLayer:
         self.last_micro_batch = -1
         self.ran = False
 
-    def new_factors(self, factor_dtype: torch.dtype, g_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """This step's A and G from the accumulators (see docs/math.md)."""
+    def gram_diagonals(self) -> list[torch.Tensor]:
+        """Sums of the diagonals of this step's Gram sums.
+
+        Enough to detect any non-finite value: a NaN or inf in the rows lands on the diagonal,
+        and by Cauchy-Schwarz a finite diagonal bounds every off-diagonal entry and the bias sum.
+        """
+        return [self.xx.diagonal().sum(), self.dd.diagonal().sum()]
+
+    def update_factors(self, decay: float, g_scale: float) -> None:
+        """Fold this step's factors into the running averages, in place (see docs/math.md).
+
+        A_new = [[xx, x_sum], [x_sum^T, R]] / R and G_new = N * g_scale * dd. The accumulators
+        are scaled in place (they are refilled next step), so no factor-sized temporary is made.
+        """
         n = self.helper.in_features
+        side = self.helper.a_dim
+        first = self.A is None or self.A.shape[0] != side or self.G.shape != self.dd.shape
+        if first:
+            self.A = torch.empty(side, side, dtype=self.xx.dtype, device=self.xx.device)
+            self.G = torch.empty_like(self.dd)
+        weight = 1.0 if first else 1.0 - decay
+        xx = self.xx.mul_(1.0 / self.rows)
+        dd = self.dd.mul_(self.examples * g_scale)
         if self.helper.has_bias:
-            A = torch.empty(n + 1, n + 1, dtype=factor_dtype, device=self.xx.device)
-            A[:n, :n] = self.xx
-            A[:n, n] = self.x_sum
-            A[n, :n] = self.x_sum
-            A[n, n] = self.rows
+            x_mean = self.x_sum.mul_(1.0 / self.rows)
+            parts = ((self.A[:n, :n], xx), (self.A[:n, n], x_mean), (self.A[n, :n], x_mean), (self.G, dd))
+            self.A[n, n] = 1.0  # the mean of the constant 1s, in every step's factor
         else:
-            A = self.xx.clone()
-        A.div_(self.rows)
-        G = self.dd * (self.examples * g_scale)
-        return A, G
+            parts = ((self.A, xx), (self.G, dd))
+        for running, new in parts:
+            if weight == 1.0:
+                running.copy_(new)
+            else:
+                running.lerp_(new, weight)  # decay*F + (1-decay)*F_new in one pass
 
 
 def _autocast_off(device_type: str):
@@ -289,12 +309,13 @@ class KFACPreconditioner:
             ready.append(layer)
         return ready
 
-    def _grads_finite(self, extra: list[torch.Tensor]) -> bool:
+    def _all_finite(self, extra: list[torch.Tensor]) -> bool:
+        """One host sync: are all gradients of the model and the ``extra`` scalars finite?"""
         sums = [p.grad.sum() for p in self.model.parameters() if p.grad is not None]
-        sums += [t.sum() for t in extra]
+        sums += extra
         if not sums:
             return True
-        return bool(torch.isfinite(torch.stack([s.float() for s in sums]).sum()))
+        return bool(torch.isfinite(torch.stack([s.float() for s in sums])).all())
 
     def _update_factors(self, k: int) -> None:
         ready = self._collected_layers()
@@ -303,26 +324,20 @@ class KFACPreconditioner:
         g_scale = 1.0
         if self.grad_scaler is not None and self.grad_scaler.is_enabled():
             g_scale = 1.0 / float(self.grad_scaler.get_scale()) ** 2
-        new = [layer.new_factors(self.factor_dtype, g_scale) for layer in ready]
-        if not self._grads_finite([f for pair in new for f in pair]):
+        if not self._all_finite([d for layer in ready for d in layer.gram_diagonals()]):
             self.skipped_factor_steps += 1
             return
         decay = hp.resolve("factor_decay", self.factor_decay, k, hp.DECAY)
-        for layer, (A, G) in zip(ready, new):
-            if layer.A is None or layer.A.shape != A.shape or decay == 0.0:
-                layer.A, layer.G = A, G
-            else:
-                # decay*F + (1-decay)*F_new in one pass
-                layer.A.lerp_(A, 1.0 - decay)
-                layer.G.lerp_(G, 1.0 - decay)
+        for layer in ready:
+            layer.update_factors(decay, g_scale)
 
     def _update_inverses(self, k: int) -> None:
         due = k % self.inv_update_steps == 0
-        todo = [l for l in self.layers.values() if l.A is not None and (due or l.A_inv is None)]
+        todo = [ly for ly in self.layers.values() if ly.A is not None and (due or ly.A_inv is None)]
         if not todo:
             return
         damping = hp.resolve("damping", self.damping, k, hp.NONNEGATIVE)
-        factors = [f for l in todo for f in (l.A, l.G)]
+        factors = [f for ly in todo for f in (ly.A, ly.G)]
         inverses, failed = damped_inverses(factors, damping, self.inv_dtype)
         for i in failed:
             layer = todo[i // 2]
@@ -381,10 +396,10 @@ class KFACPreconditioner:
     def state_dict(self) -> dict:
         """Everything the next step needs: counters, running factors and current inverses."""
         layers = {}
-        for name, l in self.layers.items():
-            if l.A is None:
+        for name, ly in self.layers.items():
+            if ly.A is None:
                 continue
-            layers[name] = {"A": l.A, "G": l.G, "A_inv": l.A_inv, "G_inv": l.G_inv}
+            layers[name] = {"A": ly.A, "G": ly.G, "A_inv": ly.A_inv, "G_inv": ly.G_inv}
         return {
             "version": STATE_VERSION,
             "steps": self.steps,

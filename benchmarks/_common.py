@@ -1,0 +1,224 @@
+"""Helpers shared by the benchmarks: layer shapes, FLOP accounting, interleaved block timing, tables.
+
+FLOP convention (one multiply-add = 2 FLOPs; a GEMM of (m x k) by (k x n) = 2*m*n*k):
+
+* R, the rows of a layer: ``nn.Linear`` -> batch * leading dims of its input;
+  ``nn.Conv2d`` -> batch * output locations (Ho * Wo); ``in`` = in_features (Conv2d: C_in*kh*kw),
+  ``out`` = out_features (Conv2d: C_out); ``a = in + 1`` with a bias, else ``in``.
+* baseline (SGD) per step, per layer: forward GEMM 2*R*in*out, grad-weight GEMM 2*R*in*out, and
+  grad-input GEMM 2*R*in*out only when the layer input requires grad (autograd skips it for the
+  first layer, whose input is data); plus R*out for the bias gradient. Activations, pooling,
+  loss, zero_grad and the SGD update are elementwise and ignored (< 1 % here).
+* K-FAC added per factor step, per layer: A = 2*R*in^2 (+ R*in for the bias row sums),
+  G = 2*R*out^2, running averages 3 per factor element (a^2 + out^2), preconditioning
+  G_inv @ M @ A_inv = 2*out^2*a + 2*out*a^2, KL clip 2*out*a; per inverse step: Cholesky n^3/3 +
+  cholesky_inverse 2n^3/3 = n^3 per factor of side n. Factor terms are divided by
+  factor_update_steps and inverse terms by inv_update_steps (amortized per optimizer step).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import platform
+import random
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+
+
+def set_seed(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def env_info() -> dict:
+    return {
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "interop_threads": torch.get_num_interop_threads(),
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "processor": platform.processor() or "unknown",
+    }
+
+
+# ------------------------------------------------------------------------------ shapes
+@dataclass
+class LayerShape:
+    name: str
+    kind: str  # "Linear" or "Conv2d"
+    rows: int  # R
+    in_features: int  # in (Conv2d: C_in * kh * kw)
+    out_features: int
+    has_bias: bool
+    input_requires_grad: bool  # False -> autograd computes no grad-input GEMM for this layer
+
+    @property
+    def a_dim(self) -> int:
+        return self.in_features + int(self.has_bias)
+
+
+def layer_shapes(model: nn.Module, example: torch.Tensor) -> list[LayerShape]:
+    """Shapes and rows of every nn.Linear / nn.Conv2d as seen in one forward of ``example``."""
+    shapes: list[LayerShape] = []
+    handles = []
+
+    def make_hook(name: str):
+        def hook(module, inputs, output):
+            x = inputs[0]
+            if isinstance(module, nn.Linear):
+                rows = x.numel() // x.shape[-1]
+                n_in = module.in_features
+                n_out = module.out_features
+            else:
+                rows = output.numel() // output.shape[-3]  # B * Ho * Wo (also unbatched)
+                n_in = module.in_channels * module.kernel_size[0] * module.kernel_size[1]
+                n_out = module.out_channels
+            shapes.append(LayerShape(name, type(module).__name__, rows, n_in, n_out,
+                                     module.bias is not None, bool(x.requires_grad)))
+
+        return hook
+
+    for name, m in model.named_modules():
+        if isinstance(m, (nn.Linear, nn.Conv2d)):
+            if isinstance(m, nn.Conv2d) and m.groups != 1:
+                raise ValueError(f"{name}: grouped convolutions are not covered by the FLOP model")
+            handles.append(m.register_forward_hook(make_hook(name)))
+    was_training = model.training
+    try:
+        model.train()
+        with torch.enable_grad():  # requires_grad of each layer input, as in a training step
+            model(example)
+    finally:
+        model.train(was_training)
+        for h in handles:
+            h.remove()
+    return shapes
+
+
+# ------------------------------------------------------------------------------ FLOPs
+def gemm(m: int, n: int, k: int) -> int:
+    return 2 * m * n * k
+
+
+def baseline_flops(shapes: Sequence[LayerShape]) -> dict[str, int]:
+    """FLOPs of forward + backward of the Linear/Conv2d layers (see the module docstring)."""
+    fwd = sum(gemm(s.rows, s.out_features, s.in_features) for s in shapes)
+    grad_w = fwd
+    grad_in = sum(gemm(s.rows, s.in_features, s.out_features) for s in shapes if s.input_requires_grad)
+    bias = sum(s.rows * s.out_features for s in shapes if s.has_bias)
+    out = {"forward": fwd, "grad_weight": grad_w, "grad_input": grad_in, "grad_bias": bias}
+    out["total"] = sum(out.values())
+    return out
+
+
+def kfac_added_flops(
+    shapes: Sequence[LayerShape], inv_update_steps: int = 10, factor_update_steps: int = 1
+) -> dict[str, float]:
+    """FLOPs K-FAC adds per optimizer step (factor and inverse work amortized)."""
+    a_f = g_f = avg = prec = kl = inv = 0.0
+    for s in shapes:
+        a, n_in, n_out, r = s.a_dim, s.in_features, s.out_features, s.rows
+        a_f += gemm(n_in, n_in, r) + (r * n_in if s.has_bias else 0)
+        g_f += gemm(n_out, n_out, r)
+        avg += 3 * (a * a + n_out * n_out)
+        prec += gemm(n_out, a, n_out) + gemm(n_out, a, a)
+        kl += 2 * n_out * a
+        inv += a**3 + n_out**3  # Cholesky n^3/3 + cholesky_inverse 2n^3/3 per factor
+    out = {
+        "A_factors": a_f / factor_update_steps,
+        "G_factors": g_f / factor_update_steps,
+        "running_avg": avg / factor_update_steps,
+        "precondition": prec,
+        "kl_clip": kl,
+        "inverses": inv / inv_update_steps,
+    }
+    out["total"] = sum(out.values())
+    return out
+
+
+# ------------------------------------------------------------------------------ timing
+def interleaved_blocks(
+    steps: dict[str, Callable[[], None]], blocks: int, steps_per_block: int
+) -> dict[str, list[float]]:
+    """Alternate the step functions block by block; returns per-step seconds of each block.
+
+    One block is ``steps_per_block`` consecutive calls timed as a whole, so periodic work
+    (an inverse every ``steps_per_block`` steps) is amortized inside every block.
+    """
+    out: dict[str, list[float]] = {k: [] for k in steps}
+    gc.collect()
+    for _ in range(blocks):
+        for name, fn in steps.items():
+            t0 = time.perf_counter()
+            for _ in range(steps_per_block):
+                fn()
+            out[name].append((time.perf_counter() - t0) / steps_per_block)
+    return out
+
+
+def summarize(per_step: Sequence[float]) -> dict[str, float]:
+    """Median and spread of per-step times (seconds), plus a drift check (last third / first third)."""
+    q = statistics.quantiles(per_step, n=4, method="inclusive") if len(per_step) >= 2 else [per_step[0]] * 3
+    third = max(1, len(per_step) // 3)
+    return {
+        "median_s": statistics.median(per_step),
+        "q1_s": q[0],
+        "q3_s": q[2],
+        "min_s": min(per_step),
+        "drift": statistics.median(per_step[-third:]) / statistics.median(per_step[:third]),
+        "n_blocks": len(per_step),
+    }
+
+
+class PhaseTimer:
+    """Accumulates wall time per named phase; ``wrap`` instruments a bound method or function."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = {}
+
+    def add(self, name: str, seconds: float) -> None:
+        self.totals[name] = self.totals.get(name, 0.0) + seconds
+
+    def wrap(self, name: str, fn: Callable) -> Callable:
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.add(name, time.perf_counter() - t0)
+
+        return timed
+
+    def reset(self) -> None:
+        self.totals.clear()
+
+
+# ------------------------------------------------------------------------------ output
+def format_table(rows: Sequence[dict], columns: Sequence[tuple[str, str, str]]) -> str:
+    """columns: (key, header, format spec). Right-aligned text table."""
+    cells = [[h for _, h, _ in columns]]
+    for r in rows:
+        cells.append([format(r[k], f) if r.get(k) is not None else "-" for k, _, f in columns])
+    widths = [max(len(c[i]) for c in cells) for i in range(len(columns))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def write_json(path: str, payload: dict) -> None:
+    def default(o):
+        if hasattr(o, "__dataclass_fields__"):
+            return asdict(o)
+        raise TypeError(f"not JSON serializable: {type(o).__name__}")
+
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=2, default=default)
+        f.write("\n")
