@@ -110,7 +110,7 @@ class DigitsCNN(pl.LightningModule):
 
     def __init__(
         self,
-        lr: float = 0.1,
+        lr: float = 0.15,
         momentum: float = 0.9,
         weight_decay: float = 5e-4,
         nesterov: bool = False,
@@ -158,8 +158,14 @@ class DigitsCNN(pl.LightningModule):
         opt = torch.optim.SGD(
             self.parameters(), lr=h.lr, momentum=h.momentum, weight_decay=h.weight_decay, nesterov=h.nesterov
         )
-        total = max(1, int(self.trainer.estimated_stepping_batches))
-        per_epoch = max(1, total // max(1, self.trainer.max_epochs or 1))
+        trainer = self.trainer
+        total = trainer.estimated_stepping_batches  # also loads the train dataloader
+        if not math.isfinite(total):
+            if h.lr_schedule == "cosine":
+                raise ValueError("lr_schedule='cosine' needs a finite run: set trainer.max_epochs or max_steps")
+            total = 0
+        total = max(1, int(total))
+        per_epoch = max(1, math.ceil(trainer.num_training_batches / trainer.accumulate_grad_batches))
         warmup = int(round(h.warmup_epochs * per_epoch))
         schedule, step_epochs, gamma = h.lr_schedule, h.step_epochs, h.gamma
 

@@ -1,0 +1,203 @@
+"""The digits demo: data module, CNN, TimeToAccuracy, the `spdkfac` CLI with both configs, the examples.
+
+The end-to-end test trains configs/digits.yaml (K-FAC) and configs/digits_sgd.yaml (the same run
+without K-FAC) through the CLI and asserts the numbers the demo prints: K-FAC reaches >= 95% and
+needs fewer epochs than SGD to reach 97% validation accuracy.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import pytorch_lightning as pl
+import torch
+import yaml
+
+from lightning_spdkfac import KFAC
+from lightning_spdkfac.cli import lightning_cli, main
+from lightning_spdkfac.demo import DigitsCNN, DigitsDataModule, TimeToAccuracy
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = {"kfac": REPO / "configs" / "digits.yaml", "sgd": REPO / "configs" / "digits_sgd.yaml"}
+
+
+@pytest.fixture
+def cli_env(monkeypatch):
+    """One torch thread (as the demo runs; robust on a busy CI box) and a clean sys.argv for the CLI."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    monkeypatch.setattr(sys, "argv", ["spdkfac"])
+    yield
+    torch.set_num_threads(threads)
+
+
+def fit(config: Path, root: Path, *overrides: str) -> dict:
+    """``spdkfac fit --config CONFIG`` into ``root``; TimeToAccuracy's JSON."""
+    assert main(["fit", "--config", str(config), f"--trainer.default_root_dir={root}", *overrides]) == 0
+    return json.loads((root / "time_to_accuracy.json").read_text())
+
+
+# ----------------------------------------------------------------------------- configs and CLI
+def test_configs_differ_only_by_the_kfac_callback():
+    kfac, sgd = (yaml.safe_load(p.read_text()) for p in CONFIGS.values())
+    kfac_callbacks = kfac["trainer"]["callbacks"]
+    assert [c["class_path"] for c in kfac_callbacks].count("lightning_spdkfac.KFAC") == 1
+    stripped = copy.deepcopy(kfac)
+    stripped["trainer"]["callbacks"] = [c for c in kfac_callbacks if c["class_path"] != "lightning_spdkfac.KFAC"]
+    for cfg in (stripped, sgd):
+        cfg["trainer"].pop("default_root_dir")
+    assert stripped == sgd
+
+
+@pytest.mark.parametrize("name", ["kfac", "sgd"])
+def test_cli_parses_config(name, cli_env):
+    cli = lightning_cli(["--config", str(CONFIGS[name])], run=False)
+    assert isinstance(cli.model, DigitsCNN)
+    assert isinstance(cli.datamodule, DigitsDataModule)
+    kinds = [type(c) for c in cli.trainer.callbacks]
+    assert TimeToAccuracy in kinds
+    assert (KFAC in kinds) == (name == "kfac")
+    assert cli.trainer.max_epochs == 8
+
+
+@pytest.mark.parametrize("name", ["kfac", "sgd"])
+def test_cli_fit_one_epoch(name, cli_env, tmp_path):
+    r = fit(CONFIGS[name], tmp_path, "--trainer.max_epochs=1")
+    assert r["epochs"] == 1 and len(r["history"]) == 1  # the sanity-check validation is not counted
+    assert r["history"][0]["epoch"] == 1
+    assert 0.0 <= r["final_val_acc"] <= 1.0 and r["total_seconds"] > 0
+    saved = yaml.safe_load((tmp_path / "config.yaml").read_text())  # LightningCLI's SaveConfigCallback
+    assert saved["trainer"]["max_epochs"] == 1
+    # save_config_kwargs={"overwrite": True}: the same run directory can be reused
+    fit(CONFIGS[name], tmp_path, "--trainer.max_epochs=1")
+
+
+def test_cli_help_and_bad_config(cli_env, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["fit", "--help"])
+    assert e.value.code == 0
+    assert "--trainer.max_epochs" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        main(["fit", "--config", str(CONFIGS["kfac"]), "--model.init_args.lr_schedule=linear"])
+    assert e.value.code != 0
+    assert "lr_schedule" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- end to end
+def test_kfac_needs_fewer_epochs_than_sgd_to_97_percent(cli_env, tmp_path):
+    kfac = fit(CONFIGS["kfac"], tmp_path / "kfac")
+    sgd = fit(CONFIGS["sgd"], tmp_path / "sgd")
+    summary = {
+        name: (r["epoch"], round(r["final_val_acc"], 4), [round(h["val_acc"], 3) for h in r["history"]])
+        for name, r in (("kfac", kfac), ("sgd", sgd))
+    }
+    assert kfac["epochs"] == sgd["epochs"] == 8, summary
+    assert kfac["final_val_acc"] >= 0.95, summary
+    assert kfac["reached"] and kfac["epoch"] is not None, summary
+    sgd_epochs = sgd["epoch"] if sgd["reached"] else float("inf")
+    assert kfac["epoch"] < sgd_epochs, summary
+    # the first epoch alone shows the preconditioning at work (seed 0: ~0.9 vs ~0.4)
+    assert kfac["history"][0]["val_acc"] > sgd["history"][0]["val_acc"] + 0.2, summary
+
+
+# ----------------------------------------------------------------------------- pieces
+def test_datamodule_split_is_stratified_and_deterministic():
+    dm = DigitsDataModule(val_fraction=0.2, seed=0)
+    dm.setup("fit")
+    x, y = dm.train_set.tensors
+    xv, yv = dm.val_set.tensors
+    assert x.shape == (1437, 1, 8, 8) and xv.shape == (360, 1, 8, 8)
+    assert x.dtype == torch.float32 and 0.0 <= float(x.min()) and float(x.max()) <= 1.0
+    assert torch.bincount(yv, minlength=10).min() >= 35  # ~36 of each digit in validation
+    again = DigitsDataModule(val_fraction=0.2, seed=0)
+    again.setup("fit")
+    assert torch.equal(again.val_set.tensors[1], yv) and torch.equal(again.val_set.tensors[0], xv)
+    other = DigitsDataModule(val_fraction=0.2, seed=1)
+    other.setup("fit")
+    assert not torch.equal(other.val_set.tensors[0], xv)
+    b1 = next(iter(dm.train_dataloader()))[1]
+    b2 = next(iter(again.train_dataloader()))[1]
+    assert torch.equal(b1, b2)  # shuffling depends on `seed` only
+    with pytest.raises(ValueError, match="val_fraction"):
+        DigitsDataModule(val_fraction=1.0)
+
+
+class _LrRecorder(pl.Callback):
+    def __init__(self):
+        self.lrs = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "step", "constant"])
+def test_lr_schedules(schedule, tmp_path):
+    rec = _LrRecorder()
+    model = DigitsCNN(lr=0.1, lr_schedule=schedule, step_epochs=2, gamma=0.5, warmup_epochs=0.5, hidden=8)
+    trainer = pl.Trainer(
+        max_epochs=4, limit_train_batches=4, limit_val_batches=0, callbacks=[rec], logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(model, datamodule=DigitsDataModule())
+    lrs = rec.lrs
+    assert len(lrs) == 16
+    assert lrs[0] == pytest.approx(0.05) and lrs[1] == pytest.approx(0.1)  # 2 warmup steps
+    if schedule == "cosine":
+        assert all(a >= b for a, b in zip(lrs[1:], lrs[2:])) and lrs[-1] < 0.01
+    elif schedule == "step":
+        assert lrs[7] == pytest.approx(0.1) and lrs[8] == pytest.approx(0.05) and lrs[-1] == pytest.approx(0.05)
+    else:
+        assert lrs[-1] == pytest.approx(0.1)
+
+
+def test_time_to_accuracy_records_first_epoch_and_skips_sanity_check(tmp_path):
+    class FakeTrainer:
+        sanity_checking = True
+        current_epoch = 0
+        callback_metrics: dict = {}
+        default_root_dir = str(tmp_path)
+        is_global_zero = True
+
+    t = FakeTrainer()
+    cb = TimeToAccuracy(target=0.9, path="sub/tta.json")
+    cb.on_fit_start(t, None)
+    t.callback_metrics = {"val_acc": torch.tensor(0.99)}
+    cb.on_validation_end(t, None)  # sanity check: ignored
+    t.sanity_checking = False
+    for epoch, acc in enumerate([0.5, 0.95, 0.8, 0.97]):
+        t.current_epoch = epoch
+        t.callback_metrics = {"val_acc": torch.tensor(acc)}
+        cb.on_validation_end(t, None)
+    cb.on_fit_end(t, None)
+    r = json.loads((tmp_path / "sub" / "tta.json").read_text())
+    assert r == cb.results
+    assert r["reached"] and r["epoch"] == 2 and r["seconds"] >= 0
+    assert r["final_val_acc"] == pytest.approx(0.97) and r["best_val_acc"] == pytest.approx(0.97)
+    assert r["best_epoch"] == 4 and r["epochs"] == 4 and len(r["history"]) == 4
+    assert r["total_seconds"] >= r["seconds"]
+    with pytest.raises(ValueError, match="target"):
+        TimeToAccuracy(target=0.0)
+    t.callback_metrics = {}
+    with pytest.raises(KeyError, match="val_acc"):
+        cb.on_validation_end(t, None)
+
+
+# ----------------------------------------------------------------------------- examples
+@pytest.mark.parametrize("script", ["plain_pytorch.py", "digits.py"])
+def test_examples_run(script):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    p = subprocess.run(
+        [sys.executable, str(REPO / "examples" / script), "--epochs", "2"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    accs = [float(a) for a in re.findall(r"val acc (\d+\.\d+)%", p.stdout)]
+    assert accs and accs[-1] > 80.0, p.stdout
