@@ -144,9 +144,9 @@ class Runner:
             t.add(name, dt)
 
 
-PRE_METHODS = ("_accumulate_a", "_accumulate_g", "_update_factors", "_grads_finite",
+PRE_METHODS = ("_accumulate_a", "_accumulate_g", "_update_factors", "_all_finite",
                "_update_inverses", "_precondition")
-LAYER_METHODS = ("new_factors",)
+LAYER_METHODS = ("update_factors",)
 HELPER_METHODS = ("grad_matrix", "write_grad")
 
 
@@ -285,10 +285,10 @@ def breakdown(sgd: Runner, kfac: Runner, base: dict, added: dict, args) -> dict:
         ("backward (w/o G stats)", ms(("backward",), ("_accumulate_g",)), base["total"] - base["forward"],
          "backward"),
         ("  G stats (hook: rows + d^T d)", ms(("_accumulate_g",)), added["G_factors"], None),
-        ("step: new_factors (copy A, scale)", ms(("new_factors",)), None, None),
-        ("step: finite check", ms(("_grads_finite",)), None, None),
-        ("step: running averages + rest",
-         ms(("_update_factors",), ("new_factors", "_grads_finite")), added["running_avg"], None),
+        ("step: finite check", ms(("_all_finite",)), None, None),
+        ("step: running averages", ms(("update_factors",)), added["running_avg"], None),
+        ("step: factor bookkeeping",
+         ms(("_update_factors",), ("update_factors", "_all_finite")), None, None),
         ("step: inverses (amortized)", ms(("_update_inverses",)), added["inverses"], None),
         ("step: grad_matrix (cat)", ms(("grad_matrix",)), None, None),
         ("step: precondition matmuls + KL", ms(("_precondition",), ("grad_matrix", "write_grad")),
