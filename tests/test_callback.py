@@ -168,3 +168,24 @@ def test_bad_callback_arguments_fail_at_construction():
 def test_callback_is_deepcopyable_before_fit():
     cb = KFAC(**KW)
     assert copy.deepcopy(cb).kwargs == cb.kwargs
+
+
+def damping_schedule(step: int) -> float:
+    return 0.05 if step < 2 else 0.01
+
+
+def test_yaml_schedule_is_an_import_path_to_a_function():
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser()
+    parser.add_class_arguments(KFAC, "kfac")
+    cfg = parser.parse_string(
+        "kfac:\n  damping: test_callback.damping_schedule\n  skip_layers: ['^net[.]2$']\n"
+    )
+    cb = parser.instantiate(cfg).kfac
+    assert cb.kwargs["damping"](0) == 0.05 and cb.kwargs["damping"](5) == 0.01
+    model = Tiny()
+    trainer(max_steps=3, callbacks=[cb]).fit(model)
+    assert set(cb._final_state["layers"]) == {"net.0"}
+    with pytest.raises(ValueError, match="damping must be >= 0"):
+        parser.instantiate(parser.parse_string("kfac:\n  damping: -1.0\n"))

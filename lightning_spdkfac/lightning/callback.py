@@ -9,7 +9,7 @@ fp16 GradScaler unscaled the gradients, and before gradient clipping and ``optim
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import pytorch_lightning as pl
@@ -24,7 +24,9 @@ class KFAC(Callback):
     """K-FAC preconditioning for ``Trainer(callbacks=[KFAC(...)])``.
 
     Args:
-        damping: added to each factor's diagonal before inversion (>= 0); number or schedule.
+        damping: added to each factor's diagonal before inversion (>= 0). This and the next three
+            are numbers or schedules: callables of the optimizer step index (in YAML, the
+            import path of a function such as ``mypkg.schedules.damping``).
         factor_decay: running-average decay of the factors, in [0, 1).
         kl_clip: KL-clip bound (> 0), or None to turn clipping off.
         lr: the learning rate the KL clip assumes; None (default) reads
@@ -39,10 +41,10 @@ class KFAC(Callback):
 
     def __init__(
         self,
-        damping: float = 1e-3,
-        factor_decay: float = 0.95,
-        kl_clip: float | None = 1e-3,
-        lr: float | None = None,
+        damping: float | Callable[[int], float] = 1e-3,
+        factor_decay: float | Callable[[int], float] = 0.95,
+        kl_clip: float | Callable[[int], float] | None = 1e-3,
+        lr: float | Callable[[int], float] | None = None,
         factor_update_steps: int = 1,
         inv_update_steps: int = 10,
         skip_layers: str | Iterable[str] = (),
