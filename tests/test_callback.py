@@ -189,3 +189,17 @@ def test_yaml_schedule_is_an_import_path_to_a_function():
     assert set(cb._final_state["layers"]) == {"net.0"}
     with pytest.raises(ValueError, match="damping must be >= 0"):
         parser.instantiate(parser.parse_string("kfac:\n  damping: -1.0\n"))
+
+
+def test_final_micro_batch_follows_accumulation_boundaries():
+    cb = KFAC(**KW)
+    seen = []
+
+    class Probe(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            seen.append(cb.preconditioner.final_micro_batch)
+
+    # 5 batches of 4 per epoch with accumulation 2: steps after batches 2, 4 and 5 (epoch end)
+    model = Tiny(batch_size=4, n=20)
+    trainer(max_epochs=1, accumulate_grad_batches=2, callbacks=[cb, Probe()]).fit(model)
+    assert seen == [False, True, False, True, True]

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from . import hparams as hp
+from .distributor import Distributor, FactorKey, Task
 from .inverse import damped_inverses
 from .layers import LayerHelper, make_helper
 
@@ -38,6 +39,7 @@ class KFACLayer:
 
     name: str
     helper: LayerHelper
+    index: int = 0  # registration order: the order every rank uses for collectives
     # Accumulators of the current optimizer step (sums over micro-batches and calls).
     xx: torch.Tensor | None = None  # sum_r x_r x_r^T (without the bias column)
     x_sum: torch.Tensor | None = None  # sum_r x_r (the bias row/column of A)
@@ -48,6 +50,12 @@ class KFACLayer:
     g_calls: int = 0
     last_micro_batch: int = -1
     ran: bool = False  # forward ran in training mode since the last step
+    # Pipelining: calls in the current micro-batch, the count that makes a factor final
+    # (learned from the previous step), and what was handed to the distributor.
+    mb_a_calls: int = 0
+    mb_g_calls: int = 0
+    calls_per_micro_batch: int = 0
+    submitted: dict = field(default_factory=dict)  # "A"/"G" -> calls counted at submission
     # Running averages and inverses.
     A: torch.Tensor | None = None
     G: torch.Tensor | None = None
@@ -57,8 +65,35 @@ class KFACLayer:
 
     def reset_accumulators(self) -> None:
         self.rows = self.examples = self.a_calls = self.g_calls = 0
+        self.mb_a_calls = self.mb_g_calls = 0
         self.last_micro_batch = -1
         self.ran = False
+        self.submitted.clear()
+
+    def step_a(self) -> torch.Tensor:
+        """This step's A_new as a new matrix (the distributed path sends it)."""
+        n = self.helper.in_features
+        if not self.helper.has_bias:
+            return self.xx / self.rows
+        A = torch.empty(n + 1, n + 1, dtype=self.xx.dtype, device=self.xx.device)
+        torch.div(self.xx, self.rows, out=A[:n, :n])
+        x_mean = self.x_sum / self.rows
+        A[:n, n] = x_mean
+        A[n, :n] = x_mean
+        A[n, n] = 1.0
+        return A
+
+    def step_g(self, g_scale: float) -> torch.Tensor:
+        """This step's G_new as a new matrix."""
+        return self.dd * (self.examples * g_scale)
+
+    def fold(self, A_new: torch.Tensor, G_new: torch.Tensor, decay: float) -> None:
+        """Running averages from explicit step factors (the distributed path)."""
+        if self.A is None or self.A.shape != A_new.shape or self.G.shape != G_new.shape or decay == 0.0:
+            self.A, self.G = A_new.clone(), G_new.clone()
+        else:
+            self.A.lerp_(A_new, 1.0 - decay)
+            self.G.lerp_(G_new, 1.0 - decay)
 
     def gram_diagonals(self) -> list[torch.Tensor]:
         """Sums of the diagonals of this step's Gram sums.
@@ -119,6 +154,8 @@ class KFACPreconditioner:
         inv_dtype: dtype of the inversion and of the preconditioning matmuls (float32 or float64).
         grad_scaler: a ``torch.amp.GradScaler`` in use (fp16): G factors are unscaled with its scale.
             Call ``scaler.unscale_(optimizer)`` before :meth:`step`.
+        distributor: where the cross-rank work runs (factor averaging, inverse placement); the
+            default is one process. See :mod:`lightning_spdkfac.kfac.distributor`.
     """
 
     def __init__(
@@ -135,6 +172,7 @@ class KFACPreconditioner:
         factor_dtype: torch.dtype = torch.float32,
         inv_dtype: torch.dtype = torch.float32,
         grad_scaler: torch.amp.GradScaler | None = None,
+        distributor: Distributor | None = None,
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -171,6 +209,12 @@ class KFACPreconditioner:
         self.factor_dtype = factor_dtype
         self.inv_dtype = inv_dtype
         self.grad_scaler = grad_scaler
+        self.distributor = Distributor() if distributor is None else distributor
+        # One process with the base distributor keeps the in-place fast path.
+        self._local = type(self.distributor) is Distributor
+        # Set False on micro-batches that do not end the optimizer step (gradient accumulation)
+        # so that pipelined factor reductions wait for the last one.
+        self.final_micro_batch = True
 
         self.steps = 0  # optimizer steps taken (calls of step())
         self.skipped_factor_steps = 0  # factor updates skipped for non-finite values
@@ -180,6 +224,8 @@ class KFACPreconditioner:
         self.layers: dict[str, KFACLayer] = {}
         self.skipped: dict[str, str] = {}
         self._register(model)
+        self.distributor.setup([(ly.helper.a_dim, ly.helper.g_dim) for ly in self.layers.values()])
+        self.distributor.begin_step()
 
     # ------------------------------------------------------------------ registration
     def _register(self, model: nn.Module) -> None:
@@ -199,7 +245,7 @@ class KFACPreconditioner:
             if not all(p.requires_grad for p in module.parameters(recurse=False)):
                 self.skipped[name] = "parameters do not all require grad"
                 continue
-            layer = KFACLayer(name=name, helper=helper)
+            layer = KFACLayer(name=name, helper=helper, index=len(self.layers))
             layer.handles.append(module.register_forward_hook(self._make_forward_hook(layer)))
             self.layers[name] = layer
         if not self.layers:
@@ -233,6 +279,8 @@ class KFACPreconditioner:
             if self._backward_seen:  # a forward after a backward starts a new micro-batch
                 self._micro_batch += 1
                 self._backward_seen = False
+                for ly in self.layers.values():
+                    ly.mb_a_calls = ly.mb_g_calls = 0
             x = inputs[0]
             ctx = _autocast_off(x.device.type)
             if ctx is None:
@@ -241,6 +289,9 @@ class KFACPreconditioner:
                 with ctx:
                     self._accumulate_a(layer, x)
             output.register_hook(self._make_grad_hook(layer, x))
+            if self._pipelining_final(layer, layer.mb_a_calls):
+                layer.submitted["A"] = layer.a_calls
+                self.distributor.factor_final(layer.index, "A", layer.step_a())
 
         return forward_hook
 
@@ -256,6 +307,9 @@ class KFACPreconditioner:
             else:
                 with ctx:
                     self._accumulate_g(layer, grad_output, batch, micro_batch)
+            if self._pipelining_final(layer, layer.mb_g_calls):
+                layer.submitted["G"] = layer.g_calls
+                self.distributor.factor_final(layer.index, "G", layer.step_g(self._g_scale()))
 
         return grad_hook
 
@@ -272,6 +326,7 @@ class KFACPreconditioner:
                 layer.x_sum.add_(a.sum(0))
         layer.rows += a.shape[0]
         layer.a_calls += 1
+        layer.mb_a_calls += 1
 
     def _accumulate_g(self, layer: KFACLayer, grad_output: torch.Tensor, batch: int, micro_batch: int) -> None:
         d = layer.helper.g_rows(grad_output).to(self.factor_dtype)
@@ -285,6 +340,21 @@ class KFACPreconditioner:
             layer.examples += batch
             layer.last_micro_batch = micro_batch
         layer.g_calls += 1
+        layer.mb_g_calls += 1
+
+    def _pipelining_final(self, layer: KFACLayer, mb_calls: int) -> bool:
+        """Is this call the one that makes the layer's factor of this step final?"""
+        return (
+            self.distributor.pipelined
+            and self.final_micro_batch
+            and layer.calls_per_micro_batch > 0
+            and mb_calls == layer.calls_per_micro_batch
+        )
+
+    def _g_scale(self) -> float:
+        if self.grad_scaler is not None and self.grad_scaler.is_enabled():
+            return 1.0 / float(self.grad_scaler.get_scale()) ** 2
+        return 1.0
 
     # ------------------------------------------------------------------ the step
     def _warn_once(self, layer: str, key: str, message: str) -> None:
@@ -321,9 +391,7 @@ class KFACPreconditioner:
         ready = self._collected_layers()
         if not ready:
             return
-        g_scale = 1.0
-        if self.grad_scaler is not None and self.grad_scaler.is_enabled():
-            g_scale = 1.0 / float(self.grad_scaler.get_scale()) ** 2
+        g_scale = self._g_scale()
         if not self._all_finite([d for layer in ready for d in layer.gram_diagonals()]):
             self.skipped_factor_steps += 1
             return
@@ -331,25 +399,67 @@ class KFACPreconditioner:
         for layer in ready:
             layer.update_factors(decay, g_scale)
 
+    def _update_factors_distributed(self, k: int) -> None:
+        """Step factors averaged over ranks by the distributor, then the running averages."""
+        g_scale = self._g_scale()
+        local: dict[FactorKey, torch.Tensor | None] = {}
+        for layer in self.layers.values():
+            for which, submitted in layer.submitted.items():
+                now = layer.a_calls if which == "A" else layer.g_calls
+                if now != submitted:
+                    raise RuntimeError(
+                        f"K-FAC layer {layer.name!r}: its {which} factor was sent after {submitted} call(s), "
+                        f"but the step ended after {now}; pipelined factor reduction needs the same number "
+                        "of calls of a layer in every step (turn pipelining off for this model)"
+                    )
+            complete = layer.a_calls > 0 and layer.a_calls == layer.g_calls and layer.rows > 0
+            if "A" not in layer.submitted:
+                local[(layer.index, "A")] = layer.step_a() if complete else None
+            if "G" not in layer.submitted:
+                local[(layer.index, "G")] = layer.step_g(g_scale) if complete else None
+        reduced = self.distributor.reduce_factors(local)
+        ready = []
+        for layer in self.layers.values():
+            A, G = reduced[(layer.index, "A")], reduced[(layer.index, "G")]
+            if A is not None and G is not None:
+                ready.append((layer, A, G))
+        if not ready:
+            return
+        # Reduced factors and DDP-averaged gradients are identical on every rank: so is this test.
+        diagonals = [m.diagonal().sum() for _, A, G in ready for m in (A, G)]
+        if not self._all_finite(diagonals):
+            self.skipped_factor_steps += 1
+            return
+        decay = hp.resolve("factor_decay", self.factor_decay, k, hp.DECAY)
+        for layer, A, G in ready:
+            layer.fold(A, G, decay)
+
     def _update_inverses(self, k: int) -> None:
         due = k % self.inv_update_steps == 0
         todo = [ly for ly in self.layers.values() if ly.A is not None and (due or ly.A_inv is None)]
         if not todo:
             return
         damping = hp.resolve("damping", self.damping, k, hp.NONNEGATIVE)
-        factors = [f for ly in todo for f in (ly.A, ly.G)]
-        inverses, failed = damped_inverses(factors, damping, self.inv_dtype)
-        for i in failed:
-            layer = todo[i // 2]
-            which = "A" if i % 2 == 0 else "G"
-            self._warn_once(
-                layer.name,
-                "eigh",
-                f"K-FAC layer {layer.name!r}: Cholesky of the damped {which} factor failed at step {k}; "
-                "using a clamped eigendecomposition (consider a larger damping)",
-            )
-        for j, layer in enumerate(todo):
-            layer.A_inv, layer.G_inv = inverses[2 * j], inverses[2 * j + 1]
+        by_index = {ly.index: ly for ly in todo}
+
+        def invert(tasks: list[Task]) -> list[torch.Tensor]:
+            inverses, failed = damped_inverses([t[2] for t in tasks], damping, self.inv_dtype)
+            for i in failed:
+                index, which, _ = tasks[i]
+                name = by_index[index].name
+                self._warn_once(
+                    name,
+                    "eigh",
+                    f"K-FAC layer {name!r}: Cholesky of the damped {which} factor failed at step {k}; "
+                    "using a clamped eigendecomposition (consider a larger damping)",
+                )
+            return inverses
+
+        def on_ready(index: int, which: str, inverse: torch.Tensor) -> None:
+            setattr(by_index[index], f"{which}_inv", inverse)
+
+        tasks = [(ly.index, which, getattr(ly, which)) for ly in todo for which in ("A", "G")]
+        self.distributor.invert(tasks, invert, on_ready)
 
     def _precondition(self, k: int) -> None:
         todo, grads, precs = [], [], []
@@ -383,7 +493,14 @@ class KFACPreconditioner:
         """Precondition the gradients of the registered layers in place (call after backward)."""
         k = self.steps
         if self.collecting:
-            self._update_factors(k)
+            if self._local:
+                self._update_factors(k)
+            else:
+                self._update_factors_distributed(k)
+            for layer in self.layers.values():
+                # Calls of one micro-batch: the count that makes a factor final when pipelining.
+                if layer.a_calls and layer.mb_a_calls == layer.mb_g_calls:
+                    layer.calls_per_micro_batch = layer.mb_a_calls
         self._update_inverses(k)
         self._precondition(k)
         for layer in self.layers.values():
@@ -391,6 +508,7 @@ class KFACPreconditioner:
         self._micro_batch = 0
         self._backward_seen = False
         self.steps += 1
+        self.distributor.begin_step()
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:

@@ -90,7 +90,11 @@ class KFAC(Callback):
         self._final_state = None
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         self.preconditioner = KFACPreconditioner(
-            pl_module, lr=self.lr if self.lr is not None else self._optimizer_lr, grad_scaler=scaler, **self.kwargs
+            pl_module,
+            lr=self.lr if self.lr is not None else self._optimizer_lr,
+            grad_scaler=scaler,
+            distributor=self._distributor(trainer),
+            **self.kwargs,
         )
         if self._pending_state is not None:
             self.preconditioner.load_state_dict(self._pending_state)
@@ -101,6 +105,27 @@ class KFAC(Callback):
             self._final_state = self.preconditioner.state_dict()
             self.preconditioner.remove_hooks()
             self.preconditioner = None
+
+    @staticmethod
+    def _distributor(trainer: pl.Trainer):
+        """The strategy's K-FAC distributor; refuses to run unsynchronized K-FAC on several ranks."""
+        make = getattr(trainer.strategy, "make_kfac_distributor", None)
+        if make is not None:
+            return make()
+        if trainer.world_size > 1:
+            raise RuntimeError(
+                f"KFAC on {trainer.world_size} processes needs a K-FAC-aware strategy, otherwise every rank "
+                f"would precondition with its own factors and the replicas would drift apart; "
+                f"{type(trainer.strategy).__name__} is not one: use Trainer(strategy='spdkfac')"
+            )
+        return None
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        if self.preconditioner is None:
+            return
+        # Pipelined factor reductions wait for the micro-batch that ends the optimizer step.
+        should_accumulate = getattr(trainer.fit_loop.epoch_loop, "_should_accumulate", None)
+        self.preconditioner.final_micro_batch = True if should_accumulate is None else not should_accumulate()
 
     def _optimizer_lr(self, step: int) -> float:
         return float(self._trainer.optimizers[0].param_groups[0]["lr"])
