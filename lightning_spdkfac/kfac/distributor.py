@@ -38,6 +38,7 @@ class Distributor:
     world_size: int = 1
     rank: int = 0
     pipelined: bool = False
+    inv_dtype: torch.dtype = torch.float32  # set by the preconditioner before setup()
 
     def setup(self, sides: Sequence[tuple[int, int]]) -> None:
         """Called once with the (A side, G side) of every layer, in layer-index order."""

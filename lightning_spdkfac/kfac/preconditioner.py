@@ -224,6 +224,7 @@ class KFACPreconditioner:
         self.layers: dict[str, KFACLayer] = {}
         self.skipped: dict[str, str] = {}
         self._register(model)
+        self.distributor.inv_dtype = self.inv_dtype
         self.distributor.setup([(ly.helper.a_dim, ly.helper.g_dim) for ly in self.layers.values()])
         self.distributor.begin_step()
 

@@ -1,0 +1,252 @@
+"""Placement of factor inversions on ranks: who inverts (and then broadcasts) which factor.
+
+Each factor (the A and the G factor of every layer are separate tasks) is either owned by one rank,
+which inverts it and broadcasts the inverse to the others, or :data:`REPLICATED`: every rank inverts it
+itself and nothing is sent. The planners are pure and deterministic: the same sizes and cost models give
+the same placement on every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+from . import _check
+from .cost import AlphaBeta, InverseCost
+
+__all__ = [
+    "REPLICATED",
+    "Placement",
+    "PlacementPolicy",
+    "PlacementTimeline",
+    "inverted_by",
+    "owned_by",
+    "plan_placement",
+    "simulate_placement",
+    "task_cost",
+]
+
+REPLICATED = -1
+"""Owner value of a factor that every rank inverts itself (no broadcast)."""
+
+PlacementPolicy = Literal["lbp", "round_robin", "replicated"]
+_POLICIES: tuple[str, ...] = get_args(PlacementPolicy)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Owner of every factor's inversion and the modelled load of every rank.
+
+    Attributes:
+        owners: ``owners[i]`` is the rank in ``[0, world_size)`` that inverts and broadcasts factor ``i``,
+            or :data:`REPLICATED` (-1) when every rank inverts it and it is not broadcast.
+        policy: the policy that produced the placement.
+        load: modelled seconds per rank: inversions of its owned and of all replicated factors, plus the
+            broadcasts of its owned inverses. ``len(load) == world_size``. This per-rank view is what
+            LBP balances; it does not see that broadcasts from different owners share one channel, for
+            which see :func:`simulate_placement`.
+    """
+
+    owners: tuple[int, ...]
+    policy: str
+    load: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        _check.choice("policy", self.policy, _POLICIES)
+        object.__setattr__(self, "owners", tuple(self.owners))
+        object.__setattr__(self, "load", tuple(float(v) for v in self.load))
+        if not self.load:
+            raise ValueError("load must have one entry per rank (world_size >= 1)")
+        world = len(self.load)
+        for i, o in enumerate(self.owners):
+            if isinstance(o, bool) or not isinstance(o, int) or not (o == REPLICATED or 0 <= o < world):
+                raise ValueError(f"owners[{i}] must be a rank in [0, {world}) or REPLICATED (-1), got {o!r}")
+
+    @property
+    def world_size(self) -> int:
+        return len(self.load)
+
+    @property
+    def max_load(self) -> float:
+        """The modelled inversion-phase time: the most loaded rank's load."""
+        return max(self.load)
+
+    @property
+    def replicated(self) -> tuple[int, ...]:
+        """Indices of the factors that every rank inverts."""
+        return tuple(i for i, o in enumerate(self.owners) if o == REPLICATED)
+
+
+def owned_by(placement: Placement, rank: int) -> list[int]:
+    """Indices of the factors that ``rank`` inverts and broadcasts (replicated factors excluded)."""
+    r = _check.integer("rank", rank, low=0)
+    if r >= placement.world_size:
+        raise ValueError(f"rank must be < world_size={placement.world_size}, got {rank!r}")
+    return [i for i, o in enumerate(placement.owners) if o == r]
+
+
+def inverted_by(placement: Placement, rank: int) -> list[int]:
+    """Indices of the factors that ``rank`` inverts, in the order it should invert them: its owned ones
+    first (ascending index), so that their broadcasts start early, then every replicated one."""
+    r = _check.integer("rank", rank, low=0)
+    if r >= placement.world_size:
+        raise ValueError(f"rank must be < world_size={placement.world_size}, got {rank!r}")
+    return owned_by(placement, r) + list(placement.replicated)
+
+
+def _triangle_bytes(n: int, bytes_per_element: int) -> int:
+    return n * (n + 1) // 2 * bytes_per_element
+
+
+def task_cost(n: int, inv: InverseCost, bcast: AlphaBeta, bytes_per_element: int = 4, world_size: int = 2) -> float:
+    """Modelled seconds an owner spends on factor side ``n``: its inversion plus the broadcast of the
+    inverse's upper triangle. A broadcast costs nothing when ``world_size == 1`` (there is no peer)."""
+    send = bcast.time(_triangle_bytes(n, bytes_per_element)) if world_size > 1 else 0.0
+    return inv.time(n) + send
+
+
+def _loads(owners: list[int], ns: list[int], world: int, inv: InverseCost, bcast: AlphaBeta, bpe: int) -> list[float]:
+    replicated = sum(inv.time(n) for n, o in zip(ns, owners) if o == REPLICATED)
+    load = [replicated] * world
+    for n, o in zip(ns, owners):
+        if o != REPLICATED:
+            load[o] += task_cost(n, inv, bcast, bpe, world)
+    return load
+
+
+def plan_placement(
+    ns: Sequence[int],
+    world_size: int,
+    inv: InverseCost,
+    bcast: AlphaBeta,
+    policy: PlacementPolicy = "lbp",
+    bytes_per_element: int = 4,
+    small_threshold: int | None = None,
+) -> Placement:
+    """Decide which rank inverts each factor.
+
+    Args:
+        ns: side ``n`` of every factor (A and G factors listed separately), in a fixed order.
+        world_size: number of ranks.
+        inv: inversion time model.
+        bcast: alpha-beta model of one broadcast, per byte.
+        policy: ``"lbp"`` the paper's load-balanced placement; ``"round_robin"`` factor ``i`` on rank
+            ``i % world_size`` in the given order (MPD-KFAC); ``"replicated"`` every rank inverts every
+            factor (D-KFAC).
+        bytes_per_element: bytes of one element of a broadcast inverse (4 for fp32).
+        small_threshold: ``"lbp"`` only: factors with ``n < small_threshold`` are replicated regardless
+            of the cost models (the paper's code used 1024).
+
+    ``"lbp"``: a factor is replicated when inverting it is no slower than broadcasting its inverse,
+    ``inv.time(n) <= bcast.time(n(n+1)/2 * bytes_per_element)`` (or ``n < small_threshold``). The others
+    are sorted by owner cost ``inv.time(n) + bcast.time(...)``, largest first (ties: lower index first),
+    and each goes to the least-loaded rank so far (ties: lowest rank) -- the LPT rule, whose maximum load
+    is at most the average plus the largest task. With ``world_size == 1`` every factor is replicated.
+    """
+    sizes = _check.integers("ns", ns, low=1)
+    world = _check.integer("world_size", world_size, low=1)
+    if not isinstance(inv, InverseCost):
+        raise ValueError(f"inv must be an InverseCost, got {type(inv).__name__}")
+    if not isinstance(bcast, AlphaBeta):
+        raise ValueError(f"bcast must be an AlphaBeta, got {type(bcast).__name__}")
+    _check.choice("policy", policy, _POLICIES)
+    bpe = _check.integer("bytes_per_element", bytes_per_element, low=1)
+    threshold = None if small_threshold is None else _check.integer("small_threshold", small_threshold, low=0)
+
+    if policy == "replicated":
+        owners = [REPLICATED] * len(sizes)
+    elif policy == "round_robin":
+        owners = [i % world for i in range(len(sizes))]
+    elif world == 1:
+        owners = [REPLICATED] * len(sizes)
+    else:
+        owners = [REPLICATED] * len(sizes)
+        tasks = []
+        for i, n in enumerate(sizes):
+            send = bcast.time(_triangle_bytes(n, bpe))
+            if inv.time(n) <= send or (threshold is not None and n < threshold):
+                continue
+            tasks.append((inv.time(n) + send, i))
+        tasks.sort(key=lambda t: (-t[0], t[1]))
+        load = [0.0] * world
+        for cost, i in tasks:
+            rank = min(range(world), key=lambda r: (load[r], r))
+            owners[i] = rank
+            load[rank] += cost
+    return Placement(
+        owners=tuple(owners), policy=policy, load=tuple(_loads(owners, sizes, world, inv, bcast, bpe))
+    )
+
+
+@dataclass(frozen=True)
+class PlacementTimeline:
+    """Modelled inversion phase: per-rank compute, then the inverse broadcasts on one shared channel.
+
+    Attributes:
+        compute_end: per rank, when its last inversion (owned, then replicated) finishes.
+        broadcast_order: the owned factors in the order their broadcasts run on the channel.
+        broadcast_start, broadcast_end: seconds, aligned with ``broadcast_order``.
+    """
+
+    compute_end: tuple[float, ...]
+    broadcast_order: tuple[int, ...]
+    broadcast_start: tuple[float, ...]
+    broadcast_end: tuple[float, ...]
+
+    @property
+    def end(self) -> float:
+        """When every rank holds every inverse: the later of the last inversion and the last broadcast."""
+        return max(max(self.compute_end, default=0.0), max(self.broadcast_end, default=0.0))
+
+    @property
+    def broadcast_busy(self) -> float:
+        """Total seconds the channel spends broadcasting inverses."""
+        return sum(e - s for s, e in zip(self.broadcast_start, self.broadcast_end))
+
+
+def simulate_placement(
+    placement: Placement, ns: Sequence[int], inv: InverseCost, bcast: AlphaBeta, bytes_per_element: int = 4
+) -> PlacementTimeline:
+    """Timeline of ``placement`` when ranks invert in :func:`inverted_by` order and every broadcast
+    uses one channel shared by all ranks (every rank takes part in every broadcast, as sender or receiver).
+
+    An owned inverse's broadcast is ready when its owner has computed it; broadcasts run one at a time in
+    the order they become ready (ties: lower factor index). This is what per-rank ``Placement.load``
+    cannot see: broadcasts from different owners do not run in parallel, which is why replicating cheap
+    factors (no broadcast at all) pays off even though it adds compute to every rank. Pure.
+    """
+    if not isinstance(placement, Placement):
+        raise ValueError(f"placement must be a Placement, got {type(placement).__name__}")
+    sizes = _check.integers("ns", ns, low=1)
+    if len(sizes) != len(placement.owners):
+        raise ValueError(f"ns has {len(sizes)} factors but the placement has {len(placement.owners)}")
+    if not isinstance(inv, InverseCost):
+        raise ValueError(f"inv must be an InverseCost, got {type(inv).__name__}")
+    if not isinstance(bcast, AlphaBeta):
+        raise ValueError(f"bcast must be an AlphaBeta, got {type(bcast).__name__}")
+    bpe = _check.integer("bytes_per_element", bytes_per_element, low=1)
+    world = placement.world_size
+    ready: dict[int, float] = {}
+    compute_end = []
+    for r in range(world):
+        t = 0.0
+        for i in inverted_by(placement, r):
+            t += inv.time(sizes[i])
+            if placement.owners[i] == r:
+                ready[i] = t
+        compute_end.append(t)
+    order = sorted(ready, key=lambda i: (ready[i], i)) if world > 1 else []
+    starts, ends = [], []
+    free = 0.0
+    for i in order:
+        start = max(free, ready[i])
+        free = start + bcast.time(_triangle_bytes(sizes[i], bpe))
+        starts.append(start)
+        ends.append(free)
+    return PlacementTimeline(
+        compute_end=tuple(compute_end),
+        broadcast_order=tuple(order),
+        broadcast_start=tuple(starts),
+        broadcast_end=tuple(ends),
+    )
