@@ -1,7 +1,10 @@
-"""lightning-spdkfac: K-FAC second-order optimization for PyTorch Lightning, with SPD-KFAC scheduling."""
+"""lightning-spdkfac: K-FAC second-order optimization for PyTorch Lightning, with SPD-KFAC scheduling.
+
+Importing the package registers the ``"spdkfac"`` strategies in Lightning's strategy registry.
+"""
 
 from .kfac import KFACPreconditioner
-from .lightning import KFAC
+from .lightning import KFAC, SPDKFACStrategy
 
-__all__ = ["KFAC", "KFACPreconditioner"]
+__all__ = ["KFAC", "KFACPreconditioner", "SPDKFACStrategy"]
 __version__ = "0.1.0"

@@ -1,0 +1,313 @@
+"""Asynchronous broadcast of inverses from their owners (the placement of LBP / round-robin).
+
+Each non-replicated factor has an owner rank (in the process group) that inverts it and broadcasts the
+upper triangle of the inverse; every other rank posts the matching receive. Replicated factors (owner
+-1) are inverted on every rank and never sent.
+
+Ordering contract: collectives on a process group are matched by issue order, so **every rank calls
+publish/expect for the non-replicated factors in one global order**, :attr:`InverseBroadcaster.order`
+(ascending factor index unless given). At position k of the order, the owner of ``order[k]`` computes
+that inverse and calls ``publish``; every other rank calls ``expect`` (which returns at once). Because
+the calls are asynchronous, an owner's next inversion overlaps the broadcasts already in flight, and
+receivers go straight on to their own next inversion. Any deviation raises (the position is checked on
+each rank), rather than hanging or pairing the wrong tensors. Replicated factors are published by every
+rank at any time. :meth:`InverseBroadcaster.exchange` runs this loop for you::
+
+    bc.begin_round()
+    bc.exchange(invert)             # invert(i) -> inverse of factor i, called for owned and replicated i
+    inverses = bc.wait_all()        # or bc.wait(i) per layer, as late as possible
+
+Post everything before waiting anything, so that no rank blocks on a receive while a broadcast it owes
+others is still unissued. Everybody gets bit-identical inverses: the owner's own copy is also rebuilt
+from the packed triangle it sent (symmetrized from the upper triangle, rounded to the comm dtype).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ._common import (
+    NAN,
+    check_comm_dtype,
+    check_index,
+    check_sides,
+    default_device,
+    distributed_ready,
+    global_rank,
+)
+from .triangle import pack_triu, triu_size, unpack_triu
+
+__all__ = ["InverseBroadcaster", "RoundTimings"]
+
+
+@dataclass(frozen=True)
+class RoundTimings:
+    """``time.perf_counter`` stamps of one round, per factor index; NaN where the event did not happen.
+
+    ``post[i]``: publish/expect of factor i returned its broadcast (on the owner: just after the
+    inversion, so consecutive owner stamps time the inversions). ``wait_start[i]`` / ``wait_end[i]``: the
+    caller blocked on factor i (the exposed inverse communication).
+    """
+
+    begin: float
+    post: tuple[float, ...]
+    wait_start: tuple[float, ...]
+    wait_end: tuple[float, ...]
+
+
+@dataclass
+class _Entry:
+    buffer: torch.Tensor | None = None  # packed triangle in flight (non-replicated)
+    work: object | None = None
+    value: torch.Tensor | None = None  # replicated inverse, or the owner's rebuilt copy
+
+
+class InverseBroadcaster:
+    """Owners broadcast inverses asynchronously, receivers post matching receives, in one global order.
+
+    Args:
+        owners: owner rank (in ``process_group``) of each factor's inverse; -1: replicated (every rank
+            inverts it; no communication).
+        sides: ``n`` of each (n x n) factor.
+        process_group: None: the default group. Without torch.distributed initialized (and no group): one
+            process, every owner must be 0 or -1.
+        dtype: communication dtype (upper triangle only).
+        result_dtype: dtype of every returned inverse (the same on every rank).
+        device: where received inverses live (default: the current GPU with NCCL, else CPU).
+        order: the global order of the non-replicated factors (default: ascending index).
+    """
+
+    def __init__(
+        self,
+        owners: Sequence[int],
+        sides: Sequence[int],
+        process_group: dist.ProcessGroup | None = None,
+        dtype: torch.dtype = torch.float32,
+        result_dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+        order: Sequence[int] | None = None,
+    ) -> None:
+        self.sides = check_sides(sides)
+        if len(owners) != len(self.sides):
+            raise ValueError(f"owners and sides must have the same length, got {len(owners)} and {len(self.sides)}")
+        self.process_group = process_group
+        self._distributed = distributed_ready(process_group)
+        self.world_size = dist.get_world_size(process_group) if self._distributed else 1
+        self.rank = dist.get_rank(process_group) if self._distributed else 0
+        self.owners = tuple(int(o) for o in owners)
+        for i, o in enumerate(self.owners):
+            if not -1 <= o < self.world_size:
+                raise ValueError(f"owners[{i}] must be -1 or a rank in [0, {self.world_size}), got {o}")
+        self.dtype = check_comm_dtype("dtype", dtype)
+        self.result_dtype = check_comm_dtype("result_dtype", result_dtype)
+        self.device = torch.device(device) if device is not None else default_device(process_group)
+        sent = [i for i, o in enumerate(self.owners) if o >= 0]
+        if order is None:
+            self.order = tuple(sent)
+        else:
+            self.order = tuple(int(i) for i in order)
+            if sorted(self.order) != sent:
+                raise ValueError(f"order must list every non-replicated factor exactly once ({sent}), "
+                                 f"got {list(self.order)}")
+        self.replicated = tuple(i for i, o in enumerate(self.owners) if o == -1)
+        self.owned = tuple(i for i in self.order if self.owners[i] == self.rank)
+        self._src = {i: global_rank(process_group, self.owners[i]) for i in sent} if self._distributed else {}
+        self._lock = threading.Lock()
+        self._active = False
+        self.last_timings: RoundTimings | None = None
+        self._clear()
+
+    # ------------------------------------------------------------------------------------ inspection
+    def _clear(self) -> None:
+        n = len(self.sides)
+        self._pos = 0
+        self._sends: list[object] = []
+        self._entries: dict[int, _Entry] = {}
+        self._returned = [False] * n
+        self._t_begin = NAN
+        self._t_post = [NAN] * n
+        self._t_wait_start = [NAN] * n
+        self._t_wait_end = [NAN] * n
+
+    def is_owner(self, index: int) -> bool:
+        """True when this rank computes factor ``index``'s inverse (owned here, or replicated)."""
+        o = self.owners[check_index(index, len(self.sides))]
+        return o == -1 or o == self.rank
+
+    @property
+    def next_index(self) -> int | None:
+        """The non-replicated factor whose publish/expect comes next in the global order (None: done)."""
+        return self.order[self._pos] if self._pos < len(self.order) else None
+
+    @property
+    def pending(self) -> tuple[int, ...]:
+        """Factors posted (or published, if replicated) in this round and not yet returned by a wait."""
+        return tuple(sorted(self._entries))
+
+    def timings(self) -> RoundTimings:
+        return RoundTimings(self._t_begin, tuple(self._t_post), tuple(self._t_wait_start),
+                            tuple(self._t_wait_end))
+
+    # ----------------------------------------------------------------------------------------- round
+    def begin_round(self) -> None:
+        """Start an inverse round. Raises if the previous round was left incomplete or not fully waited."""
+        with self._lock:
+            if self._active and (self._pos not in (0, len(self.order)) or self._entries):
+                raise RuntimeError(
+                    f"begin_round() while the previous round is unfinished (next factor in the order: "
+                    f"{self.next_index}, not yet waited: {list(self.pending)}); finish it and call "
+                    "wait_all(), or reset()")
+            sends = self._sends
+            if self._active and any(self._returned):  # the previous round ended by wait(i) calls
+                self.last_timings = self.timings()
+        for w in sends:  # the previous round's own broadcasts, if only wait(i) was used
+            w.wait()
+        with self._lock:
+            self._clear()
+            self._active = True
+            self._t_begin = time.perf_counter()
+
+    def _advance(self, index: int, verb: str) -> None:
+        if not self._active:
+            raise RuntimeError(f"{verb}({index}) outside a round: call begin_round() first")
+        if index in self._entries or self._returned[index]:
+            raise RuntimeError(f"factor {index} was already posted in this round")
+        expected = self.next_index
+        if index != expected:
+            raise RuntimeError(
+                f"{verb}({index}) out of order: every rank must post the non-replicated factors in the "
+                f"global order {list(self.order)}; the next one is {expected}")
+        self._pos += 1
+
+    def publish(self, index: int, inverse: torch.Tensor) -> None:
+        """On the owner (or any rank, for a replicated factor): hand over the inverse of factor ``index``.
+
+        A non-replicated inverse is packed (upper triangle, comm dtype) and its broadcast launched at
+        once; ``inverse`` itself is not kept. A replicated one is kept as given (no communication).
+        """
+        index = check_index(index, len(self.sides))
+        n = self.sides[index]
+        if tuple(inverse.shape) != (n, n):
+            raise ValueError(f"inverse {index} must have shape ({n}, {n}), got {tuple(inverse.shape)}")
+        owner = self.owners[index]
+        with self._lock:
+            if owner == -1:
+                if not self._active:
+                    raise RuntimeError(f"publish({index}) outside a round: call begin_round() first")
+                if index in self._entries or self._returned[index]:
+                    raise RuntimeError(f"factor {index} was already published in this round")
+                self._entries[index] = _Entry(value=inverse)
+                self._t_post[index] = time.perf_counter()
+                return
+            if owner != self.rank:
+                raise RuntimeError(f"publish({index}) on rank {self.rank}, but factor {index} is owned by "
+                                   f"rank {owner}: call expect({index}) here")
+            self._advance(index, "publish")
+            buf = pack_triu([inverse], out=torch.empty(triu_size(n), dtype=self.dtype, device=inverse.device))
+            work = self._launch(index, buf)
+            self._entries[index] = _Entry(buffer=buf, work=work)
+            self._t_post[index] = time.perf_counter()
+
+    def expect(self, index: int, device: torch.device | str | None = None) -> None:
+        """On every rank but the owner: post the receive for factor ``index``'s inverse (returns at once)."""
+        index = check_index(index, len(self.sides))
+        owner = self.owners[index]
+        with self._lock:
+            if owner == -1:
+                raise RuntimeError(f"expect({index}): factor {index} is replicated; every rank publishes it")
+            if owner == self.rank:
+                raise RuntimeError(f"expect({index}) on rank {self.rank}, which owns factor {index}: "
+                                   f"call publish({index}, inverse) here")
+            self._advance(index, "expect")
+            dev = torch.device(device) if device is not None else self.device
+            buf = torch.empty(triu_size(self.sides[index]), dtype=self.dtype, device=dev)
+            work = self._launch(index, buf)
+            self._entries[index] = _Entry(buffer=buf, work=work)
+            self._t_post[index] = time.perf_counter()
+
+    def _launch(self, index: int, buf: torch.Tensor) -> object | None:
+        if not self._distributed:
+            return None
+        return dist.broadcast(buf, src=self._src[index], group=self.process_group, async_op=True)
+
+    def exchange(self, invert: Callable[[int], torch.Tensor]) -> None:
+        """Post the rest of the round: for each factor left in :attr:`order`, ``publish(i, invert(i))`` on
+        its owner and ``expect(i)`` elsewhere; then ``publish(i, invert(i))`` for every replicated factor
+        not yet published (computed while the broadcasts are in flight)."""
+        while (index := self.next_index) is not None:
+            if self.owners[index] == self.rank:
+                self.publish(index, invert(index))
+            else:
+                self.expect(index)
+        for index in self.replicated:
+            if index not in self._entries and not self._returned[index]:
+                self.publish(index, invert(index))
+
+    def wait(self, index: int) -> torch.Tensor:
+        """Factor ``index``'s full symmetric inverse (blocks on a receive; an owner returns at once).
+
+        Each factor is returned once per round; the broadcaster keeps no reference to it afterwards.
+        """
+        index = check_index(index, len(self.sides))
+        with self._lock:
+            entry = self._entries.get(index)
+            if entry is None:
+                state = "was already returned" if self._returned[index] else "was never posted"
+                raise RuntimeError(f"wait({index}): factor {index} {state} in this round")
+        t0 = time.perf_counter()
+        own_send = entry.work is not None and self.owners[index] == self.rank
+        if entry.value is None:
+            if entry.work is not None and not own_send:
+                entry.work.wait()
+            assert entry.buffer is not None
+            entry.value = unpack_triu(entry.buffer, [self.sides[index]], dtype=self.result_dtype)[0]
+        value = entry.value
+        with self._lock:
+            if own_send:
+                self._sends.append(entry.work)  # the owner's send may still be in flight: wait_all ends it
+            del self._entries[index]
+            self._returned[index] = True
+            self._t_wait_start[index] = t0
+            self._t_wait_end[index] = time.perf_counter()
+        return value
+
+    def wait_all(self) -> dict[int, torch.Tensor]:
+        """Every posted factor not yet returned, by index; also completes this rank's own broadcasts.
+
+        When the whole order has been posted, this ends the round (no tensor is kept afterwards).
+        """
+        with self._lock:
+            indices = sorted(self._entries)
+        # Receives in the global order, so the earliest broadcasts are consumed first.
+        rank_of = {i: k for k, i in enumerate(self.order)}
+        indices.sort(key=lambda i: rank_of.get(i, len(self.order)))
+        out = {i: self.wait(i) for i in indices}
+        with self._lock:
+            sends, self._sends = self._sends, []
+        for w in sends:
+            w.wait()
+        with self._lock:
+            if self._pos == len(self.order) and not self._entries:
+                self.last_timings = self.timings()
+                self._clear()
+                self._active = False
+        return dict(sorted(out.items()))
+
+    def reset(self) -> None:
+        """Discard the round: wait for every issued broadcast (bounded by the group timeout), drop all.
+
+        Only consistent when every rank resets at the same point of the order.
+        """
+        with self._lock:
+            works = [e.work for e in self._entries.values() if e.work is not None] + self._sends
+        for w in works:
+            w.wait()
+        with self._lock:
+            self._clear()
+            self._active = False

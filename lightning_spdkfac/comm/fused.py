@@ -1,0 +1,358 @@
+"""Fused, asynchronous all-reduce of Kronecker factors: the executor of a fusion plan (DTF).
+
+A fusion plan is a partition of the factor indices into groups (normally runs of consecutive indices
+in the order the factors become final). Per step::
+
+    fused.begin_step()
+    fused.submit(i, A_i)      # from a forward/backward hook, as soon as factor i is final
+    ...                       # the group of i is packed and all-reduced as soon as its last member arrives
+    factors = fused.wait()    # before the optimizer step: averaged, exactly symmetric, in index order
+
+Ordering contract: collectives on one process group are matched by issue order, so every rank must
+launch the groups in the same order. A group is launched when its last member is submitted, so every
+rank must *complete* its groups in the same order - true when every rank runs the same model and
+submits from the same hooks. Other collectives issued on the same process group between launch and wait
+must also come at the same point on every rank; DDP all-reduces gradient buckets on the group it was
+given (default: WORLD) from its own autograd hooks, so give K-FAC a dedicated group
+(``dist.new_group()``, called on every rank) rather than relying on identical hook interleaving.
+
+Each member is packed into its group's buffer at ``submit`` (only the upper triangle, in the
+communication ``dtype``); the caller's matrix is neither kept nor modified. Averaging is a SUM followed by
+a division after the wait (gloo has no AVG op). Timestamps (``time.perf_counter``) are taken per factor
+at submit and per group at launch, wait start and wait end; :attr:`last_timings` holds those of the last
+completed step, so a profiling window can feed the fusion planner.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+from ._common import NAN, check_comm_dtype, check_index, check_sides, default_device, distributed_ready
+from .triangle import pack_triu, triu_size, unpack_triu
+
+__all__ = ["FusedAllReduce", "StepTimings"]
+
+
+@dataclass(frozen=True)
+class StepTimings:
+    """``time.perf_counter`` stamps of one step; NaN where the event did not happen.
+
+    ``submit[i]``: factor i was submitted (packed into its group buffer), i.e. its ready time.
+    ``launch[g]``: group g's all-reduce was issued (right after its last member's submit).
+    ``wait_start[g]`` / ``wait_end[g]``: the caller blocked on group g (``wait_end - wait_start`` is the
+    exposed communication of g). ``launch_order``: groups in the order their all-reduces were issued.
+    """
+
+    begin: float
+    submit: tuple[float, ...]
+    launch: tuple[float, ...]
+    wait_start: tuple[float, ...]
+    wait_end: tuple[float, ...]
+    launch_order: tuple[int, ...]
+
+
+class _LocalWork:
+    """Stands in for a Work object with a single process (nothing to reduce)."""
+
+    def wait(self) -> bool:
+        return True
+
+
+class FusedAllReduce:
+    """Executes a fusion plan: each group of factors is one asynchronous all-reduce of upper triangles.
+
+    Args:
+        groups: the fusion plan, a partition of ``range(len(sides))`` into groups of factor indices.
+        sides: ``n`` of each (n x n) factor, by factor index.
+        process_group: the group to reduce over (None: the default group). With torch.distributed not
+            initialized and no group given: one local process, nothing is sent, results are the inputs
+            passed through the same packing and dtype.
+        dtype: communication dtype; bfloat16/float16 halve the bytes (results are unpacked to
+            ``result_dtype``).
+        op: ``"average"`` (sum, then divide by the number of contributing ranks) or ``"sum"``.
+        allow_missing: allow ``submit(i, None)`` on a rank without data for factor i: one count per
+            factor travels with its group, the average is over the ranks that had data and the result is
+            None where no rank had any (one host read of the counts per group at wait).
+        result_dtype: dtype of the results; None: the submitted matrix's dtype (float32 for None).
+        device: buffer device for a group whose members were all None on this rank (default: the
+            current GPU with NCCL, else CPU); other buffers live with the submitted matrices.
+    """
+
+    def __init__(
+        self,
+        groups: Sequence[Sequence[int]],
+        sides: Sequence[int],
+        process_group: dist.ProcessGroup | None = None,
+        dtype: torch.dtype = torch.float32,
+        op: Literal["average", "sum"] = "average",
+        allow_missing: bool = False,
+        result_dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        self.sides = check_sides(sides)
+        n = len(self.sides)
+        self.groups: tuple[tuple[int, ...], ...] = tuple(tuple(int(i) for i in g) for g in groups)
+        self._group_of = [-1] * n
+        for g, members in enumerate(self.groups):
+            if not members:
+                raise ValueError(f"groups[{g}] is empty")
+            for i in members:
+                if not 0 <= i < n:
+                    raise ValueError(f"groups[{g}] holds factor {i}, outside [0, {n})")
+                if self._group_of[i] != -1:
+                    raise ValueError(f"groups: factor {i} is in groups[{self._group_of[i]}] and groups[{g}]")
+                self._group_of[i] = g
+        missing = [i for i, g in enumerate(self._group_of) if g == -1]
+        if missing:
+            raise ValueError(f"groups must cover every factor index; missing {missing}")
+        if op not in ("average", "sum"):
+            raise ValueError(f"op must be 'average' or 'sum', got {op!r}")
+        self.dtype = check_comm_dtype("dtype", dtype)
+        self.op = op
+        self.allow_missing = bool(allow_missing)
+        self.result_dtype = None if result_dtype is None else check_comm_dtype("result_dtype", result_dtype)
+        self.process_group = process_group
+        self._distributed = distributed_ready(process_group)
+        self.world_size = dist.get_world_size(process_group) if self._distributed else 1
+        if self.allow_missing and self.dtype == torch.bfloat16 and self.world_size > 256:
+            raise ValueError("allow_missing with dtype=bfloat16 needs a world size <= 256 (exact counts)")
+        self.device = torch.device(device) if device is not None else default_device(process_group)
+
+        # Each group's buffer: member triangles in group order, then (allow_missing) one count per member.
+        self._offset = [0] * n
+        self._numel: list[int] = []
+        for members in self.groups:
+            off = 0
+            for i in members:
+                self._offset[i] = off
+                off += triu_size(self.sides[i])
+            self._numel.append(off + (len(members) if self.allow_missing else 0))
+
+        self._lock = threading.Lock()
+        self._active = False
+        self.last_timings: StepTimings | None = None
+        self._clear()
+
+    # ------------------------------------------------------------------------------------ inspection
+    def _clear(self) -> None:
+        n, m = len(self.sides), len(self.groups)
+        self._buffers: list[torch.Tensor | None] = [None] * m
+        self._works: list[object | None] = [None] * m
+        self._remaining = [len(g) for g in self.groups]
+        self._submitted = [False] * n
+        self._present = [False] * n
+        self._out_dtype: list[torch.dtype | None] = [None] * n
+        self._results: dict[int, torch.Tensor | None] = {}
+        self._launch_order: list[int] = []
+        self._launched = [False] * m
+        self._waited = [False] * m
+        self._t_begin = NAN
+        self._t_submit = [NAN] * n
+        self._t_launch = [NAN] * m
+        self._t_wait_start = [NAN] * m
+        self._t_wait_end = [NAN] * m
+
+    @property
+    def active(self) -> bool:
+        """True between :meth:`begin_step` and the end of :meth:`wait` (or :meth:`reset`)."""
+        return self._active
+
+    def group_of(self, index: int) -> int:
+        return self._group_of[check_index(index, len(self.sides))]
+
+    def is_launched(self, group: int) -> bool:
+        """Whether group ``group``'s all-reduce has been issued in the current step."""
+        return self._launched[group]
+
+    @property
+    def launched_groups(self) -> tuple[int, ...]:
+        """Groups issued in the current step, in launch order."""
+        return tuple(self._launch_order)
+
+    @property
+    def outstanding(self) -> tuple[int, ...]:
+        """Groups issued in the current step and not waited yet, in launch order."""
+        return tuple(g for g in self._launch_order if not self._waited[g])
+
+    def timings(self) -> StepTimings:
+        """The stamps of the current step so far."""
+        return StepTimings(self._t_begin, tuple(self._t_submit), tuple(self._t_launch),
+                           tuple(self._t_wait_start), tuple(self._t_wait_end), tuple(self._launch_order))
+
+    # ------------------------------------------------------------------------------------------ step
+    def begin_step(self) -> None:
+        """Start a step. Raises if the previous step still has submitted factors or outstanding works."""
+        with self._lock:
+            if self._active and (any(self._submitted) or self._launch_order):
+                raise RuntimeError(
+                    "FusedAllReduce.begin_step() while the previous step is unfinished (submitted factors "
+                    f"{[i for i, s in enumerate(self._submitted) if s]}, outstanding groups "
+                    f"{list(self.outstanding)}); call wait(), or reset() to discard it, first")
+            self._clear()
+            self._active = True
+            self._t_begin = time.perf_counter()
+
+    def submit(self, index: int, matrix: torch.Tensor | None) -> None:
+        """Factor ``index`` of this step is final: pack it now; launch its group if it is the last member.
+
+        ``matrix`` is read (upper triangle only) and not kept. None (only with ``allow_missing``) means
+        this rank has no data for the factor.
+        """
+        index = check_index(index, len(self.sides))
+        with self._lock:
+            if not self._active:
+                raise RuntimeError(f"submit({index}) outside a step: call begin_step() first")
+            g = self._group_of[index]
+            if self._submitted[index]:
+                raise RuntimeError(
+                    f"factor {index} was already submitted in this step (its group {g} is "
+                    f"{'launched' if self._launched[g] else 'pending'}); call wait() and begin_step() "
+                    "before submitting the next step's factors")
+            n = self.sides[index]
+            if matrix is None:
+                if not self.allow_missing:
+                    raise ValueError(f"submit({index}, None) needs allow_missing=True")
+                out_dtype = self.result_dtype or torch.float32
+            else:
+                if tuple(matrix.shape) != (n, n):
+                    raise ValueError(f"factor {index} must have shape ({n}, {n}), got {tuple(matrix.shape)}")
+                if not matrix.is_floating_point():
+                    raise ValueError(f"factor {index} must be a floating-point tensor, got {matrix.dtype}")
+                out_dtype = self.result_dtype or matrix.dtype
+                buf = self._buffers[g]
+                if buf is None:
+                    buf = torch.empty(self._numel[g], dtype=self.dtype, device=matrix.device)
+                    self._buffers[g] = buf
+                elif buf.device != matrix.device:
+                    raise ValueError(f"factor {index} is on {matrix.device} but group {g} is on {buf.device}")
+                off = self._offset[index]
+                pack_triu([matrix], out=buf[off:off + triu_size(n)])
+                self._present[index] = True
+            self._submitted[index] = True
+            self._out_dtype[index] = out_dtype
+            self._t_submit[index] = time.perf_counter()
+            self._remaining[g] -= 1
+            if self._remaining[g] == 0:
+                self._launch(g)
+
+    def _launch(self, g: int) -> None:
+        members = self.groups[g]
+        buf = self._buffers[g]
+        if buf is None:
+            buf = self._buffers[g] = torch.zeros(self._numel[g], dtype=self.dtype, device=self.device)
+        else:
+            for i in members:
+                if not self._present[i]:
+                    off = self._offset[i]
+                    buf[off:off + triu_size(self.sides[i])].zero_()
+        if self.allow_missing:
+            flags = torch.tensor([1.0 if self._present[i] else 0.0 for i in members], dtype=self.dtype)
+            buf[self._numel[g] - len(members):].copy_(flags)
+        if self._distributed:
+            work = dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.process_group, async_op=True)
+        else:
+            work = _LocalWork()
+        self._works[g] = work
+        self._launched[g] = True
+        self._launch_order.append(g)
+        self._t_launch[g] = time.perf_counter()
+
+    def _missing_message(self, indices: Sequence[int]) -> str:
+        missing = [i for i in indices if not self._submitted[i]]
+        groups = sorted({self._group_of[i] for i in missing})
+        return (f"factors {missing} were never submitted in this step (so groups {groups} were never "
+                "launched); every factor of the fusion plan must be submitted before waiting")
+
+    def wait_group(self, group: int) -> list[torch.Tensor | None]:
+        """Block on group ``group``'s all-reduce; its members' results, in group order."""
+        if isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < len(self.groups):
+            raise IndexError(f"group must be an int in [0, {len(self.groups)}), got {group!r}")
+        with self._lock:
+            if not self._active:
+                raise RuntimeError("wait_group() outside a step: call begin_step() first")
+            if self._waited[group]:
+                return [self._results[i] for i in self.groups[group]]
+            if not self._launched[group]:
+                raise RuntimeError(self._missing_message(self.groups[group]))
+            work = self._works[group]
+        t0 = time.perf_counter()
+        work.wait()
+        with self._lock:
+            results = self._finish(group)
+            self._t_wait_start[group] = t0
+            self._t_wait_end[group] = time.perf_counter()
+        return results
+
+    def _finish(self, g: int) -> list[torch.Tensor | None]:
+        members = self.groups[g]
+        buf = self._buffers[g]
+        assert buf is not None
+        tri = buf[: self._numel[g] - (len(members) if self.allow_missing else 0)]
+        if tri.dtype in (torch.bfloat16, torch.float16):
+            tri = tri.to(torch.float32)  # divide in float32: no second rounding to the comm dtype
+        counts: list[float] | None = None
+        if self.allow_missing:
+            counts = buf[tri.numel():].tolist()  # the one host read of this group
+        elif self.op == "average" and self.world_size != 1:
+            tri.div_(self.world_size)  # ours to modify: a view of the group buffer or a fresh copy
+        results: list[torch.Tensor | None] = []
+        for k, i in enumerate(members):
+            n = self.sides[i]
+            off = self._offset[i]
+            seg = tri[off:off + triu_size(n)]
+            if counts is not None:
+                if counts[k] == 0:
+                    results.append(None)
+                    continue
+                if self.op == "average" and counts[k] != 1:
+                    seg = seg.div_(counts[k])
+            out = torch.empty(n, n, dtype=self._out_dtype[i], device=buf.device)
+            results.append(unpack_triu(seg, [n], out=[out])[0])
+        for i, r in zip(members, results):
+            self._results[i] = r
+        self._buffers[g] = None  # drop the buffer and the work that references it
+        self._works[g] = None
+        self._waited[g] = True
+        return results
+
+    def wait(self) -> list[torch.Tensor | None]:
+        """Block on every group (in launch order); the step's averaged factors, in index order.
+
+        Raises RuntimeError naming the factors never submitted (nothing is waited then, so the caller
+        may still submit them and wait again). Ends the step: no tensor is kept afterwards.
+        """
+        with self._lock:
+            if not self._active:
+                raise RuntimeError("wait() outside a step: call begin_step() first")
+            if not all(self._submitted):
+                raise RuntimeError(self._missing_message(range(len(self.sides))))
+            order = list(self._launch_order)
+        for g in order:
+            self.wait_group(g)
+        with self._lock:
+            results = [self._results[i] for i in range(len(self.sides))]
+            self.last_timings = self.timings()
+            self._clear()
+            self._active = False
+        return results
+
+    def reset(self) -> None:
+        """Discard the current step: wait for its issued works (bounded by the group's timeout), drop all.
+
+        Only consistent when every rank resets at the same point: a group launched on some ranks but not
+        on others leaves the process group's collective sequence mismatched, which nothing local can fix.
+        """
+        with self._lock:
+            works = [self._works[g] for g in self._launch_order if not self._waited[g]]
+        for w in works:
+            w.wait()
+        with self._lock:
+            self._clear()
+            self._active = False

@@ -1,0 +1,338 @@
+"""The D-KFAC / MPD-KFAC / SPD-KFAC schedules as a :class:`~lightning_spdkfac.kfac.distributor.Distributor`.
+
+This is where the planners (:mod:`lightning_spdkfac.schedule`) meet the executors
+(:class:`FusedAllReduce`, :class:`InverseBroadcaster`). Per optimizer step:
+
+* factor reduction: the step's A and G factors of every layer are averaged over ranks in the
+  groups of a fusion plan. Pipelined, each factor is handed over from the hooks the moment it
+  is final and its group's all-reduce starts as soon as the group is complete, so communication
+  runs under the rest of forward/backward; otherwise everything is submitted in ``step()``.
+* inversion: every factor is inverted by its owner under a placement, which broadcasts the
+  inverse asynchronously, or by every rank (replicated).
+
+Planning (SPD): at start-up the all-reduce and broadcast alpha-beta models are measured on the
+factor process group (identical numbers on every rank) and rank 0's inversion-time model is
+broadcast. The first ``profile_steps[1]`` factor steps run a measuring mode (factors held until
+``step()``, then one all-reduce); the ready times of steps in ``[profile_steps[0],
+profile_steps[1])`` are taken on rank 0 and broadcast, and the fusion plan is made from them on
+every rank. So every rank derives the identical plan.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+from ..kfac.distributor import Distributor, FactorKey, Task
+from ..schedule import (
+    AlphaBeta,
+    InverseCost,
+    fit_alpha_beta,
+    measure_inverse_cost,
+    plan_fusion,
+    plan_placement,
+)
+from ._common import distributed_ready
+from .broadcast import InverseBroadcaster
+from .fused import FusedAllReduce
+from .profile import broadcast_object, measure_allreduce, measure_broadcast
+from .triangle import triu_size
+
+SCHEDULES = ("spd", "mpd", "dkfac")
+FUSIONS = ("dtf", "layerwise", "all", "bucket")
+PLACEMENTS = ("lbp", "round_robin", "replicated")
+_DEFAULTS = {
+    "spd": dict(pipelining=True, fusion="dtf", placement="lbp"),
+    "mpd": dict(pipelining=False, fusion="layerwise", placement="round_robin"),
+    "dkfac": dict(pipelining=False, fusion="layerwise", placement="replicated"),
+}
+
+
+@dataclass(frozen=True)
+class SPDOptions:
+    """One source of truth for the schedule's options (validated here, by argument name)."""
+
+    schedule: Literal["spd", "mpd", "dkfac"] = "spd"
+    pipelining: bool = True
+    fusion: Literal["dtf", "layerwise", "all", "bucket"] = "dtf"
+    placement: Literal["lbp", "round_robin", "replicated"] = "lbp"
+    bucket_mb: float = 4.0
+    profile_steps: tuple[int, int] = (3, 8)
+    replan_every: int | None = None
+    small_factor: int | None = None
+    comm_dtype: Literal["float32", "bfloat16"] = "float32"
+
+    @classmethod
+    def from_schedule(cls, schedule: str = "spd", **overrides) -> SPDOptions:
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+        values = dict(_DEFAULTS[schedule])
+        values.update({k: v for k, v in overrides.items() if v is not None or k in ("replan_every", "small_factor")})
+        for k in ("pipelining", "fusion", "placement"):
+            if values.get(k) is None:
+                values[k] = _DEFAULTS[schedule][k]
+        return cls(schedule=schedule, **values)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.pipelining, bool):
+            raise TypeError(f"pipelining must be True or False, got {self.pipelining!r}")
+        if self.fusion not in FUSIONS:
+            raise ValueError(f"fusion must be one of {FUSIONS}, got {self.fusion!r}")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
+        if isinstance(self.bucket_mb, bool) or not isinstance(self.bucket_mb, (int, float)) or not self.bucket_mb > 0:
+            raise ValueError(f"bucket_mb must be a positive number of MiB, got {self.bucket_mb!r}")
+        if self.fusion != "bucket" and self.bucket_mb != 4.0:
+            raise ValueError(f"bucket_mb is only used with fusion='bucket' (fusion={self.fusion!r})")
+        ps = self.profile_steps
+        if (
+            not isinstance(ps, tuple) or len(ps) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) for v in ps)
+            or not 0 <= ps[0] < ps[1]
+        ):
+            raise ValueError(f"profile_steps must be two integers (start, end) with 0 <= start < end, got {ps!r}")
+        if self.replan_every is not None and (
+            isinstance(self.replan_every, bool) or not isinstance(self.replan_every, int)
+            or self.replan_every <= ps[1]
+        ):
+            raise ValueError(
+                f"replan_every must be None or an integer > profile_steps[1] ({ps[1]}), got {self.replan_every!r}"
+            )
+        if self.small_factor is not None and (
+            isinstance(self.small_factor, bool) or not isinstance(self.small_factor, int) or self.small_factor < 0
+        ):
+            raise ValueError(f"small_factor must be None or a non-negative integer, got {self.small_factor!r}")
+        if self.comm_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"comm_dtype must be 'float32' or 'bfloat16', got {self.comm_dtype!r}")
+
+    @property
+    def needs_profile(self) -> bool:
+        """Does the fusion plan need measured ready times?"""
+        return self.pipelining and self.fusion == "dtf"
+
+    @property
+    def torch_comm_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.comm_dtype == "bfloat16" else torch.float32
+
+
+@dataclass(frozen=True)
+class Models:
+    """The measured cost models every rank plans from (identical on every rank)."""
+
+    allreduce: AlphaBeta
+    broadcast: AlphaBeta
+    inverse: InverseCost
+
+
+def _probe_sizes(largest: int, points: int = 5) -> list[int]:
+    """Message sizes (bytes) to fit the alpha-beta model on: geometric from 4 KiB to ``largest``."""
+    low, high = 4096, max(largest, 4096 * 4)
+    return sorted({int(low * (high / low) ** (i / (points - 1))) for i in range(points)})
+
+
+class SPDDistributor(Distributor):
+    """K-FAC's cross-rank work under one of the schedules of :class:`SPDOptions`."""
+
+    def __init__(self, options: SPDOptions, process_group: dist.ProcessGroup | None = None,
+                 device: torch.device | str | None = None):
+        self.options = options
+        self.process_group = process_group
+        self._dist = distributed_ready(process_group)
+        self.world_size = dist.get_world_size(process_group) if self._dist else 1
+        self.rank = dist.get_rank(process_group) if self._dist else 0
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.pipelined = False
+        self.models: Models | None = None
+        self.factor_steps = 0  # steps in which factors were reduced
+        self._measuring = False
+        self._profile_window = options.profile_steps
+        self._timings: list[dict[FactorKey, float]] = []
+        self._t_begin = 0.0
+        self._step_ready: dict[FactorKey, float] = {}
+        self._held: dict[FactorKey, torch.Tensor] = {}
+        self.plan_groups: tuple[tuple[int, ...], ...] = ()
+        self.placement_owners: tuple[int, ...] = ()
+        self.last_phase_seconds: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ setup and planning
+    def setup(self, sides: Sequence[tuple[int, int]]) -> None:
+        self.sides = list(sides)
+        n_layers = len(self.sides)
+        # Canonical factor order: A in forward order, then G in backward order (the order in
+        # which they are ready); the pipelined plan replaces it with the measured order.
+        self.keys: list[FactorKey] = [(i, "A") for i in range(n_layers)] + [(i, "G") for i in reversed(range(n_layers))]
+        self._measure_models()
+        self.placement_owners = self._plan_placement()
+        if self.options.needs_profile:
+            self._set_plan(self.keys, [tuple(range(len(self.keys)))], pipelined=False)
+            self._measuring = True
+        else:
+            groups = self._plan_groups(self.keys, [0.0] * len(self.keys))
+            self._set_plan(self.keys, groups, pipelined=self.options.pipelining)
+            self._measuring = False
+
+    def _side(self, key: FactorKey) -> int:
+        a, g = self.sides[key[0]]
+        return a if key[1] == "A" else g
+
+    def _measure_models(self) -> None:
+        opts = self.options
+        need_allreduce = opts.fusion == "dtf"
+        need_placement = opts.placement == "lbp"
+        zero = AlphaBeta(0.0, 0.0)
+        bpe = 2 if opts.comm_dtype == "bfloat16" else 4
+        tri_bytes = [triu_size(self._side(k)) * bpe for k in self.keys]
+        allreduce = broadcast = zero
+        inverse = InverseCost()
+        if self._dist and tri_bytes and (need_allreduce or need_placement):
+            sizes = _probe_sizes(max(tri_bytes))
+            if need_allreduce:
+                allreduce = fit_alpha_beta(sizes, measure_allreduce(sizes, self.process_group, repeats=3))
+            if need_placement:
+                broadcast = fit_alpha_beta(sizes, measure_broadcast(sizes, self.process_group, repeats=3))
+        if need_placement and self.sides:
+            ns = sorted({self._side(k) for k in self.keys})
+            probe = sorted({ns[0], ns[len(ns) // 2], ns[-1], max(8, ns[-1] // 2)})
+            inverse = broadcast_object(
+                measure_inverse_cost(probe, device=self.device) if self.rank == 0 else None,
+                src=0, group=self.process_group,
+            )
+        self.models = Models(allreduce=allreduce, broadcast=broadcast, inverse=inverse)
+
+    def _plan_groups(self, order: list[FactorKey], ready: list[float]) -> list[tuple[int, ...]]:
+        opts = self.options
+        bpe = 2 if opts.comm_dtype == "bfloat16" else 4
+        elements = [triu_size(self._side(k)) for k in order]
+        plan = plan_fusion(elements, ready, self.models.allreduce, policy=opts.fusion,
+                           bucket_bytes=int(opts.bucket_mb * 2**20), bytes_per_element=bpe)
+        return [tuple(g) for g in plan.groups]
+
+    def _plan_placement(self) -> tuple[int, ...]:
+        opts = self.options
+        bpe = 2 if opts.comm_dtype == "bfloat16" else 4
+        ns = [self._side(k) for k in self.keys]
+        if not ns:
+            return ()
+        placement = plan_placement(ns, self.world_size, self.models.inverse, self.models.broadcast,
+                                   policy=opts.placement, bytes_per_element=bpe,
+                                   small_threshold=opts.small_factor)
+        return tuple(placement.owners)
+
+    def _set_plan(self, order: list[FactorKey], groups: Sequence[Sequence[int]], pipelined: bool) -> None:
+        self.order = list(order)
+        self.position = {k: i for i, k in enumerate(self.order)}
+        self.plan_groups = tuple(tuple(g) for g in groups)
+        self.pipelined = pipelined
+        self._fused = FusedAllReduce(
+            self.plan_groups, [self._side(k) for k in self.order], process_group=self.process_group,
+            dtype=self.options.torch_comm_dtype, allow_missing=True, result_dtype=torch.float32,
+            device=self.device,
+        )
+
+    def _finish_profile(self) -> None:
+        """Plan the fusion from the measured ready times (rank 0's, broadcast) on every rank."""
+        window = [t for t in self._timings if len(t) == len(self.keys)]
+        summary = None
+        if self.rank == 0 and window:
+            summary = {k: statistics.median(t[k] for t in window) for k in self.keys}
+        summary = broadcast_object(summary, src=0, group=self.process_group)
+        self._timings.clear()
+        self._measuring = False
+        if summary is None:  # no complete step measured: keep the canonical order
+            order, ready = list(self.keys), [0.0] * len(self.keys)
+        else:
+            order = sorted(self.keys, key=lambda k: (summary[k], self.keys.index(k)))
+            t0 = summary[order[0]]
+            ready = [summary[k] - t0 for k in order]
+        self._set_plan(order, self._plan_groups(order, ready), pipelined=self.options.pipelining)
+
+    # ------------------------------------------------------------------ per step
+    def begin_step(self) -> None:
+        opts = self.options
+        if opts.needs_profile:
+            if self._measuring and self.factor_steps >= self._profile_window[1]:
+                self._finish_profile()
+            elif (not self._measuring and opts.replan_every
+                  and self.factor_steps > 0 and self.factor_steps % opts.replan_every == 0):
+                # Re-measure (the plan is kept meanwhile: only its timings are refreshed).
+                self._measuring = True
+                length = opts.profile_steps[1] - opts.profile_steps[0]
+                self._profile_window = (self.factor_steps, self.factor_steps + length)
+                self._set_plan(self.keys, [tuple(range(len(self.keys)))], pipelined=False)
+            if self._measuring:
+                self.pipelined = True  # hand factors over from the hooks, to time them
+        self._held = {}
+        self._step_ready = {}
+        self._t_begin = time.perf_counter()
+        self._fused.begin_step()
+
+    def factor_final(self, index: int, which: str, matrix: torch.Tensor) -> None:
+        key = (index, which)
+        if self._measuring:
+            self._step_ready[key] = time.perf_counter() - self._t_begin
+            self._held[key] = matrix
+        else:
+            self._fused.submit(self.position[key], matrix)
+
+    def reduce_factors(self, local: dict[FactorKey, torch.Tensor | None]) -> dict[FactorKey, torch.Tensor | None]:
+        t0 = time.perf_counter()
+        pending = {**self._held, **local}
+        for key in sorted(pending, key=self.position.__getitem__):  # in plan order: groups launch in order
+            self._fused.submit(self.position[key], pending[key])
+        t1 = time.perf_counter()
+        reduced = self._fused.wait()
+        t2 = time.perf_counter()
+        self._held = {}
+        if self._measuring and self.factor_steps >= self._profile_window[0] and self._step_ready:
+            self._timings.append(dict(self._step_ready))
+        self.factor_steps += 1
+        self.last_phase_seconds.update(factor_submit=t1 - t0, factor_wait=t2 - t1)
+        return {key: reduced[self.position[key]] for key in self.order}
+
+    def invert(
+        self,
+        tasks: Sequence[Task],
+        invert_fn: Callable[[list[Task]], list[torch.Tensor]],
+        on_ready: Callable[[int, str, torch.Tensor], None],
+    ) -> None:
+        t0 = time.perf_counter()
+        canonical = {k: i for i, k in enumerate(self.keys)}
+        owners = [self.placement_owners[canonical[(t[0], t[1])]] if self.world_size > 1 else -1 for t in tasks]
+        if all(o == -1 for o in owners):
+            super().invert(tasks, invert_fn, on_ready)
+            self.last_phase_seconds.update(inverse=time.perf_counter() - t0, inverse_wait=0.0)
+            return
+        sides = [t[2].shape[0] for t in tasks]
+        # Owners' first tasks first: every rank starts a broadcast as early as possible.
+        turn: dict[int, int] = {}
+        rank_in_owner = []
+        for o in owners:
+            rank_in_owner.append(turn.get(o, 0))
+            turn[o] = turn.get(o, 0) + 1
+        order = sorted((i for i, o in enumerate(owners) if o >= 0), key=lambda i: (rank_in_owner[i], owners[i], i))
+        bc = InverseBroadcaster(owners, sides, process_group=self.process_group,
+                                dtype=self.options.torch_comm_dtype, result_dtype=self.inv_dtype,
+                                device=self.device, order=order)
+        bc.begin_round()
+        bc.exchange(lambda i: invert_fn([tasks[i]])[0])
+        t1 = time.perf_counter()
+        for i, inv in bc.wait_all().items():
+            on_ready(tasks[i][0], tasks[i][1], inv)
+        self.last_phase_seconds.update(inverse=t1 - t0, inverse_wait=time.perf_counter() - t1)
+
+    def describe(self) -> dict:
+        """The current plan, for logs and tests."""
+        return {
+            "schedule": self.options.schedule,
+            "pipelined": self.pipelined,
+            "measuring": self._measuring,
+            "order": list(self.order),
+            "groups": [list(g) for g in self.plan_groups],
+            "owners": list(self.placement_owners),
+            "models": self.models,
+        }

@@ -1,0 +1,118 @@
+"""``SPDKFACStrategy``: Lightning's DDP with the SPD-KFAC factor-communication schedule.
+
+DDP reduces gradients in buckets during backward as usual. Beside it, on a process group of
+its own, this strategy runs the K-FAC communication chosen by ``schedule``:
+
+- ``"spd"`` (default): factor all-reduces launched from the hooks as soon as their fusion
+  group is complete (pipelining), groups planned by dynamic tensor fusion from a measured
+  alpha-beta model and measured factor ready times, inversions placed by load balancing with
+  asynchronous inverse broadcasts.
+- ``"mpd"``: factors all-reduced after backward, one reduction each; inversions round-robin
+  over ranks; inverses broadcast.
+- ``"dkfac"``: factors all-reduced after backward, one reduction each; every rank inverts
+  every factor.
+
+``pipelining``, ``fusion`` and ``placement`` override the schedule's parts one by one (the
+ablations of the paper). The ``KFAC`` callback asks the strategy for its distributor.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch.distributed as dist
+from pytorch_lightning.strategies import DDPStrategy, StrategyRegistry
+from torch.distributed.constants import default_pg_timeout
+
+from ..comm.scheduler import SCHEDULES, SPDDistributor, SPDOptions
+
+Schedule = Literal["spd", "mpd", "dkfac"]
+Fusion = Literal["dtf", "layerwise", "all", "bucket"]
+Placement = Literal["lbp", "round_robin", "replicated"]
+
+
+class SPDKFACStrategy(DDPStrategy):
+    """DDP plus the SPD-KFAC scheduler for the ``KFAC`` callback.
+
+    Args:
+        schedule: ``"spd"``, ``"mpd"`` or ``"dkfac"`` (see the module docstring).
+        pipelining: launch factor reductions from the hooks (default: True for ``spd``).
+        fusion: how factor reductions are grouped: ``"dtf"`` (planned from the cost model; the
+            default for ``spd``), ``"layerwise"`` (one per factor; the default otherwise),
+            ``"all"`` (one for all) or ``"bucket"`` (consecutive factors up to ``bucket_mb``).
+        placement: who inverts what: ``"lbp"`` (default for ``spd``), ``"round_robin"``
+            (``mpd``) or ``"replicated"`` (every rank inverts everything; ``dkfac``).
+        bucket_mb: bucket size of ``fusion="bucket"``, in MiB.
+        profile_steps: optimizer steps whose factor ready times are measured before the plan is
+            made (the steps before it are warm-up); the plan is then fixed until a re-plan.
+        replan_every: re-measure and re-plan every this many steps (None: never).
+        small_factor: factors with a side below this are inverted on every rank; None lets
+            the cost model decide (inverting is cheaper than broadcasting the inverse).
+        comm_dtype: dtype of factor and inverse messages ("float32" or "bfloat16").
+        **kwargs: everything ``DDPStrategy`` accepts.
+    """
+
+    strategy_name = "spdkfac"
+
+    def __init__(
+        self,
+        schedule: Schedule = "spd",
+        pipelining: bool | None = None,
+        fusion: Fusion | None = None,
+        placement: Placement | None = None,
+        bucket_mb: float = 4.0,
+        profile_steps: tuple[int, int] = (3, 8),
+        replan_every: int | None = None,
+        small_factor: int | None = None,
+        comm_dtype: Literal["float32", "bfloat16"] = "float32",
+        timeout: timedelta | None = default_pg_timeout,
+        **kwargs: Any,
+    ):
+        self.spd_options = SPDOptions.from_schedule(
+            schedule,
+            pipelining=pipelining,
+            fusion=fusion,
+            placement=placement,
+            bucket_mb=bucket_mb,
+            profile_steps=tuple(profile_steps),
+            replan_every=replan_every,
+            small_factor=small_factor,
+            comm_dtype=comm_dtype,
+        )
+        super().__init__(timeout=timeout, **kwargs)
+        self._factor_group: dist.ProcessGroup | None = None
+
+    def setup_distributed(self) -> None:
+        super().setup_distributed()
+        # K-FAC traffic gets a group of its own so that it runs beside DDP's gradient buckets
+        # instead of queueing behind them. Every rank must create it, in the same order.
+        self._factor_group = dist.new_group(backend=self._get_process_group_backend(), timeout=self._timeout)
+
+    def make_kfac_distributor(self) -> SPDDistributor:
+        """Called by the ``KFAC`` callback at fit start."""
+        group = self._factor_group if dist.is_initialized() else None
+        return SPDDistributor(self.spd_options, process_group=group, device=self.root_device)
+
+    def teardown(self) -> None:
+        if self._factor_group is not None and dist.is_initialized():
+            dist.destroy_process_group(self._factor_group)
+        self._factor_group = None
+        super().teardown()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        for name, start_method in (("spdkfac", "popen"), ("spdkfac_spawn", "spawn"), ("spdkfac_fork", "fork")):
+            strategy_registry.register(
+                name, cls, description=f"DDP + SPD-KFAC scheduling, start_method '{start_method}'",
+                start_method=start_method, override=True,
+            )
+        for schedule in SCHEDULES:
+            if schedule != "spd":
+                strategy_registry.register(
+                    f"spdkfac_{schedule}", cls, description=f"DDP + K-FAC with the {schedule} schedule",
+                    schedule=schedule, override=True,
+                )
+
+
+SPDKFACStrategy.register_strategies(StrategyRegistry)

@@ -1,0 +1,111 @@
+"""SPD-KFAC, MPD-KFAC and D-KFAC on 2 gloo processes (plain PyTorch + DDP): same parameters as each
+other and as one process on the concatenated batch; the SPD plan is made and used."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from dist_utils import run_distributed
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from lightning_spdkfac import KFACPreconditioner
+from lightning_spdkfac.comm.scheduler import SPDDistributor, SPDOptions
+
+STEPS, BATCH = 7, 8  # per-rank batch
+KFAC_KW = dict(damping=0.05, kl_clip=1e-2, lr=0.1, inv_update_steps=2)
+
+
+def make_model():
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(2, 6, 3, padding=1), nn.ReLU(), nn.Conv2d(6, 8, 3, stride=2, padding=1), nn.ReLU(),
+        nn.Flatten(), nn.Linear(8 * 4 * 4, 24), nn.Tanh(), nn.Linear(24, 5),
+    )
+
+
+def data(step, world):
+    g = torch.Generator().manual_seed(100 + step)
+    x = torch.randn(BATCH * world, 2, 8, 8, generator=g)
+    y = torch.randint(0, 5, (BATCH * world,), generator=g)
+    return x, y
+
+
+def train_ranked(rank, world, options):
+    torch.set_num_threads(1)
+    model = make_model()
+    ddp = DDP(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    group = dist.new_group()
+    distributor = SPDDistributor(options, process_group=group)
+    pre = KFACPreconditioner(model, distributor=distributor, **KFAC_KW)
+    for step in range(STEPS):
+        x, y = data(step, world)
+        xs, ys = x[rank * BATCH:(rank + 1) * BATCH], y[rank * BATCH:(rank + 1) * BATCH]
+        opt.zero_grad()
+        F.cross_entropy(ddp(xs), ys).backward()
+        pre.step()
+        opt.step()
+    plan = distributor.describe()
+    plan.pop("models")
+    return [p.detach().clone() for p in model.parameters()], plan
+
+
+def all_schedules(rank, world):
+    out = {}
+    for name, options in (
+        ("dkfac", SPDOptions.from_schedule("dkfac")),
+        ("mpd", SPDOptions.from_schedule("mpd")),
+        ("spd", SPDOptions.from_schedule("spd", profile_steps=(1, 3))),
+        ("spd_bf16", SPDOptions.from_schedule("spd", profile_steps=(1, 3), comm_dtype="bfloat16")),
+    ):
+        out[name] = train_ranked(rank, world, options)
+    return out
+
+
+def one_process():
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    pre = KFACPreconditioner(model, **KFAC_KW)
+    for step in range(STEPS):
+        x, y = data(step, 2)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        pre.step()
+        opt.step()
+    return [p.detach() for p in model.parameters()]
+
+
+def test_schedules_agree_with_each_other_and_with_one_process():
+    results = run_distributed(all_schedules, 2, timeout=120)
+    reference = one_process()
+    for name in ("dkfac", "mpd", "spd"):
+        params = [r[name][0] for r in results]
+        for a, b in zip(params[0], params[1]):
+            assert torch.equal(a, b), f"{name}: the replicas differ"
+        for a, b in zip(params[0], results[0]["dkfac"][0]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7, msg=f"{name} vs dkfac")
+        for a, b in zip(params[0], reference):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=f"{name} vs one process")
+    # bf16 messages (factors and inverses rounded to 8 mantissa bits): the replicas still agree
+    # exactly, and the training moved the parameters nearly where fp32 did.
+    bf16 = [r["spd_bf16"][0] for r in results]
+    assert all(torch.equal(a, b) for a, b in zip(*bf16))
+    init = list(make_model().parameters())
+    moved = torch.cat([(b - i).flatten() for b, i in zip(reference, init)]).norm()
+    off = torch.cat([(a - b).flatten() for a, b in zip(bf16[0], reference)]).norm()
+    print(f"bf16 relative deviation {float(off / moved):.4f}")
+    assert off / moved < 0.1
+
+    plans = {name: results[0][name][1] for name in ("dkfac", "mpd", "spd")}
+    assert plans == {name: results[1][name][1] for name in plans}  # every rank planned the same
+    n_factors = 8
+    assert plans["dkfac"]["owners"] == [-1] * n_factors and not plans["dkfac"]["pipelined"]
+    assert sorted(plans["mpd"]["owners"]) == [0, 0, 0, 0, 1, 1, 1, 1]
+    spd = plans["spd"]
+    assert spd["pipelined"] and not spd["measuring"]
+    assert sorted(i for g in spd["groups"] for i in g) == list(range(n_factors))
+    # measured ready order: the A factors come in forward order before the G factors
+    assert [k for k in spd["order"] if k[1] == "A"] == [(0, "A"), (1, "A"), (2, "A"), (3, "A")]
+    assert spd["order"].index((3, "A")) < spd["order"].index((3, "G"))

@@ -1,0 +1,104 @@
+"""SPDKFACStrategy under a real Trainer on 2 gloo processes."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from dist_utils import run_distributed
+from test_callback import KW, Tiny, data, trainer
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from lightning_spdkfac import KFAC, KFACPreconditioner, SPDKFACStrategy
+
+
+class TinyInterleaved(Tiny):
+    """Rank r of W reads samples r, r+W, r+2W, ...: together one step sees the joint batch."""
+
+    def train_dataloader(self):
+        ds = TensorDataset(*data(self.n))
+        return DataLoader(ds, batch_size=self.batch_size, sampler=DistributedSampler(ds, shuffle=False))
+
+
+def fit_on_ranks(rank, world, schedule, steps):
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world))
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    model = TinyInterleaved(batch_size=4)
+    strategy = SPDKFACStrategy(schedule=schedule, profile_steps=(1, 3))
+    cb = KFAC(**KW)
+    plans = []
+
+    class Plan(pl.Callback):
+        def on_train_end(self, trainer, pl_module):
+            plan = cb.preconditioner.distributor.describe()
+            plan.pop("models")
+            plans.append(plan)
+
+    t = trainer(max_steps=steps, devices=world, strategy=strategy, callbacks=[cb, Plan()],
+                use_distributed_sampler=False)
+    t.fit(model)
+    return [p.detach().clone() for p in model.net.parameters()], plans[0]
+
+
+def one_process(steps, batch):
+    import torch.nn.functional as F
+
+    model = Tiny().net
+    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    pre = KFACPreconditioner(model, lr=0.2, **KW)
+    x, y = data()
+    for k in range(steps):
+        i = (k * batch) % len(x)
+        opt.zero_grad()
+        F.cross_entropy(model(x[i:i + batch]), y[i:i + batch]).backward()
+        pre.step()
+        opt.step()
+    return list(model.parameters())
+
+
+@pytest.mark.parametrize("schedule", ["spd", "mpd", "dkfac"])
+def test_strategy_on_two_processes_equals_one_process_on_the_joint_batch(schedule):
+    results = run_distributed(fit_on_ranks, 2, schedule, 6, timeout=120)
+    ref = one_process(6, 8)
+    for a, b in zip(results[0][0], results[1][0]):
+        assert torch.equal(a, b)
+    for a, b in zip(results[0][0], ref):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    plan = results[0][1]
+    assert plan == results[1][1]
+    assert plan["pipelined"] == (schedule == "spd") and not plan["measuring"]
+
+
+def test_strategy_is_registered_and_validates():
+    t = pl.Trainer(strategy="spdkfac", accelerator="cpu", devices=1, logger=False)
+    assert isinstance(t.strategy, SPDKFACStrategy) and t.strategy.spd_options.schedule == "spd"
+    t = pl.Trainer(strategy="spdkfac_mpd", accelerator="cpu", devices=1, logger=False)
+    assert t.strategy.spd_options.placement == "round_robin"
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        SPDKFACStrategy(schedule="fast")
+    with pytest.raises(ValueError, match="fusion must be one of"):
+        SPDKFACStrategy(fusion="magic")
+    with pytest.raises(ValueError, match="bucket_mb is only used with fusion='bucket'"):
+        SPDKFACStrategy(bucket_mb=8)
+    with pytest.raises(ValueError, match="profile_steps must be"):
+        SPDKFACStrategy(profile_steps=(5, 2))
+
+
+def test_kfac_refuses_plain_ddp_on_several_processes():
+    results = run_distributed(_plain_ddp, 2, timeout=60)
+    assert all("needs a K-FAC-aware strategy" in r for r in results)
+
+
+def _plain_ddp(rank, world):
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world))
+    warnings.filterwarnings("ignore")
+    t = trainer(max_steps=1, devices=world, strategy="ddp", callbacks=[KFAC(**KW)])
+    try:
+        t.fit(Tiny())
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
