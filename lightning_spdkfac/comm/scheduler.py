@@ -38,6 +38,7 @@ from ..schedule import (
     plan_fusion,
     plan_placement,
 )
+from ..telemetry import StepTimer
 from ._common import distributed_ready
 from .broadcast import InverseBroadcaster
 from .fused import FusedAllReduce
@@ -147,6 +148,7 @@ class SPDDistributor(Distributor):
         self.rank = dist.get_rank(process_group) if self._dist else 0
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.pipelined = False
+        self.timer = StepTimer()  # replaced by the preconditioner's
         self.models: Models | None = None
         self.factor_steps = 0  # steps in which factors were reduced
         self._measuring = False
@@ -157,7 +159,6 @@ class SPDDistributor(Distributor):
         self._held: dict[FactorKey, torch.Tensor] = {}
         self.plan_groups: tuple[tuple[int, ...], ...] = ()
         self.placement_owners: tuple[int, ...] = ()
-        self.last_phase_seconds: dict[str, float] = {}
 
     # ------------------------------------------------------------------ setup and planning
     def setup(self, sides: Sequence[tuple[int, int]]) -> None:
@@ -280,18 +281,19 @@ class SPDDistributor(Distributor):
             self._fused.submit(self.position[key], matrix)
 
     def reduce_factors(self, local: dict[FactorKey, torch.Tensor | None]) -> dict[FactorKey, torch.Tensor | None]:
-        t0 = time.perf_counter()
         pending = {**self._held, **local}
-        for key in sorted(pending, key=self.position.__getitem__):  # in plan order: groups launch in order
-            self._fused.submit(self.position[key], pending[key])
-        t1 = time.perf_counter()
-        reduced = self._fused.wait()
-        t2 = time.perf_counter()
+        with self.timer.phase("factor_comm_wait"):
+            for key in sorted(pending, key=self.position.__getitem__):  # plan order: groups launch in order
+                self._fused.submit(self.position[key], pending[key])
+            reduced = self._fused.wait()
+        t = self._fused.last_timings
+        if t is not None:
+            self.timer.add("factor_comm_inflight", sum(
+                end - start for start, end in zip(t.launch, t.wait_end) if end == end and start == start))
         self._held = {}
         if self._measuring and self.factor_steps >= self._profile_window[0] and self._step_ready:
             self._timings.append(dict(self._step_ready))
         self.factor_steps += 1
-        self.last_phase_seconds.update(factor_submit=t1 - t0, factor_wait=t2 - t1)
         return {key: reduced[self.position[key]] for key in self.order}
 
     def invert(
@@ -300,12 +302,10 @@ class SPDDistributor(Distributor):
         invert_fn: Callable[[list[Task]], list[torch.Tensor]],
         on_ready: Callable[[int, str, torch.Tensor], None],
     ) -> None:
-        t0 = time.perf_counter()
         canonical = {k: i for i, k in enumerate(self.keys)}
         owners = [self.placement_owners[canonical[(t[0], t[1])]] if self.world_size > 1 else -1 for t in tasks]
         if all(o == -1 for o in owners):
             super().invert(tasks, invert_fn, on_ready)
-            self.last_phase_seconds.update(inverse=time.perf_counter() - t0, inverse_wait=0.0)
             return
         sides = [t[2].shape[0] for t in tasks]
         # Owners' first tasks first: every rank starts a broadcast as early as possible.
@@ -320,10 +320,10 @@ class SPDDistributor(Distributor):
                                 device=self.device, order=order)
         bc.begin_round()
         bc.exchange(lambda i: invert_fn([tasks[i]])[0])
-        t1 = time.perf_counter()
-        for i, inv in bc.wait_all().items():
+        with self.timer.phase("inverse_comm_wait"):
+            inverses = bc.wait_all()
+        for i, inv in inverses.items():
             on_ready(tasks[i][0], tasks[i][1], inv)
-        self.last_phase_seconds.update(inverse=t1 - t0, inverse_wait=time.perf_counter() - t1)
 
     def describe(self) -> dict:
         """The current plan, for logs and tests."""

@@ -28,6 +28,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from ..telemetry import StepTimer
+
 FactorKey = tuple[int, str]  # (layer index, "A" or "G")
 Task = tuple[int, str, torch.Tensor]
 
@@ -39,6 +41,7 @@ class Distributor:
     rank: int = 0
     pipelined: bool = False
     inv_dtype: torch.dtype = torch.float32  # set by the preconditioner before setup()
+    timer: StepTimer | None = None  # the preconditioner's phase timer, set before setup()
 
     def setup(self, sides: Sequence[tuple[int, int]]) -> None:
         """Called once with the (A side, G side) of every layer, in layer-index order."""

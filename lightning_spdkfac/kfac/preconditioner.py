@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..telemetry import StepTimer
 from . import hparams as hp
 from .distributor import Distributor, FactorKey, Task
 from .inverse import damped_inverses
@@ -215,6 +216,9 @@ class KFACPreconditioner:
         # Set False on micro-batches that do not end the optimizer step (gradient accumulation)
         # so that pipelined factor reductions wait for the last one.
         self.final_micro_batch = True
+        # Per-phase seconds of the last step in ``timer.last`` (see lightning_spdkfac.telemetry).
+        self.timer = StepTimer()
+        self.distributor.timer = self.timer
 
         self.steps = 0  # optimizer steps taken (calls of step())
         self.skipped_factor_steps = 0  # factor updates skipped for non-finite values
@@ -283,16 +287,20 @@ class KFACPreconditioner:
                 for ly in self.layers.values():
                     ly.mb_a_calls = ly.mb_g_calls = 0
             x = inputs[0]
-            ctx = _autocast_off(x.device.type)
-            if ctx is None:
-                self._accumulate_a(layer, x)
-            else:
-                with ctx:
+            with self.timer.phase("factor_compute"):
+                ctx = _autocast_off(x.device.type)
+                if ctx is None:
                     self._accumulate_a(layer, x)
+                else:
+                    with ctx:
+                        self._accumulate_a(layer, x)
+                final = self._pipelining_final(layer, layer.mb_a_calls)
+                if final:
+                    layer.submitted["A"] = layer.a_calls
+                    A_new = layer.step_a()
             output.register_hook(self._make_grad_hook(layer, x))
-            if self._pipelining_final(layer, layer.mb_a_calls):
-                layer.submitted["A"] = layer.a_calls
-                self.distributor.factor_final(layer.index, "A", layer.step_a())
+            if final:
+                self.distributor.factor_final(layer.index, "A", A_new)
 
         return forward_hook
 
@@ -302,15 +310,19 @@ class KFACPreconditioner:
 
         def grad_hook(grad_output):
             self._backward_seen = True
-            ctx = _autocast_off(grad_output.device.type)
-            if ctx is None:
-                self._accumulate_g(layer, grad_output, batch, micro_batch)
-            else:
-                with ctx:
+            with self.timer.phase("factor_compute"):
+                ctx = _autocast_off(grad_output.device.type)
+                if ctx is None:
                     self._accumulate_g(layer, grad_output, batch, micro_batch)
-            if self._pipelining_final(layer, layer.mb_g_calls):
-                layer.submitted["G"] = layer.g_calls
-                self.distributor.factor_final(layer.index, "G", layer.step_g(self._g_scale()))
+                else:
+                    with ctx:
+                        self._accumulate_g(layer, grad_output, batch, micro_batch)
+                final = self._pipelining_final(layer, layer.mb_g_calls)
+                if final:
+                    layer.submitted["G"] = layer.g_calls
+                    G_new = layer.step_g(self._g_scale())
+            if final:
+                self.distributor.factor_final(layer.index, "G", G_new)
 
         return grad_hook
 
@@ -419,6 +431,10 @@ class KFACPreconditioner:
             if "G" not in layer.submitted:
                 local[(layer.index, "G")] = layer.step_g(g_scale) if complete else None
         reduced = self.distributor.reduce_factors(local)
+        with self.timer.phase("factor_update"):
+            self._fold_reduced(reduced, k)
+
+    def _fold_reduced(self, reduced: dict[FactorKey, torch.Tensor | None], k: int) -> None:
         ready = []
         for layer in self.layers.values():
             A, G = reduced[(layer.index, "A")], reduced[(layer.index, "G")]
@@ -444,7 +460,8 @@ class KFACPreconditioner:
         by_index = {ly.index: ly for ly in todo}
 
         def invert(tasks: list[Task]) -> list[torch.Tensor]:
-            inverses, failed = damped_inverses([t[2] for t in tasks], damping, self.inv_dtype)
+            with self.timer.phase("inverse_compute"):
+                inverses, failed = damped_inverses([t[2] for t in tasks], damping, self.inv_dtype)
             for i in failed:
                 index, which, _ = tasks[i]
                 name = by_index[index].name
@@ -495,7 +512,8 @@ class KFACPreconditioner:
         k = self.steps
         if self.collecting:
             if self._local:
-                self._update_factors(k)
+                with self.timer.phase("factor_update"):
+                    self._update_factors(k)
             else:
                 self._update_factors_distributed(k)
             for layer in self.layers.values():
@@ -503,7 +521,9 @@ class KFACPreconditioner:
                 if layer.a_calls and layer.mb_a_calls == layer.mb_g_calls:
                     layer.calls_per_micro_batch = layer.mb_a_calls
         self._update_inverses(k)
-        self._precondition(k)
+        with self.timer.phase("precondition"):
+            self._precondition(k)
+        self.timer.end_step()
         for layer in self.layers.values():
             layer.reset_accumulators()
         self._micro_batch = 0

@@ -1,0 +1,61 @@
+"""Per-phase timing of K-FAC steps: wall-clock seconds per phase, and ``record_function`` ranges.
+
+Every phase of an iteration that K-FAC adds is timed on the host and marked with
+``torch.profiler.record_function("kfac/<phase>")``, so it shows by name in the PyTorch profiler
+and in Chrome traces. Phases (seconds per optimizer step):
+
+- ``factor_compute``: factor statistics in the hooks and this step's factors (forward + backward).
+- ``factor_comm_wait``: time blocked on factor all-reduces in ``step()`` (the *exposed*
+  factor communication); ``factor_comm_inflight``: summed time from each fused all-reduce's
+  launch to the end of its wait (an upper bound of the factor communication, overlapped or not).
+- ``factor_update``: finiteness check and running averages.
+- ``inverse_compute`` / ``inverse_comm_wait``: inversions on this rank / time blocked on
+  inverse broadcasts.
+- ``precondition``: preconditioning, KL clip and write-back.
+
+Times are host times: on a GPU they are the time to *issue* the work unless something in the
+phase synchronizes (factor and inverse waits do).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+
+from torch.profiler import record_function
+
+PHASES = (
+    "factor_compute",
+    "factor_comm_wait",
+    "factor_comm_inflight",
+    "factor_update",
+    "inverse_compute",
+    "inverse_comm_wait",
+    "precondition",
+)
+
+
+class StepTimer:
+    """Accumulates phase seconds during a step; :attr:`last` holds the previous step's totals."""
+
+    def __init__(self) -> None:
+        self._totals: dict[str, float] = defaultdict(float)
+        self.last: dict[str, float] = {}
+
+    @contextmanager
+    def phase(self, name: str):
+        with record_function(f"kfac/{name}"):
+            t0 = time.perf_counter()
+            try:
+                yield
+            finally:
+                self._totals[name] += time.perf_counter() - t0
+
+    def add(self, name: str, seconds: float) -> None:
+        self._totals[name] += seconds
+
+    def end_step(self) -> dict[str, float]:
+        self.last = {name: self._totals.get(name, 0.0) for name in PHASES}
+        self._totals = defaultdict(float)
+        return self.last
