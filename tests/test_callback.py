@@ -139,6 +139,20 @@ def test_step_time_is_logged(tmp_path):
     t.fit(model)
     assert "kfac/step_ms" in t.logged_metrics
     assert float(t.logged_metrics["kfac/step_ms"]) > 0
+    logged = t.logged_metrics
+    for phase in ("factor_compute", "factor_update", "precondition", "fwd_bwd"):
+        assert float(logged[f"kfac/{phase}_ms"]) > 0, phase
+    assert float(logged["kfac/factor_comm_wait_ms"]) == 0.0  # one process: nothing to wait for
+
+
+def test_chrome_trace_of_one_step_shows_the_kfac_phases(tmp_path):
+    import json
+
+    cb = KFAC(**KW, trace_step=3, trace_dir=str(tmp_path))  # 3: an inverse step
+    trainer(max_steps=4, callbacks=[cb]).fit(Tiny())
+    events = json.loads((tmp_path / "kfac_step3_rank0.json").read_text())["traceEvents"]
+    names = {e.get("name") for e in events}
+    assert {"kfac/factor_compute", "kfac/inverse_compute", "kfac/precondition"} <= names
 
 
 def test_bf16_mixed_precision_trains_with_fp32_factors():

@@ -36,7 +36,13 @@ class KFAC(Callback):
         skip_layers: regular expressions on module names or class names of layers to leave alone.
         factor_dtype: dtype of the stored factors ("float32" default; "float64" allowed).
         inv_dtype: dtype of inversions and preconditioning ("float32" or "float64").
-        log_step_time: log ``kfac/step_ms`` (host time of the K-FAC step) through the Trainer's logger.
+        log_step_time: log, per optimizer step, ``kfac/step_ms`` (the K-FAC step), ``kfac/fwd_bwd_ms``
+            (forward and backward of the step, hooks included) and ``kfac/<phase>_ms`` for every phase of
+            :mod:`lightning_spdkfac.telemetry` through the Trainer's logger.
+        trace_step: record optimizer step ``trace_step`` (forward, backward, K-FAC, optimizer) with the
+            PyTorch profiler and write a Chrome trace per rank to
+            ``trace_dir/kfac_step{trace_step}_rank{rank}.json`` (open it in chrome://tracing or Perfetto).
+        trace_dir: folder of the trace (relative paths are relative to the working directory).
     """
 
     def __init__(
@@ -51,6 +57,8 @@ class KFAC(Callback):
         factor_dtype: str | torch.dtype = "float32",
         inv_dtype: str | torch.dtype = "float32",
         log_step_time: bool = True,
+        trace_step: int | None = None,
+        trace_dir: str = "kfac_traces",
     ):
         super().__init__()
         self.kwargs: dict[str, Any] = dict(
@@ -67,6 +75,12 @@ class KFAC(Callback):
             hp.check_schedule("lr", lr, hp.NONNEGATIVE)
         self.lr = lr
         self.log_step_time = log_step_time
+        if trace_step is not None and (isinstance(trace_step, bool) or not isinstance(trace_step, int) or trace_step < 0):
+            raise ValueError(f"trace_step must be None or a non-negative integer, got {trace_step!r}")
+        self.trace_step = trace_step
+        self.trace_dir = trace_dir
+        self._profiler = None
+        self._t_step_start: float | None = None
         # Validate everything now (a bad YAML value fails at construction, not at fit start).
         self._validate()
         self.preconditioner: KFACPreconditioner | None = None
@@ -123,9 +137,38 @@ class KFAC(Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         if self.preconditioner is None:
             return
+        if self._t_step_start is None:  # first micro-batch of an optimizer step
+            self._t_step_start = time.perf_counter()
+            if self.trace_step is not None and self.preconditioner.steps == self.trace_step:
+                self._start_trace()
         # Pipelined factor reductions wait for the micro-batch that ends the optimizer step.
         should_accumulate = getattr(trainer.fit_loop.epoch_loop, "_should_accumulate", None)
         self.preconditioner.final_micro_batch = True if should_accumulate is None else not should_accumulate()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if self.preconditioner is not None and self.preconditioner.final_micro_batch:
+            self._t_step_start = None
+            if self._profiler is not None:
+                self._stop_trace(trainer)
+
+    def _start_trace(self) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(ProfilerActivity.CUDA)
+        self._profiler = profile(activities=activities)
+        self._profiler.__enter__()
+
+    def _stop_trace(self, trainer: pl.Trainer) -> None:
+        import os
+
+        prof, self._profiler = self._profiler, None
+        prof.__exit__(None, None, None)
+        os.makedirs(self.trace_dir, exist_ok=True)
+        path = os.path.join(self.trace_dir, f"kfac_step{self.trace_step}_rank{trainer.global_rank}.json")
+        prof.export_chrome_trace(path)
+        self.trace_path = path
 
     def _optimizer_lr(self, step: int) -> float:
         return float(self._trainer.optimizers[0].param_groups[0]["lr"])
@@ -139,7 +182,11 @@ class KFAC(Callback):
         t0 = time.perf_counter()
         pre.step()
         if self.log_step_time:
-            pl_module.log("kfac/step_ms", (time.perf_counter() - t0) * 1e3, on_step=True, on_epoch=False)
+            metrics = {"kfac/step_ms": (time.perf_counter() - t0) * 1e3}
+            if self._t_step_start is not None:
+                metrics["kfac/fwd_bwd_ms"] = (t0 - self._t_step_start) * 1e3
+            metrics.update({f"kfac/{k}_ms": v * 1e3 for k, v in pre.timer.last.items()})
+            pl_module.log_dict(metrics, on_step=True, on_epoch=False)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
