@@ -377,3 +377,18 @@ def test_free_port_is_bindable():
     port = free_port()
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
+
+
+def test_groups_launch_in_plan_order_even_when_factors_arrive_out_of_order():
+    fused = FusedAllReduce([[0], [1, 2], [3]], [2, 3, 2, 4])
+    fused.begin_step()
+    eye = torch.eye
+    fused.submit(3, eye(4))  # group 2 complete, but groups 0 and 1 are not launched yet
+    assert fused.launched_groups == ()
+    fused.submit(1, eye(3))
+    fused.submit(0, eye(2))  # group 0 launches; group 1 still waits for factor 2
+    assert fused.launched_groups == (0,)
+    fused.submit(2, 2 * eye(2))  # now groups 1 and 2, in order
+    assert fused.launched_groups == (0, 1, 2)
+    out = fused.wait()
+    assert torch.equal(out[2], 2 * eye(2)) and torch.equal(out[3], eye(4))

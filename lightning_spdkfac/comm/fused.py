@@ -9,9 +9,9 @@ in the order the factors become final). Per step::
     factors = fused.wait()    # before the optimizer step: averaged, exactly symmetric, in index order
 
 Ordering contract: collectives on one process group are matched by issue order, so every rank must
-launch the groups in the same order. A group is launched when its last member is submitted, so every
-rank must *complete* its groups in the same order - true when every rank runs the same model and
-submits from the same hooks. Other collectives issued on the same process group between launch and wait
+launch the groups in the same order. A group is launched when its last member is submitted and every
+group before it (in ``groups`` order) has been launched, so the launch order is the groups' order on
+every rank, even where one rank's factors arrive out of plan order. Other collectives issued on the same process group between launch and wait
 must also come at the same point on every rank; DDP all-reduces gradient buckets on the group it was
 given (default: WORLD) from its own autograd hooks, so give K-FAC a dedicated group
 (``dist.new_group()``, called on every rank) rather than relying on identical hook interleaving.
@@ -152,6 +152,7 @@ class FusedAllReduce:
         self._results: dict[int, torch.Tensor | None] = {}
         self._launch_order: list[int] = []
         self._launched = [False] * m
+        self._next_launch = 0
         self._waited = [False] * m
         self._t_begin = NAN
         self._t_submit = [NAN] * n
@@ -240,7 +241,12 @@ class FusedAllReduce:
             self._t_submit[index] = time.perf_counter()
             self._remaining[g] -= 1
             if self._remaining[g] == 0:
-                self._launch(g)
+                # Launch in group order only: if factors arrive out of plan order on one rank, the
+                # all-reduces are still issued in the same order on every rank (collectives on a
+                # group are matched by issue order), a completed later group waiting for earlier ones.
+                while self._next_launch < len(self.groups) and self._remaining[self._next_launch] == 0:
+                    self._launch(self._next_launch)
+                    self._next_launch += 1
 
     def _launch(self, g: int) -> None:
         members = self.groups[g]

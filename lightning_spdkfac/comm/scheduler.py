@@ -320,10 +320,17 @@ class SPDDistributor(Distributor):
                                 device=self.device, order=order)
         bc.begin_round()
         bc.exchange(lambda i: invert_fn([tasks[i]])[0])
+        # Hand each inverse over as soon as it is here (replicated and own ones first), so the
+        # preconditioner works on those layers while later broadcasts are still in flight.
+        arrival = [i for i in range(len(tasks)) if owners[i] in (-1, self.rank)]
+        arrival += [i for i in order if owners[i] != self.rank]
+        for i in arrival:
+            t0 = time.perf_counter()
+            inverse = bc.wait(i)
+            self.timer.add("inverse_comm_wait", time.perf_counter() - t0)
+            on_ready(tasks[i][0], tasks[i][1], inverse)
         with self.timer.phase("inverse_comm_wait"):
-            inverses = bc.wait_all()
-        for i, inv in inverses.items():
-            on_ready(tasks[i][0], tasks[i][1], inv)
+            bc.wait_all()  # this rank's own broadcasts
 
     def describe(self) -> dict:
         """The current plan, for logs and tests."""

@@ -216,6 +216,7 @@ class KFACPreconditioner:
         # Set False on micro-batches that do not end the optimizer step (gradient accumulation)
         # so that pipelined factor reductions wait for the last one.
         self.final_micro_batch = True
+        self._preconditioned: dict[int, tuple] = {}  # layer index -> (layer, P, grad matrix) of this step
         # Per-phase seconds of the last step in ``timer.last`` (see lightning_spdkfac.telemetry).
         self.timer = StepTimer()
         self.distributor.timer = self.timer
@@ -473,28 +474,39 @@ class KFACPreconditioner:
                 )
             return inverses
 
+        arrived: set[tuple[int, str]] = set()
+
         def on_ready(index: int, which: str, inverse: torch.Tensor) -> None:
-            setattr(by_index[index], f"{which}_inv", inverse)
+            layer = by_index[index]
+            setattr(layer, f"{which}_inv", inverse)
+            arrived.add((index, which))
+            if (index, "A") in arrived and (index, "G") in arrived:
+                # Both inverses are here: precondition this layer now, while others still arrive.
+                with self.timer.phase("precondition"):
+                    self._precondition_layer(layer)
 
         tasks = [(ly.index, which, getattr(ly, which)) for ly in todo for which in ("A", "G")]
         self.distributor.invert(tasks, invert, on_ready)
 
-    def _precondition(self, k: int) -> None:
-        todo, grads, precs = [], [], []
-        for layer in self.layers.values():
-            if not layer.ran or layer.A_inv is None:
-                continue
-            g = layer.helper.grad_matrix()
-            if g is None:
-                continue
-            if layer.A_inv.shape[0] != g.shape[1] or layer.G_inv.shape[0] != g.shape[0]:
-                continue  # the layer changed shape since its factors were taken
-            gi = g.to(self.inv_dtype)
-            todo.append(layer)
-            grads.append(gi)
-            precs.append(layer.G_inv @ gi @ layer.A_inv)
-        if not todo:
+    def _precondition_layer(self, layer: KFACLayer) -> None:
+        """P = G_inv [dW, db] A_inv for one layer, kept until the KL clip of the step is known."""
+        if layer.index in self._preconditioned or not layer.ran or layer.A_inv is None:
             return
+        g = layer.helper.grad_matrix()
+        if g is None:
+            return
+        if layer.A_inv.shape[0] != g.shape[1] or layer.G_inv.shape[0] != g.shape[0]:
+            return  # the layer changed shape since its factors were taken
+        gi = g.to(self.inv_dtype)
+        self._preconditioned[layer.index] = (layer, layer.G_inv @ gi @ layer.A_inv, gi)
+
+    def _precondition(self, k: int) -> None:
+        for layer in self.layers.values():
+            self._precondition_layer(layer)
+        done, self._preconditioned = self._preconditioned, {}
+        if not done:
+            return
+        todo, precs, grads = zip(*done.values())
         scale = None
         if self.kl_clip is not None:
             kl_clip = hp.resolve("kl_clip", self.kl_clip, k, hp.POSITIVE)
