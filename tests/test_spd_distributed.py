@@ -59,6 +59,8 @@ def all_schedules(rank, world):
         ("mpd", SPDOptions.from_schedule("mpd")),
         ("spd", SPDOptions.from_schedule("spd", profile_steps=(1, 3))),
         ("spd_bf16", SPDOptions.from_schedule("spd", profile_steps=(1, 3), comm_dtype="bfloat16")),
+        # re-measure at factor step 4 (steps 4, 5), re-plan at step 6
+        ("spd_replan", SPDOptions.from_schedule("spd", profile_steps=(1, 3), replan_every=4)),
     ):
         out[name] = train_ranked(rank, world, options)
     return out
@@ -80,7 +82,7 @@ def one_process():
 def test_schedules_agree_with_each_other_and_with_one_process():
     results = run_distributed(all_schedules, 2, timeout=120)
     reference = one_process()
-    for name in ("dkfac", "mpd", "spd"):
+    for name in ("dkfac", "mpd", "spd", "spd_replan"):
         params = [r[name][0] for r in results]
         for a, b in zip(params[0], params[1]):
             assert torch.equal(a, b), f"{name}: the replicas differ"
@@ -98,6 +100,8 @@ def test_schedules_agree_with_each_other_and_with_one_process():
     print(f"bf16 relative deviation {float(off / moved):.4f}")
     assert off / moved < 0.1
 
+    replan = results[0]["spd_replan"][1]
+    assert replan["pipelined"] and not replan["measuring"] and replan == results[1]["spd_replan"][1]
     plans = {name: results[0][name][1] for name in ("dkfac", "mpd", "spd")}
     assert plans == {name: results[1][name][1] for name in plans}  # every rank planned the same
     n_factors = 8

@@ -23,11 +23,11 @@ class TinyInterleaved(Tiny):
         return DataLoader(ds, batch_size=self.batch_size, sampler=DistributedSampler(ds, shuffle=False))
 
 
-def fit_on_ranks(rank, world, schedule, steps):
+def fit_on_ranks(rank, world, schedule, steps, accumulate=1):
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world))
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    model = TinyInterleaved(batch_size=4)
+    model = TinyInterleaved(batch_size=4 // accumulate)
     strategy = SPDKFACStrategy(schedule=schedule, profile_steps=(1, 3))
     cb = KFAC(**KW)
     plans = []
@@ -36,10 +36,11 @@ def fit_on_ranks(rank, world, schedule, steps):
         def on_train_end(self, trainer, pl_module):
             plan = cb.preconditioner.distributor.describe()
             plan.pop("models")
+            plan["factor_steps"] = cb.preconditioner.distributor.factor_steps
             plans.append(plan)
 
     t = trainer(max_steps=steps, devices=world, strategy=strategy, callbacks=[cb, Plan()],
-                use_distributed_sampler=False)
+                use_distributed_sampler=False, accumulate_grad_batches=accumulate)
     t.fit(model)
     return [p.detach().clone() for p in model.net.parameters()], plans[0]
 
@@ -71,6 +72,15 @@ def test_strategy_on_two_processes_equals_one_process_on_the_joint_batch(schedul
     plan = results[0][1]
     assert plan == results[1][1]
     assert plan["pipelined"] == (schedule == "spd") and not plan["measuring"]
+    assert plan["factor_steps"] == 6
+
+
+def test_accumulation_reduces_factors_once_per_optimizer_step():
+    results = run_distributed(fit_on_ranks, 2, "spd", 5, 2, timeout=120)
+    ref = one_process(5, 8)
+    for a, b in zip(results[0][0], ref):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    assert results[0][1]["factor_steps"] == 5 and results[0][1]["pipelined"]
 
 
 def test_strategy_is_registered_and_validates():

@@ -216,7 +216,8 @@ class KFACPreconditioner:
         # Set False on micro-batches that do not end the optimizer step (gradient accumulation)
         # so that pipelined factor reductions wait for the last one.
         self.final_micro_batch = True
-        self._preconditioned: dict[int, tuple] = {}  # layer index -> (layer, P, grad matrix) of this step
+        self._preconditioned: dict[int, tuple] = {}
+        self._g_scale_value: float | None = None  # layer index -> (layer, P, grad matrix) of this step
         # Per-phase seconds of the last step in ``timer.last`` (see lightning_spdkfac.telemetry).
         self.timer = StepTimer()
         self.distributor.timer = self.timer
@@ -366,9 +367,12 @@ class KFACPreconditioner:
         )
 
     def _g_scale(self) -> float:
-        if self.grad_scaler is not None and self.grad_scaler.is_enabled():
-            return 1.0 / float(self.grad_scaler.get_scale()) ** 2
-        return 1.0
+        """1/S^2 for a GradScaler of scale S; read once per step (reading it syncs with the GPU)."""
+        if self._g_scale_value is None:
+            scaler = self.grad_scaler
+            enabled = scaler is not None and scaler.is_enabled()
+            self._g_scale_value = 1.0 / float(scaler.get_scale()) ** 2 if enabled else 1.0
+        return self._g_scale_value
 
     # ------------------------------------------------------------------ the step
     def _warn_once(self, layer: str, key: str, message: str) -> None:
@@ -506,7 +510,9 @@ class KFACPreconditioner:
         done, self._preconditioned = self._preconditioned, {}
         if not done:
             return
-        todo, precs, grads = zip(*done.values())
+        # Layer order, not arrival order: the KL sum must add up in the same order on every rank
+        # (arrival order depends on which inverses a rank owns), or the replicas drift apart.
+        todo, precs, grads = zip(*(done[i] for i in sorted(done)))
         scale = None
         if self.kl_clip is not None:
             kl_clip = hp.resolve("kl_clip", self.kl_clip, k, hp.POSITIVE)
@@ -540,6 +546,7 @@ class KFACPreconditioner:
             layer.reset_accumulators()
         self._micro_batch = 0
         self._backward_seen = False
+        self._g_scale_value = None
         self.steps += 1
         self.distributor.begin_step()
 
