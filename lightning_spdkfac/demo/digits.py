@@ -143,14 +143,14 @@ class DigitsCNN(pl.LightningModule):
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
         loss = F.cross_entropy(self(x), y)
-        self.log("train_loss", loss, on_step=False, on_epoch=True, batch_size=len(y))
+        self.log("train_loss", loss, on_step=False, on_epoch=True, batch_size=len(y), sync_dist=True)
         return loss
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         x, y = batch
         logits = self(x)
         self.val_acc(logits, y)
-        self.log("val_loss", F.cross_entropy(logits, y), on_epoch=True, batch_size=len(y))
+        self.log("val_loss", F.cross_entropy(logits, y), on_epoch=True, batch_size=len(y), sync_dist=True)
         self.log("val_acc", self.val_acc, on_epoch=True, batch_size=len(y))
 
     def configure_optimizers(self) -> Any:
