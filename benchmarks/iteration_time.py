@@ -1,0 +1,887 @@
+"""Distributed iteration time of D-KFAC, MPD-KFAC and SPD-KFAC (and SPD's ablations) against DDP+SGD.
+
+Run ``python benchmarks/iteration_time.py`` (``--help`` for options). It reproduces, at toy scale, the
+timing experiment of Shi, Zhang, Li (ICDCS 2021): the per-iteration time of K-FAC under each schedule,
+split into the paper's categories, on ``--world-size`` gloo ranks on this machine (127.0.0.1, one
+process per rank, ``--threads`` torch threads each).
+
+Model and data: a small ResNet without BatchNorm (conv stem 3->32 stride 2, four basic blocks of
+32/64/128/128 channels, the last three with stride 2 and a 1x1 shortcut, residual branch scaled by
+0.25, global average pool, linear to 10) on fixed synthetic CIFAR-shaped batches (32 x 3 x 32 x 32 per rank
+by default, ``--n-batches`` distinct batches cycled, a different seed per rank, random labels; every
+configuration starts from the same weights; SGD lr 0.01, K-FAC damping 0.03, library defaults
+otherwise - smaller dampings diverge here, and few batches get memorized until the gradients
+underflow, either of which would time a degenerate run). The model is sized for the paper's
+proportions (ResNet-50 under D-KFAC: factor computation 1.6x and inversion 2.1x the forward+backward
+time): here about 1.9x and 2.0x on one core, with A factors up to 1153 x 1153 (three of that size) and
+an SGD step of ~40 ms.
+
+Configurations (all: DDP on the default group, SGD momentum 0.9, and for K-FAC a dedicated factor
+process group from ``dist.new_group()`` shared by the configurations, which never overlap in time):
+``sgd`` (no K-FAC), ``dkfac``, ``mpd``, ``spd`` (``SPDOptions.from_schedule(name)``), and the SPD
+ablations ``spd-no-pipe`` (pipelining=False), ``spd-no-dtf`` (fusion="layerwise"), ``spd-no-lbp``
+(placement="round_robin"); factor_update_steps=1 and each value of ``--inv-update-steps`` (default
+1, the paper's timing setting, and 10).
+
+Timing: for each inv_update_steps value, every configuration is built in the same worker processes
+and warmed up (``--warmup`` steps, at least profile_steps[1] + 2 so that SPD's profiling window is
+over and its fusion plan is fixed; rounded up to whole inverse periods). Then ``--blocks`` rounds: in
+each, every configuration runs one block of steps in turn (the starting configuration rotates from
+round to round). A block is ``--steps`` steps rounded up to a multiple of inv_update_steps, so every
+K-FAC block holds the same number of inverse steps. Each iteration starts after a ``dist.barrier()``
+on the default group; its time is the maximum over ranks (the distributed iteration time), averaged
+over the block. Reported: the median over blocks, the interquartile range, and the fastest block
+("min", the least disturbed by other load on the machine; its ratios vary less from run to run).
+
+Breakdown (ms per iteration, medians over blocks of block means, each rank's values averaged over
+ranks - rank-mean; the rank-max values are in the JSON): forward+backward is timed around
+``zero_grad``/forward/loss/backward, ``pre.step()`` and ``opt.step()`` separately, and the K-FAC
+phases come from ``pre.timer.last`` (:mod:`lightning_spdkfac.telemetry`). Paper categories:
+
+* FF&BP = forward+backward - factor_compute. DDP's gradient all-reduce (GradComm) overlaps backward
+  and its exposed part lands here: it is not separable. It also holds the hooks' hand-over of a final
+  factor to the pipelined distributor (packing the triangle, launching its group's all-reduce).
+* FactorComp = factor_compute + factor_update.
+* FactorComm = factor_comm_wait: time blocked on the all-reduces (exposed communication).
+  FactorPack = factor_pack: packing triangles in ``step()`` (without pipelining) and unpacking and
+  averaging the reduced triangles into full matrices; both are also timed alone afterwards
+  ("pack", "unpack").
+  Total factor communication: after the timed rounds, the configuration's fused
+  groups (its final plan, same buffer sizes) are all-reduced one after another with nothing else
+  running (``--comm-repeats`` times, rank-max, median): "FComm tot". The library's
+  factor_comm_inflight (the union of the groups' launch -> completion intervals: an upper bound of
+  the time communication was under way) is printed too ("FComm infl").
+* InvComp = inverse_compute, InvComm = inverse_comm_wait, Precond = precondition, Opt = opt.step().
+* K-FAC other = pre.step() - its timed phases (step factors built in step() without pipelining,
+  packing inverses for broadcast, bookkeeping); Skew = rank-max iteration - rank-mean sum of all the
+  above (rank imbalance, barrier exit skew).
+
+"A perfect schedule would reach": from D-KFAC, all factor communication hidden and the inversions split
+evenly over the ranks with free broadcasts, 1 - (FComm exp + (1 - 1/world) InvComp) / iter of dkfac;
+from MPD-KFAC, all factor communication and inverse broadcasts hidden, 1 - (FComm exp + InvComm) / iter
+of mpd: the most any schedule could win on this model and world size.
+
+Targets (issue): spd/dkfac <= 0.75, spd/mpd <= 0.9, exposed factor communication of spd <= 30% of its
+total (FComm tot; the ratio to factor_comm_inflight is printed too); PASS/MISS is printed for each,
+for every inv_update_steps value (inv=1 is the paper's setting). ``--json`` writes every number
+(per-block, rank-mean and rank-max), the environment, the arguments and the SPD plans
+(``distributor.describe()``, with factor names); ``--png`` a stacked-bar chart of the breakdown
+(needs matplotlib; skipped with a message without it). Opt-in ``--configs`` variants for
+investigation: ``spd-bucket`` (fusion="bucket"), ``spd-all`` (fusion="all"), ``spd-bf16`` (bf16
+messages). The whole default run takes ~4-5 minutes on 2 idle cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import math
+import os
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from _common import env_info, format_table, write_json
+from _dist import RanksFailed, run_ranks
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from lightning_spdkfac import KFACPreconditioner
+from lightning_spdkfac.comm.scheduler import SPDDistributor, SPDOptions
+from lightning_spdkfac.comm.triangle import pack_triu, triu_size, unpack_triu
+
+CONFIGS = ("sgd", "dkfac", "mpd", "spd", "spd-no-pipe", "spd-no-dtf", "spd-no-lbp")
+# Opt-in variants (--configs) for investigation: other fusion policies under pipelining, bf16 messages.
+EXTRA_CONFIGS = ("spd-bucket", "spd-all", "spd-bf16")
+_SPD_OVERRIDES = {
+    "spd": {},
+    "spd-no-pipe": {"pipelining": False},
+    "spd-no-dtf": {"fusion": "layerwise"},
+    "spd-no-lbp": {"placement": "round_robin"},
+    "spd-bucket": {"fusion": "bucket"},
+    "spd-all": {"fusion": "all"},
+    "spd-bf16": {"comm_dtype": "bfloat16"},
+}
+PHASES = (
+    "factor_compute",
+    "factor_comm_wait",
+    "factor_comm_inflight",
+    "factor_pack",
+    "factor_update",
+    "inverse_compute",
+    "inverse_comm_wait",
+    "precondition",
+)
+FIELDS = ("iter", "fwd_bwd", "pre_step", "opt") + PHASES  # one per-step record per rank
+# The paper's categories (stacked-bar segments), then the extra columns.
+SEGMENTS = ("FF&BP", "FactorComp", "FactorComm", "FactorPack", "InvComp", "InvComm", "Precond", "Opt",
+            "KFACOther", "Skew")
+COLORS = ("#4c72b0", "#dd8452", "#c44e52", "#e8a0a0", "#55a868", "#8172b3", "#937860", "#da8bc3", "#8c8c8c",
+          "#cccccc")
+TARGETS = (
+    ("spd/dkfac", 0.75),
+    ("spd/mpd", 0.9),
+    ("spd exposed/total factor comm", 0.30),
+    ("spd exposed/inflight factor comm", 0.30),
+)
+NOTES = {
+    "spd exposed/total factor comm": "  (total: the plan's all-reduces timed alone)",
+    "spd exposed/inflight factor comm": "  (inflight: union of the all-reduces' launch->completion "
+    "intervals, an upper bound of communication time)",
+}
+
+
+# ------------------------------------------------------------------------------ model and data
+class BasicBlock(nn.Module):
+    """relu(shortcut(x) + scale * conv2(relu(conv1(x)))): a ResNet basic block without BatchNorm."""
+
+    def __init__(self, cin: int, cout: int, stride: int, scale: float = 0.25):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1)
+        self.shortcut = nn.Conv2d(cin, cout, 1, stride) if stride != 1 or cin != cout else None
+        self.scale = scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv2(F.relu(self.conv1(x)))
+        s = x if self.shortcut is None else self.shortcut(x)
+        return F.relu(s + self.scale * y)
+
+
+class SmallResNet(nn.Module):
+    """32x32x3 -> stem 32 (stride 2, 16x16) -> blocks 32, 64 (8x8), 128 (4x4), 128 (2x2) -> pool -> 10."""
+
+    def __init__(self, classes: int = 10):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 32, 3, 2, 1)
+        self.blocks = nn.Sequential(
+            BasicBlock(32, 32, 1), BasicBlock(32, 64, 2), BasicBlock(64, 128, 2), BasicBlock(128, 128, 2)
+        )
+        self.fc = nn.Linear(128, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.blocks(F.relu(self.stem(x)))
+        return self.fc(x.mean((2, 3)))
+
+
+def make_model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return SmallResNet()
+
+
+def make_data(rank: int, batch: int, n_batches: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed * 1000 + 17 + rank)
+    return [
+        (torch.randn(batch, 3, 32, 32, generator=g), torch.randint(0, 10, (batch,), generator=g))
+        for _ in range(n_batches)
+    ]
+
+
+def spd_options(name: str, profile_steps: tuple[int, int]) -> SPDOptions | None:
+    if name == "sgd":
+        return None
+    if name in ("dkfac", "mpd"):
+        return SPDOptions.from_schedule(name)
+    return SPDOptions.from_schedule("spd", profile_steps=profile_steps, **_SPD_OVERRIDES[name])
+
+
+# ------------------------------------------------------------------------------ the workers
+class Runner:
+    """One configuration on this rank: its own model copy, DDP wrapper, optimizer and preconditioner."""
+
+    def __init__(self, name: str, base: nn.Module, data, inv: int, cfg: dict, group):
+        self.name = name
+        self.model = copy.deepcopy(base).train()
+        self.ddp = DDP(self.model)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=cfg["lr"], momentum=0.9)
+        self.data = data
+        self.i = 0
+        self.distributor = None
+        self.pre = None
+        options = spd_options(name, cfg["profile_steps"])
+        if options is not None:
+            self.distributor = SPDDistributor(options, process_group=group)
+            self.pre = KFACPreconditioner(
+                self.model,
+                factor_update_steps=1,
+                inv_update_steps=inv,
+                damping=cfg["damping"],
+                lr=lambda step: self.opt.param_groups[0]["lr"],
+                distributor=self.distributor,
+            )
+        self.last_loss = float("nan")
+
+    def step(self) -> list[float]:
+        """One training step; the record of FIELDS (seconds) on this rank."""
+        x, y = self.data[self.i % len(self.data)]
+        self.i += 1
+        pc = time.perf_counter
+        t0 = pc()
+        self.opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(self.ddp(x), y)
+        loss.backward()
+        t1 = pc()
+        if self.pre is not None:
+            self.pre.step()
+        t2 = pc()
+        self.opt.step()
+        t3 = pc()
+        self.last_loss = loss.detach()
+        last = self.pre.timer.last if self.pre is not None else {}
+        return [t3 - t0, t1 - t0, t2 - t1, t3 - t2] + [float(last.get(p, 0.0)) for p in PHASES]
+
+    def plan(self) -> dict | None:
+        if self.distributor is None:
+            return None
+        d = self.distributor.describe()
+        names = [ly.name for ly in self.pre.layers.values()]
+        n = len(names)
+        canonical = [(i, "A") for i in range(n)] + [(i, "G") for i in reversed(range(n))]
+        label = {k: f"{names[k[0]]}.{k[1]}" for k in canonical}
+        side = {
+            k: (
+                self.pre.layers[names[k[0]]].helper.a_dim
+                if k[1] == "A"
+                else self.pre.layers[names[k[0]]].helper.g_dim
+            )
+            for k in canonical
+        }
+        order = [tuple(k) for k in d["order"]]
+        return {
+            "schedule": d["schedule"],
+            "options": {
+                k: getattr(self.distributor.options, k)
+                for k in ("pipelining", "fusion", "placement", "profile_steps")
+            },
+            "pipelined": d["pipelined"],
+            "measuring": d["measuring"],
+            "order": [label[k] for k in order],
+            "groups": [[label[order[i]] for i in g] for g in d["groups"]],
+            "group_elements": [
+                sum(side[order[i]] * (side[order[i]] + 1) // 2 for i in g) for g in d["groups"]
+            ],
+            "owners": {label[k]: o for k, o in zip(canonical, d["owners"])},
+            "sides": {label[k]: side[k] for k in canonical},
+            "models": d["models"],
+        }
+
+    def close(self) -> None:
+        if self.pre is not None:
+            self.pre.remove_hooks()
+
+
+def standalone_comm(plan: dict, group, repeats: int) -> list[float]:
+    """Seconds to all-reduce the plan's fused groups one after another with nothing else running.
+
+    The communication work of one step's factor reduction (same buffers as the library's: upper
+    triangles plus one count per member), each group synchronous: the "total factor communication"
+    against which the exposed part is compared. One value per repeat, on this rank.
+    """
+    bufs = [torch.zeros(e + len(g)) for e, g in zip(plan["group_elements"], plan["groups"])]
+    for b in bufs:  # warm-up (connections, allocations)
+        dist.all_reduce(b, group=group)
+    times = []
+    for _ in range(repeats):
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        for b in bufs:
+            dist.all_reduce(b, group=group)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def pack_unpack_cost(plan: dict, repeats: int) -> tuple[list[float], list[float]]:
+    """Seconds to pack every factor's upper triangle into its group buffer, and to unpack and average
+    every group back into full matrices (what FusedAllReduce does at submit and inside its wait, so the
+    unpacking is the library's factor_pack phase): CPU work of the factor reduction besides the all-reduce."""
+    sides = [[plan["sides"][lab] for lab in g] for g in plan["groups"]]
+    mats = [[torch.eye(n) for n in g] for g in sides]
+    bufs = [torch.zeros(sum(triu_size(n) for n in g)) for g in sides]
+    pack, unpack = [], []
+    for _ in range(repeats + 1):  # the first builds the cached index tensors
+        t0 = time.perf_counter()
+        for m, b in zip(mats, bufs):
+            pack_triu(m, out=b)
+        t1 = time.perf_counter()
+        for g, b in zip(sides, bufs):
+            unpack_triu(b.div(2), g)
+        t2 = time.perf_counter()
+        pack.append(t1 - t0)
+        unpack.append(t2 - t1)
+    return pack[1:], unpack[1:]
+
+
+def _say(rank: int, msg: str) -> None:
+    if rank == 0:
+        print(msg, flush=True)
+
+
+def worker(rank: int, world: int, cfg: dict) -> dict:
+    """All configurations, both inverse periods, on this rank; raw per-step records for the parent."""
+    base = make_model(cfg["seed"])
+    data = make_data(rank, cfg["batch"], cfg["n_batches"], cfg["seed"])
+    group = dist.new_group()  # K-FAC's own collectives never interleave with DDP's
+    out: dict = {"inv": {}}
+    t_start = time.perf_counter()
+    for inv in cfg["inv_update_steps"]:
+        warmup = -(-max(cfg["warmup"], cfg["profile_steps"][1] + 2) // inv) * inv
+        block = -(-cfg["steps"] // inv) * inv
+        t0 = time.perf_counter()
+        runners = {name: Runner(name, base, data, inv, cfg, group) for name in cfg["configs"]}
+        t_built = time.perf_counter()
+        for r in runners.values():
+            for _ in range(warmup):
+                dist.barrier()
+                r.step()
+        plans = {name: r.plan() for name, r in runners.items() if r.distributor is not None}
+        still = [name for name, p in plans.items() if p["measuring"]]
+        if still:
+            raise RuntimeError(
+                f"{still}: the SPD profiling window is not over after {warmup} warm-up steps "
+                f"(profile_steps={cfg['profile_steps']}); raise --warmup"
+            )
+        t_warm = time.perf_counter()
+        _say(
+            rank,
+            f"[inv_update_steps={inv}] built {len(runners)} configurations in {t_built - t0:.1f} s "
+            f"(cost-model probes), warm-up {warmup} steps each in {t_warm - t_built:.1f} s; "
+            f"timing {cfg['blocks']} rounds x {block} steps",
+        )
+        records: dict[str, list[list[list[float]]]] = {name: [] for name in runners}
+        names = list(runners)
+        gc.collect()
+        for b in range(cfg["blocks"]):
+            tb = time.perf_counter()
+            for j in range(len(names)):
+                name = names[(b + j) % len(names)]
+                r = runners[name]
+                recs = []
+                for _ in range(block):
+                    dist.barrier()
+                    recs.append(r.step())
+                records[name].append(recs)
+            _say(
+                rank,
+                f"  round {b + 1}/{cfg['blocks']}: {time.perf_counter() - tb:.1f} s "
+                f"(elapsed {time.perf_counter() - t_start:.0f} s)",
+            )
+        comm = {name: standalone_comm(p, group, cfg["comm_repeats"]) for name, p in plans.items()}
+        out["inv"][inv] = {
+            "seconds": {
+                "build": t_built - t0,
+                "warmup": t_warm - t_built,
+                "timed": time.perf_counter() - t_warm,
+            },
+            "standalone_comm": comm,
+            "pack_unpack": {name: pack_unpack_cost(p, cfg["comm_repeats"]) for name, p in plans.items()},
+            "warmup": warmup,
+            "block": block,
+            "records": records,
+            "plans": {name: plans[name] for name in plans} if rank == 0 else None,
+            "plans_agree_key": {name: (p["order"], p["groups"], p["owners"]) for name, p in plans.items()},
+            "loss": {name: float(r.last_loss) for name, r in runners.items()},
+            "skipped_factor_steps": {
+                name: r.pre.skipped_factor_steps for name, r in runners.items() if r.pre is not None
+            },
+        }
+        for r in runners.values():
+            r.close()
+        del runners
+        gc.collect()
+    return out
+
+
+# ------------------------------------------------------------------------------ aggregation
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def _quartiles(xs: list[float]) -> tuple[float, float]:
+    if len(xs) < 2:
+        return xs[0], xs[0]
+    q = statistics.quantiles(xs, n=4, method="inclusive")
+    return q[0], q[2]
+
+
+def segments(v: dict[str, float], iter_max: float) -> dict[str, float]:
+    """The paper's categories (seconds) from rank-aggregated FIELDS of one block."""
+    in_step = sum(
+        v[p]
+        for p in ("factor_comm_wait", "factor_pack", "factor_update", "inverse_compute", "inverse_comm_wait",
+                  "precondition")
+    )
+    s = {
+        "FF&BP": v["fwd_bwd"] - v["factor_compute"],
+        "FactorComp": v["factor_compute"] + v["factor_update"],
+        "FactorComm": v["factor_comm_wait"],
+        "FactorPack": v["factor_pack"],
+        "InvComp": v["inverse_compute"],
+        "InvComm": v["inverse_comm_wait"],
+        "Precond": v["precondition"],
+        "Opt": v["opt"],
+        "KFACOther": v["pre_step"] - in_step,
+    }
+    s["Skew"] = iter_max - sum(s.values())
+    return s
+
+
+def aggregate(per_rank: list[list[list[list[float]]]]) -> dict:
+    """per_rank[rank][block][step][field] -> per-block values and medians (ms)."""
+    n_blocks = len(per_rank[0])
+    k = {f: i for i, f in enumerate(FIELDS)}
+    blocks = []
+    for b in range(n_blocks):
+        steps = list(zip(*(r[b] for r in per_rank)))  # steps[s] = (rank0 record, rank1 record, ...)
+        iter_max = statistics.fmean(max(rec[k["iter"]] for rec in st) for st in steps)
+        mean = {
+            f: statistics.fmean(statistics.fmean(rec[k[f]] for rec in st) for st in steps) for f in FIELDS
+        }
+        rmax = {f: statistics.fmean(max(rec[k[f]] for rec in st) for st in steps) for f in FIELDS}
+        blocks.append({"iter_max": iter_max, "mean": mean, "max": rmax, "segments": segments(mean, iter_max)})
+    iters = [1e3 * b["iter_max"] for b in blocks]
+    q1, q3 = _quartiles(iters)
+    third = max(1, len(iters) // 3)
+    return {
+        "iter_ms": _median(iters),
+        "iter_q1_ms": q1,
+        "iter_q3_ms": q3,
+        "iter_min_ms": min(iters),
+        "drift": _median(iters[-third:]) / _median(iters[:third]),
+        "iter_per_block_ms": iters,
+        "segments_ms": {s: _median([1e3 * b["segments"][s] for b in blocks]) for s in SEGMENTS},
+        "phases_rank_mean_ms": {f: _median([1e3 * b["mean"][f] for b in blocks]) for f in FIELDS},
+        "phases_rank_max_ms": {f: _median([1e3 * b["max"][f] for b in blocks]) for f in FIELDS},
+    }
+
+
+def analyse(results: list[dict], args) -> dict:
+    out = {}
+    for inv in args.inv_update_steps:
+        rs = [r["inv"][inv] for r in results]
+        keys = [r["plans_agree_key"] for r in rs]
+        if any(kk != keys[0] for kk in keys[1:]):
+            raise RuntimeError(f"inv_update_steps={inv}: the ranks made different SPD plans: {keys}")
+        configs = {}
+        for name in args.configs:
+            a = aggregate([r["records"][name] for r in rs])
+            a["final_loss"] = [r["loss"][name] for r in rs]
+            a["skipped_factor_steps"] = [r["skipped_factor_steps"].get(name, 0) for r in rs]
+            p = a["phases_rank_mean_ms"]
+            a["factor_comm_exposed_ms"] = p["factor_comm_wait"]
+            a["factor_comm_inflight_ms"] = p["factor_comm_inflight"]
+            alone = rs[0]["standalone_comm"].get(name)
+            if alone:  # rank-max per repeat, median over repeats
+                a["factor_comm_standalone_ms"] = 1e3 * _median(
+                    [max(r["standalone_comm"][name][i] for r in rs) for i in range(len(alone))]
+                )
+            else:
+                a["factor_comm_standalone_ms"] = None
+            pu = [r["pack_unpack"].get(name) for r in rs]
+            a["pack_ms"] = 1e3 * _median([_median(x[0]) for x in pu]) if pu[0] else None
+            a["unpack_ms"] = 1e3 * _median([_median(x[1]) for x in pu]) if pu[0] else None
+            configs[name] = a
+        sgd = configs.get("sgd")
+        for a in configs.values():
+            a["x_sgd"] = a["iter_ms"] / sgd["iter_ms"] if sgd else None
+        ratios = {}
+        if "spd" in configs:
+            spd = configs["spd"]
+            for other in ("dkfac", "mpd"):
+                if other in configs:
+                    ratios[f"spd/{other}"] = spd["iter_ms"] / configs[other]["iter_ms"]
+                    ratios[f"spd/{other} (min over rounds)"] = (
+                        spd["iter_min_ms"] / configs[other]["iter_min_ms"]
+                    )
+            if spd["factor_comm_standalone_ms"]:
+                ratios["spd exposed/total factor comm"] = (
+                    spd["factor_comm_exposed_ms"] / spd["factor_comm_standalone_ms"]
+                )
+            if spd["factor_comm_inflight_ms"] > 0:
+                ratios["spd exposed/inflight factor comm"] = (
+                    spd["factor_comm_exposed_ms"] / spd["factor_comm_inflight_ms"]
+                )
+            if "spd-no-pipe" in configs and configs["spd-no-pipe"]["factor_comm_exposed_ms"] > 0:
+                ratios["spd exposed / spd-no-pipe exposed factor comm"] = (
+                    spd["factor_comm_exposed_ms"] / configs["spd-no-pipe"]["factor_comm_exposed_ms"]
+                )
+        # What a perfect schedule could reach on this model and world size: from D-KFAC, hide all
+        # factor communication and split the inversions evenly with free broadcasts; from MPD-KFAC,
+        # hide all factor communication and all inverse broadcasts.
+        bounds = {}
+        world = args.world_size
+        if "dkfac" in configs:
+            d = configs["dkfac"]
+            bounds["spd/dkfac"] = (
+                1
+                - (d["segments_ms"]["FactorComm"] + (1 - 1 / world) * d["segments_ms"]["InvComp"])
+                / d["iter_ms"]
+            )
+        if "mpd" in configs:
+            m = configs["mpd"]
+            bounds["spd/mpd"] = (
+                1 - (m["segments_ms"]["FactorComm"] + m["segments_ms"]["InvComm"]) / m["iter_ms"]
+            )
+        targets = {
+            name: {
+                "value": ratios.get(name),
+                "target": t,
+                "pass": None if ratios.get(name) is None else ratios[name] <= t,
+                "ideal_schedule_bound": bounds.get(name),
+            }
+            for name, t in TARGETS
+        }
+        out[inv] = {
+            "warmup_steps": rs[0]["warmup"],
+            "block_steps": rs[0]["block"],
+            "phase_seconds_rank0": rs[0]["seconds"],
+            "configs": configs,
+            "ratios": ratios,
+            "targets": targets,
+            "plans": rs[0]["plans"],
+        }
+    return out
+
+
+# ------------------------------------------------------------------------------ output
+def print_report(res: dict, args) -> None:
+    for inv, r in res.items():
+        print(
+            f"\n== inv_update_steps={inv}, factor_update_steps=1: {args.world_size} ranks x {args.threads} "
+            f"thread(s), batch {args.batch}/rank, {args.blocks} rounds x {r['block_steps']} steps, "
+            f"warm-up {r['warmup_steps']} =="
+        )
+        rows = []
+        for name, a in r["configs"].items():
+            row = {
+                "config": name,
+                "iter": a["iter_ms"],
+                "iqr": f"{a['iter_q1_ms']:.1f}-{a['iter_q3_ms']:.1f}",
+                "min": a["iter_min_ms"],
+                "x_sgd": a["x_sgd"],
+                "inflight": a["factor_comm_inflight_ms"],
+                "alone": a["factor_comm_standalone_ms"],
+            }
+            row.update(a["segments_ms"])
+            rows.append(row)
+        print(
+            format_table(
+                rows,
+                [
+                    ("config", "config", "s"),
+                    ("iter", "iter ms", ".1f"),
+                    ("iqr", "IQR", "s"),
+                    ("min", "min", ".1f"),
+                    ("x_sgd", "x sgd", ".2f"),
+                    ("FF&BP", "FF&BP", ".1f"),
+                    ("FactorComp", "FactorComp", ".1f"),
+                    ("FactorComm", "FComm exp", ".1f"),
+                    ("alone", "FComm tot", ".1f"),
+                    ("inflight", "FComm infl", ".1f"),
+                    ("FactorPack", "pack", ".1f"),
+                    ("InvComp", "InvComp", ".1f"),
+                    ("InvComm", "InvComm", ".1f"),
+                    ("Precond", "Precond", ".1f"),
+                    ("Opt", "Opt", ".1f"),
+                    ("KFACOther", "KFAC other", ".1f"),
+                    ("Skew", "skew", ".1f"),
+                ],
+            )
+        )
+        print(
+            "(iter: median over rounds of the block-mean rank-max iteration time; min: its fastest "
+            "round, the least disturbed by other load on the machine; breakdown in ms: medians of "
+            "rank-mean block means; FF&BP includes DDP's exposed gradient all-reduce (GradComm, not "
+            "separable); FComm exp = exposed factor communication (factor_comm_wait); FComm tot = the "
+            "plan's fused all-reduces timed alone, one after another (rank-max); FComm infl = "
+            "factor_comm_inflight (summed launch->wait intervals, they overlap); neither is a segment; "
+            "skew = iter - sum of segments)"
+        )
+        noisy = [n for n, a in r["configs"].items() if a["iter_q3_ms"] - a["iter_q1_ms"] > 0.1 * a["iter_ms"]]
+        if noisy:
+            print(f"WARNING: noisy timings for {', '.join(noisy)} (IQR > 10% of the median)")
+        bad = [
+            n
+            for n, a in r["configs"].items()
+            if not all(math.isfinite(v) for v in a["final_loss"]) or any(a["skipped_factor_steps"])
+        ]
+        if bad:
+            print(f"WARNING: non-finite losses or skipped factor steps in {', '.join(bad)}")
+        abl = [
+            n for n in ("spd", "spd-no-pipe", "spd-no-dtf", "spd-no-lbp") + EXTRA_CONFIGS if n in r["configs"]
+        ]
+        if "spd" in abl and len(abl) > 1:
+            spd = r["configs"]["spd"]["iter_ms"]
+            rows = []
+            for n in abl:
+                a = r["configs"][n]
+                s = a["segments_ms"]
+                rows.append(
+                    {
+                        "config": n,
+                        "iter": a["iter_ms"],
+                        "vs_spd": a["iter_ms"] / spd,
+                        "exp": s["FactorComm"],
+                        "tot": a["factor_comm_standalone_ms"],
+                        "inv": s["InvComp"],
+                        "invmax": a["phases_rank_max_ms"]["inverse_compute"],
+                        "invc": s["InvComm"],
+                        "pack": a["pack_ms"],
+                        "unpack": a["unpack_ms"],
+                        "groups": len(r["plans"][n]["groups"]) if r["plans"] else None,
+                        "owned": sum(o >= 0 for o in r["plans"][n]["owners"].values())
+                        if r["plans"]
+                        else None,
+                    }
+                )
+            print("ablations:")
+            print(
+                format_table(
+                    rows,
+                    [
+                        ("config", "config", "s"),
+                        ("iter", "iter ms", ".1f"),
+                        ("vs_spd", "vs spd", ".2f"),
+                        ("exp", "FComm exp", ".1f"),
+                        ("tot", "FComm tot", ".1f"),
+                        ("inv", "InvComp", ".1f"),
+                        ("invmax", "InvComp rank-max", ".1f"),
+                        ("pack", "pack", ".1f"),
+                        ("unpack", "unpack", ".1f"),
+                        ("invc", "InvComm", ".1f"),
+                        ("groups", "fused groups", "d"),
+                        ("owned", "broadcast inverses", "d"),
+                    ],
+                )
+            )
+        rt = r["ratios"]
+        extra = rt.get("spd exposed / spd-no-pipe exposed factor comm")
+        if extra is not None:
+            print(f"spd exposed factor comm / spd-no-pipe exposed factor comm: {extra:.2f}")
+        tag = " (the paper's timing setting)" if inv == 1 else ""
+        print(f"targets, inv_update_steps={inv}{tag}:")
+        for name, t in r["targets"].items():
+            if t["value"] is None:
+                print(f"  {name:32s} n/a (configurations missing)")
+            else:
+                note = NOTES.get(name, "")
+                if t["ideal_schedule_bound"] is not None:
+                    note = (
+                        f"  (ratio of the fastest rounds {rt[name + ' (min over rounds)']:.3f}; a perfect "
+                        f"schedule would reach {t['ideal_schedule_bound']:.3f})"
+                    )
+                print(
+                    f"  {name:33s} {t['value']:.3f}  target <= {t['target']:.2f}  "
+                    f"{'PASS' if t['pass'] else 'MISS'}{note}"
+                )
+    for inv, r in res.items():
+        p = (r["plans"] or {}).get("spd")
+        if p:
+            m = p["models"]
+            owned = {}
+            for lab, o in p["owners"].items():
+                owned.setdefault(o, []).append(lab)
+            print(
+                f"\nspd plan (inv_update_steps={inv}): {len(p['groups'])} fused groups of "
+                f"{[len(g) for g in p['groups']]} factors ({[e for e in p['group_elements']]} elements); "
+                f"all-reduce alpha {1e3 * m.allreduce.alpha:.3f} ms beta {m.allreduce.beta * 1e9:.3f} ns/B; "
+                f"broadcast alpha {1e3 * m.broadcast.alpha:.3f} ms beta {m.broadcast.beta * 1e9:.3f} ns/B"
+            )
+            for o in sorted(owned):
+                who = "replicated" if o < 0 else f"rank {o}"
+                print(f"  {who}: " + ", ".join(f"{lab}({p['sides'][lab]})" for lab in owned[o]))
+
+
+def plot(res: dict, path: str) -> str:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: no PNG (pip install matplotlib)"
+    fig, axes = plt.subplots(1, len(res), figsize=(6.5 * len(res), 4.8), squeeze=False)
+    for ax, (inv, r) in zip(axes[0], res.items()):
+        names = list(r["configs"])
+        bottom = [0.0] * len(names)
+        for seg, color in zip(SEGMENTS, COLORS):
+            vals = [max(0.0, r["configs"][n]["segments_ms"][seg]) for n in names]
+            ax.bar(names, vals, bottom=bottom, color=color, label=seg, width=0.7)
+            bottom = [b + v for b, v in zip(bottom, vals)]
+        for i, n in enumerate(names):
+            ax.text(i, bottom[i], f"{r['configs'][n]['iter_ms']:.0f}", ha="center", va="bottom", fontsize=8)
+        ax.set_title(f"inv_update_steps={inv}, factor_update_steps=1")
+        ax.set_ylabel("ms per iteration (rank-max)")
+        ax.tick_params(axis="x", rotation=30)
+    axes[0][-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.suptitle("K-FAC iteration time breakdown (small ResNet, gloo, CPU)")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return f"wrote {path}"
+
+
+# ------------------------------------------------------------------------------ main
+def _int_list(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v.strip()]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    p.add_argument(
+        "--configs",
+        default=",".join(CONFIGS),
+        help="comma-separated subset of " + ",".join(CONFIGS + EXTRA_CONFIGS),
+    )
+    p.add_argument("--inv-update-steps", default="1,10", help="comma-separated inverse periods, each a table")
+    p.add_argument("--blocks", type=int, default=8, help="timing rounds (each: one block per configuration)")
+    p.add_argument(
+        "--steps", type=int, default=5, help="steps per block, rounded up to a multiple of inv_update_steps"
+    )
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=10,
+        help="warm-up steps per configuration (at least profile_steps[1] + 2; rounded up to whole "
+        "inverse periods)",
+    )
+    p.add_argument("--profile-steps", default="2,6", help="SPD profiling window (factor steps start,end)")
+    p.add_argument("--batch", type=int, default=32, help="batch per rank")
+    p.add_argument(
+        "--n-batches",
+        type=int,
+        default=64,
+        help="distinct synthetic batches per rank, cycled (many: random labels are not memorized)",
+    )
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--lr", type=float, default=0.01, help="SGD learning rate (momentum 0.9)")
+    p.add_argument(
+        "--damping",
+        type=float,
+        default=0.03,
+        help="K-FAC damping (1e-3 and 1e-2 diverge on this model and data within ~60 steps, and "
+        "failed Cholesky factorizations fall back to slow eigendecompositions)",
+    )
+    p.add_argument(
+        "--comm-repeats",
+        type=int,
+        default=5,
+        help="repeats of the standalone timing of each plan's fused all-reduces",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=1200.0, help="bound on the whole distributed run (s)")
+    p.add_argument("--json", metavar="OUT", default=None, help="write all numbers as JSON")
+    p.add_argument(
+        "--png",
+        metavar="OUT",
+        default="benchmarks/results/iteration_time.png",
+        help="stacked-bar chart of the breakdown ('' for none; needs matplotlib)",
+    )
+    args = p.parse_args(argv)
+    args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    bad = [c for c in args.configs if c not in CONFIGS + EXTRA_CONFIGS]
+    if bad or not args.configs or len(set(args.configs)) != len(args.configs):
+        p.error(
+            f"--configs: unknown or repeated {bad or args.configs}; choose from "
+            f"{', '.join(CONFIGS + EXTRA_CONFIGS)}"
+        )
+    try:
+        args.inv_update_steps = _int_list(args.inv_update_steps)
+        ps = _int_list(args.profile_steps)
+    except ValueError as e:
+        p.error(str(e))
+    if not args.inv_update_steps or min(args.inv_update_steps) < 1:
+        p.error("--inv-update-steps: positive integers")
+    if len(ps) != 2 or not 0 <= ps[0] < ps[1]:
+        p.error("--profile-steps: start,end with 0 <= start < end")
+    args.profile_steps = (ps[0], ps[1])
+    for name in ("blocks", "steps", "batch", "n_batches", "world_size", "threads", "comm_repeats"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.warmup < 0:
+        p.error("--warmup must be >= 0")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import iteration_time  # the workers need a function of an importable module, not of __main__
+
+    cfg = {
+        k: getattr(args, k)
+        for k in (
+            "configs",
+            "inv_update_steps",
+            "blocks",
+            "steps",
+            "warmup",
+            "profile_steps",
+            "batch",
+            "n_batches",
+            "lr",
+            "damping",
+            "seed",
+            "comm_repeats",
+        )
+    }
+    env = env_info()
+    env.update(
+        world_size=args.world_size,
+        threads_per_rank=args.threads,
+        backend="gloo",
+        loadavg_before=os.getloadavg(),
+    )
+    print(
+        f"torch {env['torch']}  cpus {env['cpu_count']}  "
+        f"{args.world_size} gloo ranks x {args.threads} thread(s)  "
+        f"load average before {env['loadavg_before'][0]:.2f} {env['loadavg_before'][1]:.2f} "
+        f"{env['loadavg_before'][2]:.2f}",
+        flush=True,
+    )
+    t0 = time.perf_counter()
+    try:
+        results = run_ranks(
+            iteration_time.worker,
+            args.world_size,
+            cfg,
+            timeout=args.timeout,
+            pg_timeout=min(args.timeout, 300.0),
+            threads=args.threads,
+        )
+    except RanksFailed as e:
+        print(f"FAILED: {e}", file=sys.stderr)
+        return 1
+    wall = time.perf_counter() - t0
+    env["loadavg_after"] = os.getloadavg()
+    env["wall_s"] = wall
+    res = analyse(results, args)
+    print_report(res, args)
+    la = env["loadavg_after"]
+    print(
+        f"\nwall time {wall:.0f} s; load average after {la[0]:.2f} {la[1]:.2f} {la[2]:.2f} "
+        f"({env['cpu_count']} cpus; this run alone keeps ~{args.world_size * args.threads} busy)"
+    )
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        write_json(
+            args.json, {"env": env, "args": vars(args), "results": {str(k): v for k, v in res.items()}}
+        )
+        print(f"wrote {args.json}")
+    if args.png:
+        try:
+            print(plot(res, args.png))
+        except Exception:  # a plotting problem must not lose the numbers above
+            print(f"PNG not written:\n{traceback.format_exc()}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
