@@ -598,7 +598,8 @@ def print_report(res: dict, args) -> None:
             "rank-mean block means; FF&BP includes DDP's exposed gradient all-reduce (GradComm, not "
             "separable); FComm exp = exposed factor communication (factor_comm_wait); FComm tot = the "
             "plan's fused all-reduces timed alone, one after another (rank-max); FComm infl = "
-            "factor_comm_inflight (summed launch->wait intervals, they overlap); neither is a segment; "
+            "factor_comm_inflight (union of launch->completion intervals, overlapping compute); neither "
+            "is a segment; pack = factor_pack (triangles packed in step() and unpacked); "
             "skew = iter - sum of segments)"
         )
         noisy = [n for n, a in r["configs"].items() if a["iter_q3_ms"] - a["iter_q1_ms"] > 0.1 * a["iter_ms"]]
