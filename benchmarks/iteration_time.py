@@ -87,13 +87,15 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from _common import env_info, format_table, write_json
-from _dist import RanksFailed, run_ranks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_spdkfac import KFACPreconditioner
 from lightning_spdkfac.comm.scheduler import SPDDistributor, SPDOptions
 from lightning_spdkfac.comm.triangle import pack_triu, triu_size, unpack_triu
+from lightning_spdkfac.multiprocess import RanksFailed
+from lightning_spdkfac.multiprocess import run_distributed as run_ranks
+from lightning_spdkfac.telemetry import PHASES
 
 CONFIGS = ("sgd", "dkfac", "mpd", "spd", "spd-no-pipe", "spd-no-dtf", "spd-no-lbp")
 # Opt-in variants (--configs) for investigation: other fusion policies under pipelining, bf16 messages.
@@ -107,16 +109,6 @@ _SPD_OVERRIDES = {
     "spd-all": {"fusion": "all"},
     "spd-bf16": {"comm_dtype": "bfloat16"},
 }
-PHASES = (
-    "factor_compute",
-    "factor_comm_wait",
-    "factor_comm_inflight",
-    "factor_pack",
-    "factor_update",
-    "inverse_compute",
-    "inverse_comm_wait",
-    "precondition",
-)
 FIELDS = ("iter", "fwd_bwd", "pre_step", "opt") + PHASES  # one per-step record per rank
 # The paper's categories (stacked-bar segments), then the extra columns.
 SEGMENTS = ("FF&BP", "FactorComp", "FactorComm", "FactorPack", "InvComp", "InvComm", "Precond", "Opt",

@@ -11,7 +11,6 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import free_port, run_distributed
 
 from lightning_spdkfac.comm import (
     FusedAllReduce,
@@ -23,6 +22,7 @@ from lightning_spdkfac.comm import (
     triu_size,
     unpack_triu,
 )
+from lightning_spdkfac.multiprocess import free_port, run_distributed
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from dist_utils import run_distributed
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_spdkfac import KFACPreconditioner
 from lightning_spdkfac.comm.scheduler import SPDDistributor, SPDOptions
+from lightning_spdkfac.multiprocess import run_distributed
 
 STEPS, BATCH = 7, 8  # per-rank batch
 KFAC_KW = dict(damping=0.05, kl_clip=1e-2, lr=0.1, inv_update_steps=2)
@@ -49,6 +49,7 @@ def train_ranked(rank, world, options):
         opt.step()
     plan = distributor.describe()
     plan.pop("models")
+    plan["last_phases"] = dict(pre.timer.last)
     return [p.detach().clone() for p in model.parameters()], plan
 
 
@@ -100,6 +101,11 @@ def test_schedules_agree_with_each_other_and_with_one_process():
     print(f"bf16 relative deviation {float(off / moved):.4f}")
     assert off / moved < 0.1
 
+    phases = [r[name][1].pop("last_phases") for r in results for name in r]
+    for p in phases:  # the last step (6) is an inverse step: every phase of a distributed step ran
+        for name in ("factor_compute", "factor_comm_inflight", "factor_pack", "inverse_compute", "precondition"):
+            assert p[name] > 0, (name, p)
+    assert max(p["inverse_comm_wait"] for p in phases) > 0  # mpd / spd broadcast inverses
     replan = results[0]["spd_replan"][1]
     assert replan["pipelined"] and not replan["measuring"] and replan == results[1]["spd_replan"][1]
     plans = {name: results[0][name][1] for name in ("dkfac", "mpd", "spd")}

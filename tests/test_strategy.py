@@ -8,11 +8,11 @@ import warnings
 import pytest
 import pytorch_lightning as pl
 import torch
-from dist_utils import run_distributed
 from test_callback import KW, Tiny, data, trainer
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_spdkfac import KFAC, KFACPreconditioner, SPDKFACStrategy
+from lightning_spdkfac.multiprocess import run_distributed
 
 
 class TinyInterleaved(Tiny):

@@ -46,8 +46,10 @@ class StepTimings:
 
     ``submit[i]``: factor i was submitted (packed into its group buffer), i.e. its ready time.
     ``launch[g]``: group g's all-reduce was issued (right after its last member's submit).
-    ``wait_start[g]`` / ``wait_end[g]``: the caller blocked on group g (``wait_end - wait_start`` is the
-    exposed communication of g). ``launch_order``: groups in the order their all-reduces were issued.
+    ``work_end[g]``: group g's all-reduce was complete (end of ``work.wait()``, before unpacking).
+    ``wait_start[g]`` / ``wait_end[g]``: the caller blocked on group g; ``work_end - wait_start`` is the
+    exposed communication of g and ``wait_end - work_end`` its unpacking. ``launch_order``: groups in the
+    order their all-reduces were issued.
     """
 
     begin: float
@@ -55,6 +57,7 @@ class StepTimings:
     launch: tuple[float, ...]
     wait_start: tuple[float, ...]
     wait_end: tuple[float, ...]
+    work_end: tuple[float, ...]
     launch_order: tuple[int, ...]
 
 
@@ -158,6 +161,7 @@ class FusedAllReduce:
         self._t_submit = [NAN] * n
         self._t_launch = [NAN] * m
         self._t_wait_start = [NAN] * m
+        self._t_work_end = [NAN] * m
         self._t_wait_end = [NAN] * m
 
     @property
@@ -185,7 +189,8 @@ class FusedAllReduce:
     def timings(self) -> StepTimings:
         """The stamps of the current step so far."""
         return StepTimings(self._t_begin, tuple(self._t_submit), tuple(self._t_launch),
-                           tuple(self._t_wait_start), tuple(self._t_wait_end), tuple(self._launch_order))
+                           tuple(self._t_wait_start), tuple(self._t_wait_end), tuple(self._t_work_end),
+                           tuple(self._launch_order))
 
     # ------------------------------------------------------------------------------------------ step
     def begin_step(self) -> None:
@@ -290,9 +295,11 @@ class FusedAllReduce:
             work = self._works[group]
         t0 = time.perf_counter()
         work.wait()
+        t1 = time.perf_counter()
         with self._lock:
             results = self._finish(group)
             self._t_wait_start[group] = t0
+            self._t_work_end[group] = t1
             self._t_wait_end[group] = time.perf_counter()
         return results
 

@@ -1,7 +1,7 @@
 """Profiling of the process group, so that every rank plans from the same measurements.
 
 ``measure_allreduce`` / ``measure_broadcast`` time one collective per message size (all ranks take part:
-call them on every rank at the same point) and return, on every rank, the same list: the median over
+call them on every rank at the same point) and return, on every rank, the same list: the minimum over
 ``repeats`` timed runs on each rank, then the maximum over ranks (one MAX all-reduce), so a plan derived
 from them is identical everywhere. Fitting the alpha-beta model is the planners' job (``schedule/``).
 ``broadcast_object`` hands rank ``src``'s object (e.g. inversion timings) to every rank.
@@ -9,7 +9,6 @@ from them is identical everywhere. Fitting the alpha-beta model is the planners'
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -62,7 +61,7 @@ def _measure(
             collective(buf)
             _sync(dev)
             times.append(time.perf_counter() - t0)
-        medians.append(statistics.median(times))
+        medians.append(min(times))  # the uncontended cost: noise only ever adds time
     worst = torch.tensor(medians, dtype=torch.float64, device=dev)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=process_group)
     return [float(x) for x in worst.tolist()]
@@ -77,7 +76,7 @@ def measure_allreduce(
     device: torch.device | str | None = None,
 ) -> list[float]:
     """Seconds of one SUM all-reduce of each size (bytes, rounded down to whole ``dtype`` elements, at
-    least one): median over ``repeats`` barrier-aligned runs, maximum over ranks; identical on every
+    least one): minimum over ``repeats`` barrier-aligned runs, maximum over ranks; identical on every
     rank. All zeros without torch.distributed (one process). Collective: call on every rank."""
 
     def collective(buf: torch.Tensor) -> object:

@@ -28,6 +28,7 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from ..kfac.distributor import Distributor, FactorKey, Task
 from ..schedule import (
@@ -193,9 +194,9 @@ class SPDDistributor(Distributor):
         if self._dist and tri_bytes and (need_allreduce or need_placement):
             sizes = _probe_sizes(max(tri_bytes))
             if need_allreduce:
-                allreduce = fit_alpha_beta(sizes, measure_allreduce(sizes, self.process_group, repeats=3))
+                allreduce = fit_alpha_beta(sizes, measure_allreduce(sizes, self.process_group, repeats=5))
             if need_placement:
-                broadcast = fit_alpha_beta(sizes, measure_broadcast(sizes, self.process_group, repeats=3))
+                broadcast = fit_alpha_beta(sizes, measure_broadcast(sizes, self.process_group, repeats=5))
         if need_placement and self.sides:
             ns = sorted({self._side(k) for k in self.keys})
             probe = sorted({ns[0], ns[len(ns) // 2], ns[-1], max(8, ns[-1] // 2)})
@@ -282,19 +283,32 @@ class SPDDistributor(Distributor):
 
     def reduce_factors(self, local: dict[FactorKey, torch.Tensor | None]) -> dict[FactorKey, torch.Tensor | None]:
         pending = {**self._held, **local}
-        with self.timer.phase("factor_comm_wait"):
+        with record_function("kfac/factor_comm_wait"):
+            t0 = time.perf_counter()
             for key in sorted(pending, key=self.position.__getitem__):  # plan order: groups launch in order
                 self._fused.submit(self.position[key], pending[key])
+            t1 = time.perf_counter()
             reduced = self._fused.wait()
-        t = self._fused.last_timings
-        if t is not None:
-            self.timer.add("factor_comm_inflight", sum(
-                end - start for start, end in zip(t.launch, t.wait_end) if end == end and start == start))
+        self._account_factor_comm(self._fused.last_timings, pack_seconds=t1 - t0)
         self._held = {}
         if self._measuring and self.factor_steps >= self._profile_window[0] and self._step_ready:
             self._timings.append(dict(self._step_ready))
         self.factor_steps += 1
         return {key: reduced[self.position[key]] for key in self.order}
+
+    def _account_factor_comm(self, t, pack_seconds: float) -> None:
+        """Split the step's factor communication into exposed wait, packing and in-flight time."""
+        if t is None:
+            return
+        done = [g for g in range(len(t.launch)) if t.work_end[g] == t.work_end[g]]  # not NaN
+        self.timer.add("factor_comm_wait", sum(t.work_end[g] - t.wait_start[g] for g in done))
+        self.timer.add("factor_pack", pack_seconds + sum(t.wait_end[g] - t.work_end[g] for g in done))
+        inflight, end = 0.0, float("-inf")
+        for start, stop in sorted((t.launch[g], t.work_end[g]) for g in done):
+            if stop > end:
+                inflight += stop - max(start, end)
+                end = stop
+        self.timer.add("factor_comm_inflight", inflight)
 
     def invert(
         self,

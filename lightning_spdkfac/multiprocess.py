@@ -1,11 +1,13 @@
-"""A multi-process harness for torch.distributed tests: one process per rank, bounded, never left behind.
+"""Run a function on N local ranks: one process per rank, bounded, never left behind.
 
     results = run_distributed(worker, 2, extra_arg, timeout=30)   # worker(rank, world_size, extra_arg)
 
-Each rank runs in a fresh process with ``torch.distributed`` initialized (gloo on 127.0.0.1 by default)
-and one intra-op thread. The worker must be a module-level function (it is pickled by reference) and
+Used by the multi-process tests and benchmarks (and handy for trying a distributed schedule on one
+machine). Each rank runs in a fresh process with ``torch.distributed`` initialized (gloo on
+127.0.0.1 by default) and ``threads`` intra-op threads (1 by default). The worker must be a module-level function (it is pickled by reference) and
 return something picklable. Any failure - an exception in a rank, a rank dying, the whole run exceeding
-``timeout`` - kills every rank and raises AssertionError with the rank's traceback.
+``timeout`` - kills every rank and raises :class:`RanksFailed` (an AssertionError, so a test fails
+with it) with the rank's traceback.
 
 Start method: "forkserver" by default. Its server process imports torch and the worker's module once per
 pytest session, and every rank is then forked from it in milliseconds, instead of re-importing torch
@@ -29,11 +31,15 @@ from collections.abc import Callable
 from multiprocessing import forkserver
 from typing import Any
 
-__all__ = ["free_port", "run_distributed"]
+__all__ = ["RanksFailed", "free_port", "run_distributed"]
 
 _GRACE_S = 1.0  # after a first failure, how long to collect the other ranks' reports
 _STOP_S = 3.0  # how long a terminated rank may take to exit before it is killed
 _PRELOAD = ["torch", "torch.distributed"]
+
+
+class RanksFailed(AssertionError):
+    """A rank raised, died or did not finish in time; the message holds the ranks' tracebacks."""
 
 
 def free_port() -> int:
@@ -43,15 +49,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(fn, rank, world_size, port, backend, timeout, args, kwargs, conn) -> None:
+def _rank_main(fn, rank, world_size, port, backend, timeout, threads, args, kwargs, conn) -> None:
     """Entry point of one rank: init, run ``fn``, report ("ok", result) or ("error", traceback)."""
-    os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ["OMP_NUM_THREADS"] = str(threads)
     initialized = False
     try:
         import torch
         import torch.distributed as dist
 
-        torch.set_num_threads(1)
+        torch.set_num_threads(threads)
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world_size, timeout=datetime.timedelta(seconds=timeout))
         initialized = True
@@ -156,12 +162,15 @@ def run_distributed(
     timeout: float = 60,
     backend: str = "gloo",
     start_method: str = "forkserver",
+    pg_timeout: float | None = None,
+    threads: int = 1,
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` ranks; the results in rank order.
 
-    ``timeout`` (seconds) bounds the whole run after the ranks started, and is also the process group's
-    timeout. On failure every rank is killed and AssertionError carries the failing ranks' tracebacks.
+    ``timeout`` (seconds) bounds the whole run after the ranks started; ``pg_timeout`` (default: the
+    same) is the process group's timeout, which bounds every collective inside the ranks. On failure
+    every rank is killed and :class:`RanksFailed` carries the failing ranks' tracebacks.
     """
     if "<locals>" in getattr(fn, "__qualname__", "<locals>") or fn.__module__ in ("__main__", "__mp_main__"):
         raise ValueError(f"fn must be a module-level function of an importable module, got {fn!r}")
@@ -177,17 +186,18 @@ def run_distributed(
             recv, send = ctx.Pipe(duplex=False)
             pipes.append(recv)
             p = ctx.Process(target=_rank_main, name=f"rank{rank}", daemon=True,
-                            args=(fn, rank, world_size, port, backend, timeout, args, kwargs, send))
+                            args=(fn, rank, world_size, port, backend, pg_timeout or timeout, threads, args,
+                                  kwargs, send))
             p.start()
             send.close()  # the rank holds the write end now
             procs.append(p)
         results, errors = _collect(procs, pipes, timeout)
         if errors:
             report = "\n".join(f"--- rank {r} failed:\n{tb}" for r, tb in errors)
-            raise AssertionError(f"{len(errors)} of {world_size} ranks failed in {fn.__qualname__}:\n{report}")
+            raise RanksFailed(f"{len(errors)} of {world_size} ranks failed in {fn.__qualname__}:\n{report}")
         missing = [r for r in range(world_size) if r not in results]
         if missing:
-            raise AssertionError(f"{fn.__qualname__} timed out after {timeout} s: ranks {missing} had not "
+            raise RanksFailed(f"{fn.__qualname__} timed out after {timeout} s: ranks {missing} had not "
                                  "finished (killed)")
         clean = True
         return [results[r] for r in range(world_size)]
