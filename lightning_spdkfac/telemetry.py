@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 from torch.profiler import record_function
@@ -55,14 +55,7 @@ class StepTimer:
     def phase(self, name: str):
         # A record_function range costs microseconds even with no profiler running, and phases sit
         # in per-layer hooks: open one only while a profiler is recording.
-        if _profiler_enabled():
-            with record_function(f"kfac/{name}"):
-                t0 = time.perf_counter()
-                try:
-                    yield
-                finally:
-                    self._totals[name] += time.perf_counter() - t0
-        else:
+        with record_function(f"kfac/{name}") if _profiler_enabled() else nullcontext():
             t0 = time.perf_counter()
             try:
                 yield

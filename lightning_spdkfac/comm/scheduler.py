@@ -118,6 +118,10 @@ class SPDOptions:
         return self.pipelining and self.fusion == "dtf"
 
     @property
+    def bytes_per_element(self) -> int:
+        return 2 if self.comm_dtype == "bfloat16" else 4
+
+    @property
     def torch_comm_dtype(self) -> torch.dtype:
         return torch.bfloat16 if self.comm_dtype == "bfloat16" else torch.float32
 
@@ -168,15 +172,21 @@ class SPDDistributor(Distributor):
         # Canonical factor order: A in forward order, then G in backward order (the order in
         # which they are ready); the pipelined plan replaces it with the measured order.
         self.keys: list[FactorKey] = [(i, "A") for i in range(n_layers)] + [(i, "G") for i in reversed(range(n_layers))]
+        self._canonical = {k: i for i, k in enumerate(self.keys)}
         self._measure_models()
         self.placement_owners = self._plan_placement()
         if self.options.needs_profile:
-            self._set_plan(self.keys, [tuple(range(len(self.keys)))], pipelined=False)
-            self._measuring = True
+            self._start_measuring(self.options.profile_steps)
         else:
             groups = self._plan_groups(self.keys, [0.0] * len(self.keys))
             self._set_plan(self.keys, groups, pipelined=self.options.pipelining)
-            self._measuring = False
+
+    def _start_measuring(self, window: tuple[int, int]) -> None:
+        """Time the factors' ready times over factor steps ``[window[0], window[1])``: meanwhile they
+        are held until ``step()`` and reduced in one all-reduce, free of communication interference."""
+        self._measuring = True
+        self._profile_window = window
+        self._set_plan(self.keys, [tuple(range(len(self.keys)))], pipelined=False)
 
     def _side(self, key: FactorKey) -> int:
         a, g = self.sides[key[0]]
@@ -187,8 +197,7 @@ class SPDDistributor(Distributor):
         need_allreduce = opts.fusion == "dtf"
         need_placement = opts.placement == "lbp"
         zero = AlphaBeta(0.0, 0.0)
-        bpe = 2 if opts.comm_dtype == "bfloat16" else 4
-        tri_bytes = [triu_size(self._side(k)) * bpe for k in self.keys]
+        tri_bytes = [triu_size(self._side(k)) * opts.bytes_per_element for k in self.keys]
         allreduce = broadcast = zero
         inverse = InverseCost()
         if self._dist and tri_bytes and (need_allreduce or need_placement):
@@ -208,20 +217,18 @@ class SPDDistributor(Distributor):
 
     def _plan_groups(self, order: list[FactorKey], ready: list[float]) -> list[tuple[int, ...]]:
         opts = self.options
-        bpe = 2 if opts.comm_dtype == "bfloat16" else 4
         elements = [triu_size(self._side(k)) for k in order]
         plan = plan_fusion(elements, ready, self.models.allreduce, policy=opts.fusion,
-                           bucket_bytes=int(opts.bucket_mb * 2**20), bytes_per_element=bpe)
+                           bucket_bytes=int(opts.bucket_mb * 2**20), bytes_per_element=opts.bytes_per_element)
         return [tuple(g) for g in plan.groups]
 
     def _plan_placement(self) -> tuple[int, ...]:
         opts = self.options
-        bpe = 2 if opts.comm_dtype == "bfloat16" else 4
         ns = [self._side(k) for k in self.keys]
         if not ns:
             return ()
         placement = plan_placement(ns, self.world_size, self.models.inverse, self.models.broadcast,
-                                   policy=opts.placement, bytes_per_element=bpe,
+                                   policy=opts.placement, bytes_per_element=opts.bytes_per_element,
                                    small_threshold=opts.small_factor)
         return tuple(placement.owners)
 
@@ -248,7 +255,7 @@ class SPDDistributor(Distributor):
         if summary is None:  # no complete step measured: keep the canonical order
             order, ready = list(self.keys), [0.0] * len(self.keys)
         else:
-            order = sorted(self.keys, key=lambda k: (summary[k], self.keys.index(k)))
+            order = sorted(self.keys, key=lambda k: (summary[k], self._canonical[k]))
             t0 = summary[order[0]]
             ready = [summary[k] - t0 for k in order]
         self._set_plan(order, self._plan_groups(order, ready), pipelined=self.options.pipelining)
@@ -261,11 +268,8 @@ class SPDDistributor(Distributor):
                 self._finish_profile()
             elif (not self._measuring and opts.replan_every
                   and self.factor_steps > 0 and self.factor_steps % opts.replan_every == 0):
-                # Re-measure (the plan is kept meanwhile: only its timings are refreshed).
-                self._measuring = True
                 length = opts.profile_steps[1] - opts.profile_steps[0]
-                self._profile_window = (self.factor_steps, self.factor_steps + length)
-                self._set_plan(self.keys, [tuple(range(len(self.keys)))], pipelined=False)
+                self._start_measuring((self.factor_steps, self.factor_steps + length))
             if self._measuring:
                 self.pipelined = True  # hand factors over from the hooks, to time them
         self._held = {}
@@ -316,8 +320,8 @@ class SPDDistributor(Distributor):
         invert_fn: Callable[[list[Task]], list[torch.Tensor]],
         on_ready: Callable[[int, str, torch.Tensor], None],
     ) -> None:
-        canonical = {k: i for i, k in enumerate(self.keys)}
-        owners = [self.placement_owners[canonical[(t[0], t[1])]] if self.world_size > 1 else -1 for t in tasks]
+        owners = [self.placement_owners[self._canonical[(t[0], t[1])]] if self.world_size > 1 else -1
+                  for t in tasks]
         if all(o == -1 for o in owners):
             super().invert(tasks, invert_fn, on_ready)
             return

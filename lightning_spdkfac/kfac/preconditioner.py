@@ -20,6 +20,7 @@ from __future__ import annotations
 import re
 import warnings
 from collections.abc import Callable, Iterable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -133,9 +134,10 @@ class KFACLayer:
 
 
 def _autocast_off(device_type: str):
+    """Autocast disabled for factor statistics (fp32 factors under bf16/fp16 autocast)."""
     if torch.is_autocast_enabled(device_type):
         return torch.autocast(device_type, enabled=False)
-    return None
+    return nullcontext()
 
 
 class KFACPreconditioner:
@@ -290,12 +292,8 @@ class KFACPreconditioner:
                     ly.mb_a_calls = ly.mb_g_calls = 0
             x = inputs[0]
             with self.timer.phase("factor_compute"):
-                ctx = _autocast_off(x.device.type)
-                if ctx is None:
+                with _autocast_off(x.device.type):
                     self._accumulate_a(layer, x)
-                else:
-                    with ctx:
-                        self._accumulate_a(layer, x)
                 final = self._pipelining_final(layer, layer.mb_a_calls)
                 if final:
                     layer.submitted["A"] = layer.a_calls
@@ -313,12 +311,8 @@ class KFACPreconditioner:
         def grad_hook(grad_output):
             self._backward_seen = True
             with self.timer.phase("factor_compute"):
-                ctx = _autocast_off(grad_output.device.type)
-                if ctx is None:
+                with _autocast_off(grad_output.device.type):
                     self._accumulate_g(layer, grad_output, batch, micro_batch)
-                else:
-                    with ctx:
-                        self._accumulate_g(layer, grad_output, batch, micro_batch)
                 final = self._pipelining_final(layer, layer.mb_g_calls)
                 if final:
                     layer.submitted["G"] = layer.g_calls
@@ -420,6 +414,7 @@ class KFACPreconditioner:
     def _update_factors_distributed(self, k: int) -> None:
         """Step factors averaged over ranks by the distributor, then the running averages."""
         g_scale = self._g_scale()
+        complete = set(self._collected_layers())
         local: dict[FactorKey, torch.Tensor | None] = {}
         for layer in self.layers.values():
             for which, submitted in layer.submitted.items():
@@ -430,11 +425,10 @@ class KFACPreconditioner:
                         f"but the step ended after {now}; pipelined factor reduction needs the same number "
                         "of calls of a layer in every step (turn pipelining off for this model)"
                     )
-            complete = layer.a_calls > 0 and layer.a_calls == layer.g_calls and layer.rows > 0
             if "A" not in layer.submitted:
-                local[(layer.index, "A")] = layer.step_a() if complete else None
+                local[(layer.index, "A")] = layer.step_a() if layer in complete else None
             if "G" not in layer.submitted:
-                local[(layer.index, "G")] = layer.step_g(g_scale) if complete else None
+                local[(layer.index, "G")] = layer.step_g(g_scale) if layer in complete else None
         reduced = self.distributor.reduce_factors(local)
         with self.timer.phase("factor_update"):
             self._fold_reduced(reduced, k)
