@@ -56,27 +56,33 @@ class LayerHelper:
         raise NotImplementedError  # pragma: no cover
 
     # -- gradient as a matrix ---------------------------------------------------------
-    def grad_matrix(self) -> torch.Tensor | None:
-        """``[dW, db]`` as one ``out x a_dim`` matrix, or None when the weight has no gradient."""
+    def params(self) -> list[torch.nn.Parameter]:
+        """The parameters whose gradients form :meth:`grad_matrix`: the weight, then the bias."""
+        return [self.module.weight] + ([self.module.bias] if self.has_bias else [])
+
+    def grad_matrix(self, grads: dict) -> torch.Tensor | None:
+        """``[dW, db]`` as one ``out x a_dim`` matrix, from ``grads`` (parameter -> gradient
+        tensor, see :mod:`lightning_spdkfac.kfac.gradients`); None when one of them has none."""
         w = self.module.weight
-        if w.grad is None:
+        wg = grads.get(w)
+        if wg is None:
             return None
-        g = w.grad.reshape(w.shape[0], -1)
+        g = wg.reshape(w.shape[0], -1)
         if self.has_bias:
-            b = self.module.bias
-            if b.grad is None:
+            bg = grads.get(self.module.bias)
+            if bg is None:
                 return None
-            g = torch.cat([g, b.grad.reshape(-1, 1)], dim=1)
+            g = torch.cat([g, bg.reshape(-1, 1)], dim=1)
         return g
 
-    def write_grad(self, matrix: torch.Tensor, scale: torch.Tensor | None) -> None:
-        """Write ``scale * matrix`` back into ``weight.grad`` (and ``bias.grad``) in place."""
+    def write_grad(self, matrix: torch.Tensor, scale: torch.Tensor | None, grads: dict) -> None:
+        """Write ``scale * matrix`` back into the gradient tensors of ``grads``, in place."""
         w = self.module.weight
         n_in = self.in_features
-        w_view = w.grad.view(w.shape[0], n_in)
+        w_view = grads[w].view(w.shape[0], n_in)
         _scaled_copy(w_view, matrix[:, :n_in], scale)
         if self.has_bias:
-            _scaled_copy(self.module.bias.grad.view(-1), matrix[:, n_in], scale)
+            _scaled_copy(grads[self.module.bias].view(-1), matrix[:, n_in], scale)
 
 
 def _scaled_copy(dst: torch.Tensor, src: torch.Tensor, scale: torch.Tensor | None) -> None:

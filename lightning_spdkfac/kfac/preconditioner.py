@@ -29,6 +29,7 @@ from torch import nn
 from ..telemetry import StepTimer
 from . import hparams as hp
 from .distributor import Distributor, FactorKey, Task
+from .gradients import GradAccess
 from .inverse import damped_inverses
 from .layers import LayerHelper, make_helper
 
@@ -159,6 +160,8 @@ class KFACPreconditioner:
             Call ``scaler.unscale_(optimizer)`` before :meth:`step`.
         distributor: where the cross-rank work runs (factor averaging, inverse placement); the
             default is one process. See :mod:`lightning_spdkfac.kfac.distributor`.
+        grad_access: where the reduced gradients are read and written; the default is
+            ``param.grad`` in place. See :mod:`lightning_spdkfac.kfac.gradients`.
     """
 
     def __init__(
@@ -176,6 +179,7 @@ class KFACPreconditioner:
         inv_dtype: torch.dtype = torch.float32,
         grad_scaler: torch.amp.GradScaler | None = None,
         distributor: Distributor | None = None,
+        grad_access: GradAccess | None = None,
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -213,6 +217,7 @@ class KFACPreconditioner:
         self.inv_dtype = inv_dtype
         self.grad_scaler = grad_scaler
         self.distributor = Distributor() if distributor is None else distributor
+        self.grad_access = GradAccess() if grad_access is None else grad_access
         # One process with the base distributor keeps the in-place fast path.
         self._local = type(self.distributor) is Distributor
         # Set False on micro-batches that do not end the optimizer step (gradient accumulation)
@@ -226,12 +231,18 @@ class KFACPreconditioner:
 
         self.steps = 0  # optimizer steps taken (calls of step())
         self.skipped_factor_steps = 0  # factor updates skipped for non-finite values
+        self.skipped_precondition_steps = 0  # steps left unpreconditioned: non-finite gradients
+        self._grads: dict = {}  # parameter -> gradient tensor, while step() runs
+        self._grads_finite = True
         self._micro_batch = 0
         self._backward_seen = False
         self._warned: set[tuple[str, str]] = set()
         self.layers: dict[str, KFACLayer] = {}
         self.skipped: dict[str, str] = {}
         self._register(model)
+        self._grad_params = [p for ly in self.layers.values() for p in ly.helper.params()]
+        kfac_ids = {id(p) for p in self._grad_params}
+        self._other_params = [p for p in model.parameters() if id(p) not in kfac_ids]
         self.distributor.inv_dtype = self.inv_dtype
         self.distributor.setup([(ly.helper.a_dim, ly.helper.g_dim) for ly in self.layers.values()])
         self.distributor.begin_step()
@@ -361,11 +372,14 @@ class KFACPreconditioner:
         )
 
     def _g_scale(self) -> float:
-        """1/S^2 for a GradScaler of scale S; read once per step (reading it syncs with the GPU)."""
+        """1/S^2 for the loss scale S on output gradients; read once per step (it may sync with the GPU)."""
         if self._g_scale_value is None:
             scaler = self.grad_scaler
-            enabled = scaler is not None and scaler.is_enabled()
-            self._g_scale_value = 1.0 / float(scaler.get_scale()) ** 2 if enabled else 1.0
+            if scaler is not None and scaler.is_enabled():
+                scale = float(scaler.get_scale())
+            else:  # e.g. DeepSpeed fp16: the loss scale is applied to output gradients too
+                scale = self.grad_access.loss_scale()
+            self._g_scale_value = 1.0 / scale**2
         return self._g_scale_value
 
     # ------------------------------------------------------------------ the step
@@ -391,21 +405,35 @@ class KFACPreconditioner:
             ready.append(layer)
         return ready
 
-    def _all_finite(self, extra: list[torch.Tensor]) -> bool:
-        """One host sync: are all gradients of the model and the ``extra`` scalars finite?"""
-        sums = [p.grad.sum() for p in self.model.parameters() if p.grad is not None]
-        sums += extra
-        if not sums:
+    def _finite(self, extra: list[torch.Tensor]) -> tuple[bool, bool]:
+        """One host sync: (are all gradients finite, are all the ``extra`` scalars finite)."""
+        sums = [g.sum() for g in self._grads.values() if g is not None]
+        sums += [p.grad.sum() for p in self._other_params if p.grad is not None]
+        n = len(sums)
+        if not sums and not extra:
+            return True, True
+        ok = torch.isfinite(torch.stack([s.float() for s in sums + list(extra)]))
+        grads_ok, extra_ok = torch.stack([ok[:n].all(), ok[n:].all()]).tolist()
+        return grads_ok, extra_ok
+
+    def _check_finite(self, extra: list[torch.Tensor]) -> bool:
+        """Whether this step may update the factors; notes non-finite gradients for the step."""
+        grads_ok, extra_ok = self._finite(extra)
+        if not grads_ok:
+            # The optimizer's own overflow handling (GradScaler, DeepSpeed) sees the gradients as
+            # they are: preconditioning would only spread the inf/NaN over every entry.
+            self._grads_finite = False
+        if grads_ok and extra_ok:
             return True
-        return bool(torch.isfinite(torch.stack([s.float() for s in sums])).all())
+        self.skipped_factor_steps += 1
+        return False
 
     def _update_factors(self, k: int) -> None:
         ready = self._collected_layers()
         if not ready:
             return
         g_scale = self._g_scale()
-        if not self._all_finite([d for layer in ready for d in layer.gram_diagonals()]):
-            self.skipped_factor_steps += 1
+        if not self._check_finite([d for layer in ready for d in layer.gram_diagonals()]):
             return
         decay = hp.resolve("factor_decay", self.factor_decay, k, hp.DECAY)
         for layer in ready:
@@ -443,8 +471,7 @@ class KFACPreconditioner:
             return
         # Reduced factors and DDP-averaged gradients are identical on every rank: so is this test.
         diagonals = [m.diagonal().sum() for _, A, G in ready for m in (A, G)]
-        if not self._all_finite(diagonals):
-            self.skipped_factor_steps += 1
+        if not self._check_finite(diagonals):
             return
         decay = hp.resolve("factor_decay", self.factor_decay, k, hp.DECAY)
         for layer, A, G in ready:
@@ -488,9 +515,9 @@ class KFACPreconditioner:
 
     def _precondition_layer(self, layer: KFACLayer) -> None:
         """P = G_inv [dW, db] A_inv for one layer, kept until the KL clip of the step is known."""
-        if layer.index in self._preconditioned or not layer.ran or layer.A_inv is None:
+        if layer.index in self._preconditioned or not layer.ran or layer.A_inv is None or not self._grads_finite:
             return
-        g = layer.helper.grad_matrix()
+        g = layer.helper.grad_matrix(self._grads)
         if g is None:
             return
         if layer.A_inv.shape[0] != g.shape[1] or layer.G_inv.shape[0] != g.shape[0]:
@@ -512,16 +539,19 @@ class KFACPreconditioner:
             kl_clip = hp.resolve("kl_clip", self.kl_clip, k, hp.POSITIVE)
             lr = hp.resolve("lr", self.lr, k, hp.NONNEGATIVE)
             vg = torch.stack([torch.vdot(p.flatten(), g.flatten()) for p, g in zip(precs, grads)]).sum()
-            vg = vg.abs() * (lr * lr)
+            # Gradients still carrying a loss scale S give S^2 times the true vg.
+            vg = vg.abs() * (lr * lr / self.grad_access.loss_scale() ** 2)
             # nu = min(1, sqrt(kl_clip / |vg|)); vg == 0 gives inf -> 1. No host sync.
             scale = torch.sqrt(kl_clip / vg).clamp(max=1.0)
         for layer, p in zip(todo, precs):
-            layer.helper.write_grad(p, scale)
+            layer.helper.write_grad(p, scale, self._grads)
 
     @torch.no_grad()
     def step(self) -> None:
         """Precondition the gradients of the registered layers in place (call after backward)."""
         k = self.steps
+        self._grads = self.grad_access.open(self._grad_params)
+        self._grads_finite = True
         if self.collecting:
             if self._local:
                 with self.timer.phase("factor_update"):
@@ -535,6 +565,10 @@ class KFACPreconditioner:
         self._update_inverses(k)
         with self.timer.phase("precondition"):
             self._precondition(k)
+        if not self._grads_finite:
+            self.skipped_precondition_steps += 1
+        self.grad_access.close(self._grads)
+        self._grads = {}
         self.timer.end_step()
         for layer in self.layers.values():
             layer.reset_accumulators()
