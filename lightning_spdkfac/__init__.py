@@ -4,7 +4,7 @@ Importing the package registers the ``"spdkfac"`` strategies in Lightning's stra
 """
 
 from .kfac import KFACPreconditioner
-from .lightning import KFAC, SPDKFACStrategy
+from .lightning import KFAC, SPDKFACDeepSpeedStrategy, SPDKFACStrategy
 
-__all__ = ["KFAC", "KFACPreconditioner", "SPDKFACStrategy"]
+__all__ = ["KFAC", "KFACPreconditioner", "SPDKFACDeepSpeedStrategy", "SPDKFACStrategy"]
 __version__ = "0.1.0"

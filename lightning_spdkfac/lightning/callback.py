@@ -108,6 +108,7 @@ class KFAC(Callback):
             lr=self.lr if self.lr is not None else self._optimizer_lr,
             grad_scaler=scaler,
             distributor=self._distributor(trainer),
+            grad_access=self._grad_access(trainer),
             **self.kwargs,
         )
         if self._pending_state is not None:
@@ -134,6 +135,20 @@ class KFAC(Callback):
             )
         return None
 
+    @staticmethod
+    def _grad_access(trainer: pl.Trainer):
+        make = getattr(trainer.strategy, "make_kfac_grad_access", None)
+        return None if make is None else make()
+
+    def _final_micro_batch(self, trainer: pl.Trainer) -> bool:
+        """Does the coming micro-batch end an optimizer step?"""
+        ask_strategy = getattr(trainer.strategy, "kfac_final_micro_batch", None)
+        final = None if ask_strategy is None else ask_strategy()
+        if final is not None:  # DeepSpeed: the engine decides, across epoch ends too
+            return final
+        should_accumulate = getattr(trainer.fit_loop.epoch_loop, "_should_accumulate", None)
+        return True if should_accumulate is None else not should_accumulate()
+
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         if self.preconditioner is None:
             return
@@ -142,8 +157,7 @@ class KFAC(Callback):
             if self.trace_step is not None and self.preconditioner.steps == self.trace_step:
                 self._start_trace()
         # Pipelined factor reductions wait for the micro-batch that ends the optimizer step.
-        should_accumulate = getattr(trainer.fit_loop.epoch_loop, "_should_accumulate", None)
-        self.preconditioner.final_micro_batch = True if should_accumulate is None else not should_accumulate()
+        self.preconditioner.final_micro_batch = self._final_micro_batch(trainer)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if self.preconditioner is not None and self.preconditioner.final_micro_batch:
@@ -177,7 +191,8 @@ class KFAC(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
         pre = self.preconditioner
-        if pre is None:
+        if pre is None or not pre.final_micro_batch:
+            # DeepSpeed calls this hook on every micro-batch; K-FAC steps at the accumulation boundary.
             return
         t0 = time.perf_counter()
         pre.step()

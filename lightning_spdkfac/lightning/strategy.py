@@ -26,13 +26,45 @@ from pytorch_lightning.strategies import DDPStrategy, StrategyRegistry
 from torch.distributed.constants import default_pg_timeout
 
 from ..comm.scheduler import SCHEDULES, SPDDistributor, SPDOptions
+from ..kfac.gradients import GradAccess
 
 Schedule = Literal["spd", "mpd", "dkfac"]
 Fusion = Literal["dtf", "layerwise", "all", "bucket"]
 Placement = Literal["lbp", "round_robin", "replicated"]
 
 
-class SPDKFACStrategy(DDPStrategy):
+class _SPDKFACStrategyMixin:
+    """What every K-FAC-aware strategy adds: SPD options, a factor process group, the distributor."""
+
+    spd_options: SPDOptions
+    _factor_group: dist.ProcessGroup | None = None
+
+    def _new_factor_group(self) -> None:
+        # K-FAC traffic gets a group of its own so that it runs beside the gradient reduction
+        # (DDP buckets, DeepSpeed's reduce) instead of queueing behind it. Every rank must create
+        # it, in the same order.
+        self._factor_group = dist.new_group(backend=dist.get_backend(), timeout=self._timeout)
+
+    def make_kfac_distributor(self) -> SPDDistributor:
+        """Called by the ``KFAC`` callback at fit start."""
+        group = self._factor_group if dist.is_initialized() else None
+        return SPDDistributor(self.spd_options, process_group=group, device=self.root_device)
+
+    def make_kfac_grad_access(self) -> GradAccess:
+        """Where the ``KFAC`` callback reads and writes the reduced gradients."""
+        return GradAccess()
+
+    def kfac_final_micro_batch(self) -> bool | None:
+        """Whether the coming micro-batch ends an optimizer step; None: ask the fit loop."""
+        return None
+
+    def _destroy_factor_group(self) -> None:
+        if self._factor_group is not None and dist.is_initialized():
+            dist.destroy_process_group(self._factor_group)
+        self._factor_group = None
+
+
+class SPDKFACStrategy(_SPDKFACStrategyMixin, DDPStrategy):
     """DDP plus the SPD-KFAC scheduler for the ``KFAC`` callback.
 
     Args:
@@ -81,23 +113,13 @@ class SPDKFACStrategy(DDPStrategy):
             comm_dtype=comm_dtype,
         )
         super().__init__(timeout=timeout, **kwargs)
-        self._factor_group: dist.ProcessGroup | None = None
 
     def setup_distributed(self) -> None:
         super().setup_distributed()
-        # K-FAC traffic gets a group of its own so that it runs beside DDP's gradient buckets
-        # instead of queueing behind them. Every rank must create it, in the same order.
-        self._factor_group = dist.new_group(backend=self._get_process_group_backend(), timeout=self._timeout)
-
-    def make_kfac_distributor(self) -> SPDDistributor:
-        """Called by the ``KFAC`` callback at fit start."""
-        group = self._factor_group if dist.is_initialized() else None
-        return SPDDistributor(self.spd_options, process_group=group, device=self.root_device)
+        self._new_factor_group()
 
     def teardown(self) -> None:
-        if self._factor_group is not None and dist.is_initialized():
-            dist.destroy_process_group(self._factor_group)
-        self._factor_group = None
+        self._destroy_factor_group()
         super().teardown()
 
     @classmethod

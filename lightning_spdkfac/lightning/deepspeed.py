@@ -1,0 +1,311 @@
+"""``SPDKFACDeepSpeedStrategy``: Lightning's DeepSpeed (ZeRO 0/1/2) with the SPD-KFAC scheduler.
+
+Everything K-FAC does under ``SPDKFACStrategy`` happens here the same way: factor hooks on the
+LightningModule's layers, factor reductions on a process group of their own (launched from the
+hooks while DeepSpeed reduces gradients during backward), inversions placed over the ranks with
+asynchronous inverse broadcasts. What differs is where the reduced gradients live:
+
+- ZeRO 0 (fp32): ``param.grad``, averaged by the engine, rewritten in place.
+- ZeRO 1/2 and DeepSpeed's bf16 optimizer: ``param.grad`` is None; each rank holds the averaged
+  gradient of its partition as fragments of a flat fp32 buffer, which the optimizer reads.
+  :class:`DeepSpeedGradAccess` assembles the full gradients of the K-FAC layers with **one**
+  fused all-reduce (the public ``deepspeed.utils.safe_get_full_grad`` does the same all-reduce
+  once per parameter, i.e. two collectives per layer) and writes the preconditioned gradient
+  back with ``set_full_hp_grad``, which copies only this rank's fragment (no communication).
+  Where the engine's internals differ from what that fused path expects, it falls back to
+  ``safe_get_full_grad`` / ``safe_set_full_grad`` parameter by parameter.
+
+DeepSpeed calls the optimizer hooks on every micro-batch; K-FAC preconditions on the micro-batch
+that ends the accumulation, as the engine itself decides (``is_gradient_accumulation_boundary``).
+Under fp16, gradients and output gradients carry DeepSpeed's dynamic loss scale at that point:
+the G factors are divided by its square, the KL clip accounts for it, and an overflow step
+(non-finite gradients) updates no factor and is left to DeepSpeed, which skips it.
+
+Lightning's ``DeepSpeedStrategy`` only accepts CUDA. On CPU this strategy initializes the
+process group with gloo itself, hands DeepSpeed's communication module that group, and gives
+the engine device rank -1; the CUDA path is Lightning's own.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from lightning_fabric.utilities.distributed import _init_dist_connection
+from lightning_fabric.utilities.seed import reset_seed
+from pytorch_lightning.accelerators import CUDAAccelerator
+from pytorch_lightning.strategies import DDPStrategy, DeepSpeedStrategy, StrategyRegistry
+from torch.distributed.constants import default_pg_timeout
+
+from ..comm.scheduler import SPDOptions
+from ..kfac.gradients import GradAccess
+from .strategy import Fusion, Placement, Schedule, _SPDKFACStrategyMixin
+
+
+class DeepSpeedGradAccess(GradAccess):
+    """Reduced gradients of a DeepSpeed engine at ZeRO stage 0, 1 or 2 (see the module docstring).
+
+    ``open`` is collective: every rank calls it with the same parameters in the same order,
+    between the engine's backward and its step.
+    """
+
+    def __init__(self, engine_fn, fused: bool = True):
+        self._engine_fn = engine_fn  # the engine exists only after the strategy's setup
+        self.fused = fused
+        self._fragments: list[torch.nn.Parameter] = []
+
+    @property
+    def engine(self):
+        return self._engine_fn()
+
+    def loss_scale(self) -> float:
+        engine = self.engine
+        if not engine.fp16_enabled():
+            return 1.0
+        opt = engine.optimizer
+        scale = getattr(opt, "cur_scale", None)
+        if scale is None:
+            scale = getattr(opt, "loss_scale", 1.0)
+        return float(scale)
+
+    @staticmethod
+    def _partitioned(p: torch.nn.Parameter) -> bool:
+        """Does the optimizer read this parameter's gradient from its fp32 fragments?"""
+        if hasattr(p, "ds_id"):
+            raise RuntimeError("K-FAC does not support ZeRO stage 3 (partitioned parameters)")
+        return getattr(p, "_hp_grad", None) is not None or (p.grad is None and hasattr(p, "_hp_mapping"))
+
+    def open(self, params: Sequence[torch.nn.Parameter]) -> dict[torch.nn.Parameter, torch.Tensor | None]:
+        frag = [p for p in params if self._partitioned(p)]
+        frag_ids = {id(p) for p in frag}
+        grads = {p: None if id(p) in frag_ids else p.grad for p in params}
+        if frag:
+            full = self._gather_fused(frag) if self.fused and _fusable(frag) else self._gather_each(frag)
+            grads.update(full)
+        self._fragments = frag
+        return grads
+
+    @staticmethod
+    def _gather_each(params: list[torch.nn.Parameter]) -> dict:
+        from deepspeed.utils import safe_get_full_grad
+
+        return {p: safe_get_full_grad(p) for p in params}
+
+    @staticmethod
+    def _gather_fused(params: list[torch.nn.Parameter]) -> dict:
+        """Full fp32 gradients of ``params`` with one all-reduce: each rank fills in the fragments
+        it owns, zeros elsewhere (what ``get_full_hp_grad`` does per parameter)."""
+        numels = [p.numel() for p in params]
+        buf = torch.zeros(sum(numels), dtype=torch.float32, device=params[0].device)
+        views = buf.split(numels)
+        for p, view in zip(params, views):
+            mapping = p._hp_mapping
+            if mapping is None:
+                continue
+            fragment = mapping.get_lp_grad_fragment(p._index_in_param_group).to(torch.float32).flatten()
+            address = mapping.lp_fragment_address
+            if fragment.numel() == p.numel():
+                # The bf16 optimizer keeps a full accumulation buffer: take this rank's share of it only.
+                fragment = fragment.narrow(0, address.start, address.numel)
+            view.narrow(0, address.start, address.numel).copy_(fragment)
+        dist.all_reduce(buf, group=params[0]._dp_group)
+        return {p: view.view(p.shape) for p, view in zip(params, views)}
+
+    def close(self, grads: dict[torch.nn.Parameter, torch.Tensor | None]) -> None:
+        frag, self._fragments = self._fragments, []
+        if not frag:
+            return
+        if self.fused and _fusable(frag):
+            self._scatter(frag, grads)
+            return
+        from deepspeed.utils import safe_set_full_grad
+
+        for p in frag:
+            if grads.get(p) is not None:
+                safe_set_full_grad(p, grads[p])
+
+    @staticmethod
+    def _scatter(params: list[torch.nn.Parameter], grads: dict) -> None:
+        """Copy this rank's fragment of each full gradient back (local; the inverse of the fused gather).
+
+        ``set_full_hp_grad`` does this too, but fails where the fragment is a full-size buffer
+        (the bf16 optimizer's fp32 accumulation buffer, when a parameter straddles two partitions).
+        """
+        for p in params:
+            mapping, value = p._hp_mapping, grads.get(p)
+            if mapping is None or value is None:
+                continue
+            fragment = mapping.get_lp_grad_fragment(p._index_in_param_group)
+            flat = value.reshape(-1)
+            if fragment.numel() != p.numel():
+                address = mapping.lp_fragment_address
+                flat = flat.narrow(0, address.start, address.numel)
+            fragment.data.copy_(flat.view_as(fragment))
+            if hasattr(p, "_zero_optimizer"):  # CPU offload tracks overflow of what is written
+                p._zero_optimizer.update_offload_overflow_tracker(value)
+
+
+def _fusable(params: list[torch.nn.Parameter]) -> bool:
+    """Do the engine's internals look like the ones the fused gather is written against?
+
+    Decided only from what is the same on every rank (a parameter outside this rank's partition
+    has no mapping here but one elsewhere), so that all ranks take the same path.
+    """
+    import importlib
+
+    # (``deepspeed.utils.tensor_fragment`` as an attribute is the class, not the module)
+    module = importlib.import_module("deepspeed.utils.tensor_fragment")
+    fragment_cls = getattr(module, "tensor_fragment", None)
+    fields = getattr(fragment_cls, "__dataclass_fields__", {})
+    if not (hasattr(fragment_cls, "get_lp_grad_fragment") and "lp_fragment_address" in fields):
+        return False
+    group = getattr(params[0], "_dp_group", None)
+    return group is not None and all(
+        getattr(p, "_dp_group", None) is group and hasattr(p, "_hp_mapping") for p in params
+    )
+
+
+class SPDKFACDeepSpeedStrategy(_SPDKFACStrategyMixin, DeepSpeedStrategy):
+    """DeepSpeed ZeRO stage 0, 1 or 2 plus the SPD-KFAC scheduler for the ``KFAC`` callback.
+
+    Args:
+        schedule, pipelining, fusion, placement, bucket_mb, profile_steps, replan_every,
+        small_factor, comm_dtype: the K-FAC communication schedule, exactly as for
+            :class:`~lightning_spdkfac.SPDKFACStrategy`.
+        stage: ZeRO stage: 0 (plain data parallel), 1 (optimizer states partitioned) or 2
+            (gradients too). Stage 3 is refused: K-FAC preconditions whole layers.
+        config: a DeepSpeed config dict or the path of a JSON file; it overrides ``stage`` and
+            the other ZeRO arguments, as in Lightning's ``DeepSpeedStrategy``.
+        fused_grad_gather: assemble the full gradients of the K-FAC layers at ZeRO 1/2 with one
+            all-reduce (True) or with ``deepspeed.utils.safe_get_full_grad`` per parameter.
+        **kwargs: everything Lightning's ``DeepSpeedStrategy`` accepts.
+    """
+
+    strategy_name = "spdkfac_deepspeed"
+
+    def __init__(
+        self,
+        schedule: Schedule = "spd",
+        pipelining: bool | None = None,
+        fusion: Fusion | None = None,
+        placement: Placement | None = None,
+        bucket_mb: float = 4.0,
+        profile_steps: tuple[int, int] = (3, 8),
+        replan_every: int | None = None,
+        small_factor: int | None = None,
+        comm_dtype: Literal["float32", "bfloat16"] = "float32",
+        stage: int = 2,
+        config: str | dict[str, Any] | None = None,
+        fused_grad_gather: bool = True,
+        timeout: timedelta | None = default_pg_timeout,
+        **kwargs: Any,
+    ):
+        self.spd_options = SPDOptions.from_schedule(
+            schedule,
+            pipelining=pipelining,
+            fusion=fusion,
+            placement=placement,
+            bucket_mb=bucket_mb,
+            profile_steps=tuple(profile_steps),
+            replan_every=replan_every,
+            small_factor=small_factor,
+            comm_dtype=comm_dtype,
+        )
+        if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+            raise ValueError(f"stage must be the ZeRO stage 0, 1 or 2, got {stage!r}")
+        super().__init__(stage=stage, config=config, timeout=timeout, **kwargs)
+        _check_zero_stage(self.config)
+        self.fused_grad_gather = bool(fused_grad_gather)
+
+    # -------------------------------------------------------------- CPU (gloo) support
+    def _on_cuda(self) -> bool:
+        return isinstance(self.accelerator, CUDAAccelerator)
+
+    def setup_environment(self) -> None:
+        if self._on_cuda():
+            super().setup_environment()
+        else:  # DeepSpeedStrategy refuses non-CUDA accelerators; DDP's setup is what it needs
+            DDPStrategy.setup_environment(self)
+
+    def setup_distributed(self) -> None:
+        if self._on_cuda():
+            super().setup_distributed()
+        else:
+            # Lightning's version checks CUDA device indices and leaves DeepSpeed's comm backend
+            # uninitialized on CPU: start torch.distributed (gloo) here, then let DeepSpeed adopt it.
+            import deepspeed
+
+            reset_seed()
+            self.set_world_ranks()
+            self._set_node_environment_variables()
+            self._process_group_backend = self._get_process_group_backend()
+            _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout)
+            deepspeed.init_distributed(self._process_group_backend, timeout=self._timeout)
+        self._new_factor_group()
+
+    def setup(self, trainer) -> None:
+        self._init_config_if_needed()
+        _check_zero_stage(self.config)
+        super().setup(trainer)
+
+    def _setup_model_and_optimizer(self, model, optimizer, lr_scheduler=None):
+        import deepspeed
+
+        # The engine compares device_rank with 0; a CPU device has index None: -1 means "no GPU".
+        index = self.root_device.index
+        deepspeed_engine, deepspeed_optimizer, _, _ = deepspeed.initialize(
+            args=argparse.Namespace(device_rank=-1 if index is None else index),
+            config=self.config,
+            model=model,
+            model_parameters=[p for p in model.parameters() if p.requires_grad],
+            optimizer=optimizer,
+            lr_scheduler=lr_scheduler,
+            dist_init_required=False,
+        )
+        return deepspeed_engine, deepspeed_optimizer
+
+    def backward(self, closure_loss: torch.Tensor, optimizer, *args: Any, **kwargs: Any) -> torch.Tensor:
+        # Lightning already divides the loss by accumulate_grad_batches; the engine would divide
+        # it again by gradient_accumulation_steps (Lightning-AI/pytorch-lightning#6170), so that
+        # accumulating k micro-batches would not equal one k-times larger batch as under DDP.
+        kwargs.setdefault("scale_wrt_gas", False)
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    def teardown(self) -> None:
+        self._destroy_factor_group()
+        super().teardown()
+
+    # -------------------------------------------------------------- K-FAC seams
+    def make_kfac_grad_access(self) -> GradAccess:
+        return DeepSpeedGradAccess(lambda: self.deepspeed_engine, fused=self.fused_grad_gather)
+
+    def kfac_final_micro_batch(self) -> bool | None:
+        engine = self.model
+        if engine is None or not hasattr(engine, "is_gradient_accumulation_boundary"):
+            return None
+        return bool(engine.is_gradient_accumulation_boundary())
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        for name, stage in (("spdkfac_deepspeed", 2), ("spdkfac_deepspeed_stage_1", 1),
+                            ("spdkfac_deepspeed_stage_2", 2), ("spdkfac_deepspeed_stage_0", 0)):
+            strategy_registry.register(
+                name, cls, description=f"DeepSpeed ZeRO stage {stage} + SPD-KFAC scheduling",
+                stage=stage, override=True,
+            )
+
+
+def _check_zero_stage(config: dict | None) -> None:
+    stage = ((config or {}).get("zero_optimization") or {}).get("stage", 0)
+    if stage not in (0, 1, 2):
+        raise ValueError(
+            f"SPDKFACDeepSpeedStrategy supports ZeRO stages 0, 1 and 2, but the DeepSpeed config asks for "
+            f"stage {stage!r}: K-FAC preconditions whole layers, which stage 3 partitions; use stage 2"
+        )
+
+
+SPDKFACDeepSpeedStrategy.register_strategies(StrategyRegistry)
