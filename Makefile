@@ -21,7 +21,7 @@ $(PY):
 $(STAMP): $(PY) pyproject.toml
 	echo "torch==$(TORCH_VERSION)" > $(CONSTRAINTS)
 	$(PIP) install "torch==$(TORCH_VERSION)"
-	$(PIP) install -c $(CONSTRAINTS) -e ".[dev]"
+	$(PIP) install -c $(CONSTRAINTS) -e ".[dev,deepspeed]"
 	touch $(STAMP)
 
 demo: install
