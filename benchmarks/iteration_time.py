@@ -21,7 +21,10 @@ process group from ``dist.new_group()`` shared by the configurations, which neve
 ``sgd`` (no K-FAC), ``dkfac``, ``mpd``, ``spd`` (``SPDOptions.from_schedule(name)``), and the SPD
 ablations ``spd-no-pipe`` (pipelining=False), ``spd-no-dtf`` (fusion="layerwise"), ``spd-no-lbp``
 (placement="round_robin"); factor_update_steps=1 and each value of ``--inv-update-steps`` (default
-1, the paper's timing setting, and 10).
+1, the paper's timing setting, and 10). With deepspeed installed, also ``ds0-sgd``, ``ds0-spd``,
+``ds2-sgd``, ``ds2-spd``: a DeepSpeed engine (fp32, ZeRO stage 0 or 2, overlap_comm) in place of DDP,
+SGD alone or with SPD-KFAC reading ZeRO's gradients through ``DeepSpeedGradAccess``; the report adds
+dsN-spd/dsN-sgd (what K-FAC costs on that stage) and dsN-spd/spd (against DDP).
 
 Timing: for each inv_update_steps value, every configuration is built in the same worker processes
 and warmed up (``--warmup`` steps, at least profile_steps[1] + 2 so that SPD's profiling window is
@@ -93,11 +96,15 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from lightning_spdkfac import KFACPreconditioner
 from lightning_spdkfac.comm.scheduler import SPDDistributor, SPDOptions
 from lightning_spdkfac.comm.triangle import pack_triu, triu_size, unpack_triu
+from lightning_spdkfac.lightning.deepspeed import DeepSpeedGradAccess
 from lightning_spdkfac.multiprocess import RanksFailed
 from lightning_spdkfac.multiprocess import run_distributed as run_ranks
 from lightning_spdkfac.telemetry import PHASES
 
 CONFIGS = ("sgd", "dkfac", "mpd", "spd", "spd-no-pipe", "spd-no-dtf", "spd-no-lbp")
+# DeepSpeed engines instead of DDP (ZeRO stage 0 / 2, fp32): SGD alone and with SPD-KFAC. Part of the
+# default set when deepspeed is installed.
+DEEPSPEED_CONFIGS = ("ds0-sgd", "ds0-spd", "ds2-sgd", "ds2-spd")
 # Opt-in variants (--configs) for investigation: other fusion policies under pipelining, bf16 messages.
 EXTRA_CONFIGS = ("spd-bucket", "spd-all", "spd-bf16")
 _SPD_OVERRIDES = {
@@ -174,7 +181,17 @@ def make_data(rank: int, batch: int, n_batches: int, seed: int) -> list[tuple[to
     ]
 
 
+def _deepspeed_available() -> bool:
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def spd_options(name: str, profile_steps: tuple[int, int]) -> SPDOptions | None:
+    if name.startswith("ds"):  # "ds<stage>-sgd" / "ds<stage>-spd"
+        name = name.split("-", 1)[1]
     if name == "sgd":
         return None
     if name in ("dkfac", "mpd"):
@@ -189,8 +206,14 @@ class Runner:
     def __init__(self, name: str, base: nn.Module, data, inv: int, cfg: dict, group):
         self.name = name
         self.model = copy.deepcopy(base).train()
-        self.ddp = DDP(self.model)
         self.opt = torch.optim.SGD(self.model.parameters(), lr=cfg["lr"], momentum=0.9)
+        self.engine = None
+        grad_access = None
+        if name.startswith("ds"):
+            self.engine = self.ddp = _deepspeed_engine(self.model, self.opt, int(name[2]), cfg["batch"])
+            grad_access = DeepSpeedGradAccess(lambda: self.engine)
+        else:
+            self.ddp = DDP(self.model)
         self.data = data
         self.i = 0
         self.distributor = None
@@ -205,6 +228,7 @@ class Runner:
                 damping=cfg["damping"],
                 lr=lambda step: self.opt.param_groups[0]["lr"],
                 distributor=self.distributor,
+                grad_access=grad_access,
             )
         self.last_loss = float("nan")
 
@@ -214,14 +238,18 @@ class Runner:
         self.i += 1
         pc = time.perf_counter
         t0 = pc()
-        self.opt.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(self.ddp(x), y)
-        loss.backward()
+        if self.engine is None:
+            self.opt.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(self.ddp(x), y)
+            loss.backward()
+        else:  # the engine zeroes its gradients in step()
+            loss = F.cross_entropy(self.engine(x), y)
+            self.engine.backward(loss)
         t1 = pc()
         if self.pre is not None:
             self.pre.step()
         t2 = pc()
-        self.opt.step()
+        (self.opt if self.engine is None else self.engine).step()
         t3 = pc()
         self.last_loss = loss.detach()
         last = self.pre.timer.last if self.pre is not None else {}
@@ -265,6 +293,26 @@ class Runner:
     def close(self) -> None:
         if self.pre is not None:
             self.pre.remove_hooks()
+
+
+def _deepspeed_engine(model: nn.Module, opt: torch.optim.Optimizer, stage: int, batch: int):
+    """A DeepSpeed engine over ``model`` and ``opt`` on the already initialized gloo process group."""
+    import argparse
+
+    import deepspeed
+
+    os.environ.setdefault("LOCAL_RANK", str(dist.get_rank()))  # one machine: local rank = rank
+    deepspeed.init_distributed("gloo")  # adopts the existing torch.distributed group
+    config = {
+        "train_micro_batch_size_per_gpu": batch,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": stage, "overlap_comm": True, "contiguous_gradients": True},
+        "zero_allow_untested_optimizer": True,
+    }
+    engine, *_ = deepspeed.initialize(args=argparse.Namespace(device_rank=-1), model=model, optimizer=opt,
+                                      model_parameters=model.parameters(), config=config,
+                                      dist_init_required=False)
+    return engine
 
 
 def standalone_comm(plan: dict, group, repeats: int) -> list[float]:
@@ -501,6 +549,12 @@ def analyse(results: list[dict], args) -> dict:
                 ratios["spd exposed / spd-no-pipe exposed factor comm"] = (
                     spd["factor_comm_exposed_ms"] / configs["spd-no-pipe"]["factor_comm_exposed_ms"]
                 )
+        for stage in (0, 2):  # what K-FAC costs under ZeRO, against the same engine without K-FAC
+            kfac, sgd_ds = configs.get(f"ds{stage}-spd"), configs.get(f"ds{stage}-sgd")
+            if kfac and sgd_ds:
+                ratios[f"ds{stage}-spd/ds{stage}-sgd"] = kfac["iter_ms"] / sgd_ds["iter_ms"]
+            if kfac and "spd" in configs:
+                ratios[f"ds{stage}-spd/spd"] = kfac["iter_ms"] / configs["spd"]["iter_ms"]
         # What a perfect schedule could reach on this model and world size: from D-KFAC, hide all
         # factor communication and split the inversions evenly with free broadcasts; from MPD-KFAC,
         # hide all factor communication and all inverse broadcasts.
@@ -652,6 +706,10 @@ def print_report(res: dict, args) -> None:
                 )
             )
         rt = r["ratios"]
+        ds = {k: v for k, v in rt.items() if k.startswith("ds")}
+        if ds:
+            print("DeepSpeed: " + "; ".join(f"{k} {v:.3f}" for k, v in ds.items())
+                  + "  (dsN-spd/dsN-sgd: what K-FAC costs on ZeRO stage N; dsN-spd/spd: against DDP)")
         extra = rt.get("spd exposed / spd-no-pipe exposed factor comm")
         if extra is not None:
             print(f"spd exposed factor comm / spd-no-pipe exposed factor comm: {extra:.2f}")
@@ -730,8 +788,9 @@ def parse_args(argv=None):
     )
     p.add_argument(
         "--configs",
-        default=",".join(CONFIGS),
-        help="comma-separated subset of " + ",".join(CONFIGS + EXTRA_CONFIGS),
+        default=",".join(CONFIGS + (DEEPSPEED_CONFIGS if _deepspeed_available() else ())),
+        help="comma-separated subset of " + ",".join(CONFIGS + DEEPSPEED_CONFIGS + EXTRA_CONFIGS)
+        + " (default: the first " + str(len(CONFIGS)) + ", plus the ds* ones when deepspeed is installed)",
     )
     p.add_argument("--inv-update-steps", default="1,10", help="comma-separated inverse periods, each a table")
     p.add_argument("--blocks", type=int, default=8, help="timing rounds (each: one block per configuration)")
@@ -780,11 +839,11 @@ def parse_args(argv=None):
     )
     args = p.parse_args(argv)
     args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
-    bad = [c for c in args.configs if c not in CONFIGS + EXTRA_CONFIGS]
+    bad = [c for c in args.configs if c not in CONFIGS + DEEPSPEED_CONFIGS + EXTRA_CONFIGS]
     if bad or not args.configs or len(set(args.configs)) != len(args.configs):
         p.error(
             f"--configs: unknown or repeated {bad or args.configs}; choose from "
-            f"{', '.join(CONFIGS + EXTRA_CONFIGS)}"
+            f"{', '.join(CONFIGS + DEEPSPEED_CONFIGS + EXTRA_CONFIGS)}"
         )
     try:
         args.inv_update_steps = _int_list(args.inv_update_steps)

@@ -57,6 +57,13 @@ class Probe(pl.Callback):
             loss_scale=pre.grad_access.loss_scale(),
         ))
 
+    def on_train_end(self, trainer, pl_module):
+        d = self.kfac.preconditioner.distributor
+        plan = d.describe()
+        plan.pop("models")  # measured costs: rank 0's are what every rank planned with
+        group = d.process_group
+        self.plan = dict(plan, own_group=group is not None and group is not torch.distributed.group.WORLD)
+
     def on_train_batch_end(self, trainer, pl_module, *args):
         if self.steps and "params" not in self.steps[-1]:
             self.steps[-1]["params"] = [p.detach().float().clone() for p in pl_module.net.parameters()]
@@ -112,7 +119,7 @@ def ds_fit(rank, world, steps, *, stage=2, precision="32-true", accumulate=1, kf
         micro_steps=t.strategy.deepspeed_engine.micro_steps,
     )
     if kfac:
-        out.update(steps=probe.steps, kfac_steps=cb.state_dict()["steps"])
+        out.update(steps=probe.steps, kfac_steps=cb.state_dict()["steps"], plan=probe.plan)
     if gather:
         out.update(gather_checked=gather.checked, gather_paths=sorted(gather.paths))
     return out
@@ -136,6 +143,9 @@ def test_zero_stage_equals_ddp(stage, ddp_reference):
     for a, b in zip(results[0]["params"], ddp_reference):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
     assert results[0]["kfac_steps"] == STEPS
+    # The SPD schedule ran as under DDP: pipelined, planned (identically on both ranks), on its own group.
+    plan = results[0]["plan"]
+    assert plan == results[1]["plan"] and plan["pipelined"] and not plan["measuring"] and plan["own_group"]
     # Stage 0 is no ZeRO (the client optimizer, gradients in param.grad); 1 and 2 are DeepSpeed's ZeRO optimizer.
     assert (results[0]["optimizer"] == "DeepSpeedZeroOptimizer") == (stage > 0)
 
@@ -239,6 +249,9 @@ def test_registry_names_and_stage_validation(tmp_path):
     with pytest.raises(ValueError, match="ZeRO stages 0, 1 and 2.*stage 3"):
         SPDKFACDeepSpeedStrategy(config={"zero_optimization": {"stage": 3}})
     path = tmp_path / "ds.json"
+    path.write_text('{"zero_optimization": {"stage": 1, "overlap_comm": false}}')
+    s = SPDKFACDeepSpeedStrategy(config=str(path))  # a DeepSpeed JSON file, as in Lightning
+    assert s.config["zero_optimization"] == {"stage": 1, "overlap_comm": False}
     path.write_text('{"zero_optimization": {"stage": 3}}')
     with pytest.raises(ValueError, match="stage 3"):
         SPDKFACDeepSpeedStrategy(config=str(path))
