@@ -125,7 +125,17 @@ class DeepSpeedGradAccess(GradAccess):
         from deepspeed.utils import safe_set_full_grad
 
         for p in frag:
-            if grads.get(p) is not None:
+            if grads.get(p) is None:
+                continue
+            if getattr(p, "_hp_grad", None) is not None:
+                # safe_set_full_grad would write the bf16 optimizer's low-precision staging gradient,
+                # which its step no longer reads, and set_full_hp_grad rejects its full-size fp32
+                # buffer when the parameter straddles two partitions: write what the step reads.
+                if _fusable([p]):
+                    self._scatter([p], grads)
+                else:
+                    p.set_full_hp_grad(grads[p])
+            else:
                 safe_set_full_grad(p, grads[p])
 
     @staticmethod
