@@ -41,9 +41,8 @@ from pytorch_lightning.accelerators import CUDAAccelerator
 from pytorch_lightning.strategies import DDPStrategy, DeepSpeedStrategy, StrategyRegistry
 from torch.distributed.constants import default_pg_timeout
 
-from ..comm.scheduler import SPDOptions
 from ..kfac.gradients import GradAccess
-from .strategy import Fusion, Placement, Schedule, _SPDKFACStrategyMixin
+from .strategy import Fusion, Placement, Schedule, _spd_options, _SPDKFACStrategyMixin
 
 
 class DeepSpeedGradAccess(GradAccess):
@@ -214,17 +213,7 @@ class SPDKFACDeepSpeedStrategy(_SPDKFACStrategyMixin, DeepSpeedStrategy):
         timeout: timedelta | None = default_pg_timeout,
         **kwargs: Any,
     ):
-        self.spd_options = SPDOptions.from_schedule(
-            schedule,
-            pipelining=pipelining,
-            fusion=fusion,
-            placement=placement,
-            bucket_mb=bucket_mb,
-            profile_steps=tuple(profile_steps),
-            replan_every=replan_every,
-            small_factor=small_factor,
-            comm_dtype=comm_dtype,
-        )
+        self.spd_options = _spd_options(locals())
         if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
             raise ValueError(f"stage must be the ZeRO stage 0, 1 or 2, got {stage!r}")
         super().__init__(stage=stage, config=config, timeout=timeout, **kwargs)

@@ -33,6 +33,18 @@ Fusion = Literal["dtf", "layerwise", "all", "bucket"]
 Placement = Literal["lbp", "round_robin", "replicated"]
 
 
+# The K-FAC schedule arguments, spelled out in each strategy's signature (LightningCLI reads them there).
+SPD_ARGUMENTS = ("pipelining", "fusion", "placement", "bucket_mb", "profile_steps", "replan_every",
+                 "small_factor", "comm_dtype")
+
+
+def _spd_options(arguments: dict[str, Any]) -> SPDOptions:
+    """SPDOptions from a strategy's ``locals()`` (validated there, with errors naming the argument)."""
+    options = {k: arguments[k] for k in SPD_ARGUMENTS}
+    options["profile_steps"] = tuple(options["profile_steps"])
+    return SPDOptions.from_schedule(arguments["schedule"], **options)
+
+
 class _SPDKFACStrategyMixin:
     """What every K-FAC-aware strategy adds: SPD options, a factor process group, the distributor."""
 
@@ -101,17 +113,7 @@ class SPDKFACStrategy(_SPDKFACStrategyMixin, DDPStrategy):
         timeout: timedelta | None = default_pg_timeout,
         **kwargs: Any,
     ):
-        self.spd_options = SPDOptions.from_schedule(
-            schedule,
-            pipelining=pipelining,
-            fusion=fusion,
-            placement=placement,
-            bucket_mb=bucket_mb,
-            profile_steps=tuple(profile_steps),
-            replan_every=replan_every,
-            small_factor=small_factor,
-            comm_dtype=comm_dtype,
-        )
+        self.spd_options = _spd_options(locals())
         super().__init__(timeout=timeout, **kwargs)
 
     def setup_distributed(self) -> None:
