@@ -1,0 +1,134 @@
+"""Every YAML under configs/ parses, and every one is run by some test.
+
+The schedule fragments (configs/schedules/*.yaml) are composed after configs/digits_spdkfac.yaml and
+run for 10 optimizer steps on 2 processes (past the SPD profiling window of steps 3..7), and the
+multi-node template runs on one CPU process. The other configs have end-to-end tests of their own,
+listed in COVERED; this file checks those tests exist, so a new config cannot go untested.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from test_strategy_digits import _clean_env, _kill_group, _spdkfac_cmd, _wait_group
+
+from lightning_spdkfac.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = REPO / "configs"
+BASE = CONFIGS / "digits_spdkfac.yaml"
+FRAGMENTS = sorted((CONFIGS / "schedules").glob("*.yaml"))
+
+# config (relative to configs/) -> the test that runs it end to end ("file::function").
+COVERED = {
+    "digits.yaml": "test_demo.py::test_kfac_needs_fewer_epochs_than_sgd_to_97_percent",
+    "digits_sgd.yaml": "test_demo.py::test_kfac_needs_fewer_epochs_than_sgd_to_97_percent",
+    "digits_spdkfac.yaml": "test_strategy_digits.py::test_two_processes_match_the_single_process_accuracy",
+    "digits_deepspeed.yaml": "test_deepspeed_digits.py::test_bf16_zero2_trains_digits_to_95_percent",
+    "multinode.yaml": "test_configs.py::test_multinode_template_runs_on_one_cpu_process",
+    **{f"schedules/{p.name}": "test_configs.py::test_schedule_fragment_runs_on_two_processes" for p in FRAGMENTS},
+}
+# Configs added by the examples (their smoke tests live with them).
+EXAMPLE_TESTS = {
+    "resnet_cifar": "test_example_resnet.py",
+    "transformer_lm": "test_example_lm.py",
+}
+
+
+def all_configs() -> list[str]:
+    return sorted(str(p.relative_to(CONFIGS)) for p in CONFIGS.rglob("*.yaml"))
+
+
+@pytest.fixture
+def no_launch_env(monkeypatch):
+    for var in ("LOCAL_RANK", "NODE_RANK", "GLOBAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(sys, "argv", ["spdkfac"])
+
+
+def test_every_config_is_run_by_a_test():
+    missing = []
+    for name in all_configs():
+        test = COVERED.get(name)
+        if test is None:
+            prefix = next((k for k in EXAMPLE_TESTS if name.startswith(k)), None)
+            if prefix is None:
+                missing.append(name)
+                continue
+            path = REPO / "tests" / EXAMPLE_TESTS[prefix]
+            assert path.is_file() and name.split("/")[-1] in path.read_text(), f"{name}: not run by {path.name}"
+            continue
+        file, func = test.split("::")
+        assert f"def {func}(" in (REPO / "tests" / file).read_text(), f"{name}: {test} does not exist"
+    assert not missing, f"configs without a test: {missing} (add a test and list it in COVERED)"
+
+
+@pytest.mark.parametrize("name", all_configs())
+def test_config_parses(name, no_launch_env, capsys):
+    path = CONFIGS / name
+    args = ["--config", str(BASE), "--config", str(path)] if name.startswith("schedules/") else ["--config", str(path)]
+    with pytest.raises(SystemExit) as e:
+        main(["fit", "--print_config", *args])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    # (DeepSpeed's import logs a line to stdout before the YAML)
+    printed = yaml.safe_load("\n".join(line for line in out.splitlines() if not line.startswith("[20")))
+    assert printed["model"]["class_path"] and printed["trainer"]
+    if name.startswith("schedules/"):
+        own = yaml.safe_load(path.read_text())["trainer"]["strategy"]["init_args"]
+        got = printed["trainer"]["strategy"]["init_args"]
+        assert {k: got[k] for k in own} == own
+        assert got["profile_steps"] == [3, 8]  # the base config's other arguments survive the composition
+
+
+def _run(args: list[str], root: Path, timeout: float) -> str:
+    """``spdkfac fit ARGS`` as a subprocess in its own session; the whole process group is killed after."""
+    cmd = [*_spdkfac_cmd(), "fit", *args, f"--trainer.default_root_dir={root}"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=_clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    t0 = time.monotonic()
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc.pid)
+        out, err = proc.communicate()
+        pytest.fail(f"{' '.join(cmd)} timed out after {timeout} s\n{err[-3000:]}")
+    finally:
+        _wait_group(proc.pid, 10)
+        _kill_group(proc.pid)
+    assert proc.returncode == 0, f"{' '.join(cmd)} exited with {proc.returncode} after {time.monotonic() - t0:.0f} s\n" \
+                                 f"{err[-4000:]}"
+    return err
+
+
+@pytest.mark.parametrize("fragment", FRAGMENTS, ids=[p.stem for p in FRAGMENTS])
+def test_schedule_fragment_runs_on_two_processes(fragment, tmp_path):
+    _run(["--config", str(BASE), "--config", str(fragment), "--trainer.max_steps=10", "--trainer.limit_val_batches=0"],
+         tmp_path, timeout=180)
+    saved = yaml.safe_load((tmp_path / "config.yaml").read_text())  # what rank 0 actually ran with
+    ran = saved["trainer"]["strategy"]["init_args"]
+    for key, value in yaml.safe_load(fragment.read_text())["trainer"]["strategy"]["init_args"].items():
+        assert ran[key] == value, (key, ran[key], value)
+    assert saved["trainer"]["devices"] == 2
+
+
+def test_multinode_template_runs_on_one_cpu_process(tmp_path, no_launch_env):
+    root = tmp_path / "run"
+    code = main(["fit", "--config", str(CONFIGS / "multinode.yaml"), "--trainer.accelerator=cpu",
+                 "--trainer.devices=1", "--trainer.num_nodes=1", "--trainer.precision=32-true",
+                 "--trainer.max_steps=3", "--trainer.limit_val_batches=0", "--trainer.logger=false",
+                 f"--trainer.default_root_dir={root}"])
+    assert code == 0
+    ckpts = list(root.rglob("*.ckpt"))
+    assert ckpts, "the template checkpoints"
+    import torch
+
+    state = torch.load(ckpts[0], weights_only=False)["callbacks"]["KFAC"]
+    assert state["steps"] == 3 and state["layers"]
+    os.environ.pop("PL_GLOBAL_SEED", None)
