@@ -217,3 +217,12 @@ def test_final_micro_batch_follows_accumulation_boundaries():
     model = Tiny(batch_size=4, n=20)
     trainer(max_epochs=1, accumulate_grad_batches=2, callbacks=[cb, Probe()]).fit(model)
     assert seen == [False, True, False, True, True]
+
+
+def test_constructing_kfac_leaves_the_global_rng_alone():
+    # LightningCLI builds callbacks before the model: KFAC must not shift the model's initial weights.
+    torch.manual_seed(0)
+    KFAC(**KW)
+    after = torch.rand(4)
+    torch.manual_seed(0)
+    assert torch.equal(after, torch.rand(4))

@@ -89,7 +89,10 @@ class KFAC(Callback):
         self._trainer: pl.Trainer | None = None
 
     def _validate(self) -> None:
-        probe = torch.nn.Linear(1, 1)
+        # The probe layer must not draw from the global generator: LightningCLI builds callbacks
+        # before the model, and the model's initial weights must not depend on KFAC being there.
+        with torch.random.fork_rng(devices=[]):
+            probe = torch.nn.Linear(1, 1)
         KFACPreconditioner(probe, lr=0.0 if self.lr is None else self.lr, **self.kwargs).remove_hooks()
 
     @property
