@@ -8,9 +8,7 @@ listed in COVERED; this file checks those tests exist, so a new config cannot go
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -45,13 +43,6 @@ def all_configs() -> list[str]:
     return sorted(str(p.relative_to(CONFIGS)) for p in CONFIGS.rglob("*.yaml"))
 
 
-@pytest.fixture
-def no_launch_env(monkeypatch):
-    for var in ("LOCAL_RANK", "NODE_RANK", "GLOBAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(sys, "argv", ["spdkfac"])
-
-
 def test_every_config_is_run_by_a_test():
     missing = []
     for name in all_configs():
@@ -70,7 +61,7 @@ def test_every_config_is_run_by_a_test():
 
 
 @pytest.mark.parametrize("name", all_configs())
-def test_config_parses(name, no_launch_env, capsys):
+def test_config_parses(name, isolated, capsys):
     path = CONFIGS / name
     args = ["--config", str(BASE), "--config", str(path)] if name.startswith("schedules/") else ["--config", str(path)]
     with pytest.raises(SystemExit) as e:
@@ -118,7 +109,7 @@ def test_schedule_fragment_runs_on_two_processes(fragment, tmp_path):
     assert saved["trainer"]["devices"] == 2
 
 
-def test_multinode_template_runs_on_one_cpu_process(tmp_path, no_launch_env):
+def test_multinode_template_runs_on_one_cpu_process(tmp_path, isolated):
     root = tmp_path / "run"
     code = main(["fit", "--config", str(CONFIGS / "multinode.yaml"), "--trainer.accelerator=cpu",
                  "--trainer.devices=1", "--trainer.num_nodes=1", "--trainer.precision=32-true",
@@ -131,4 +122,3 @@ def test_multinode_template_runs_on_one_cpu_process(tmp_path, no_launch_env):
 
     state = torch.load(ckpts[0], weights_only=False)["callbacks"]["KFAC"]
     assert state["steps"] == 3 and state["layers"]
-    os.environ.pop("PL_GLOBAL_SEED", None)

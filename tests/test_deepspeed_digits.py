@@ -13,7 +13,7 @@ import yaml
 
 pytest.importorskip("deepspeed")
 
-from test_strategy_digits import isolated, run_cli  # noqa: E402,F401  (isolated is a fixture)
+from test_strategy_digits import run_cli  # noqa: E402
 
 from lightning_spdkfac import KFAC, SPDKFACDeepSpeedStrategy  # noqa: E402
 from lightning_spdkfac.cli import lightning_cli  # noqa: E402
@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "digits_deepspeed.yaml"
 
 
-def test_config_builds_the_deepspeed_strategy_with_its_inline_config(isolated):  # noqa: F811
+def test_config_builds_the_deepspeed_strategy_with_its_inline_config(isolated):
     cli = lightning_cli(["--config", str(CONFIG)], run=False)
     s = cli.trainer.strategy
     assert isinstance(s, SPDKFACDeepSpeedStrategy)

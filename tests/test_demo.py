@@ -28,16 +28,6 @@ REPO = Path(__file__).resolve().parents[1]
 CONFIGS = {"kfac": REPO / "configs" / "digits.yaml", "sgd": REPO / "configs" / "digits_sgd.yaml"}
 
 
-@pytest.fixture
-def cli_env(monkeypatch):
-    """One torch thread (as the demo runs; robust on a busy CI box) and a clean sys.argv for the CLI."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    monkeypatch.setattr(sys, "argv", ["spdkfac"])
-    yield
-    torch.set_num_threads(threads)
-
-
 def fit(config: Path, root: Path, *overrides: str) -> dict:
     """``spdkfac fit --config CONFIG`` into ``root``; TimeToAccuracy's JSON."""
     assert main(["fit", "--config", str(config), f"--trainer.default_root_dir={root}", *overrides]) == 0
@@ -57,7 +47,7 @@ def test_configs_differ_only_by_the_kfac_callback():
 
 
 @pytest.mark.parametrize("name", ["kfac", "sgd"])
-def test_cli_parses_config(name, cli_env):
+def test_cli_parses_config(name, isolated):
     cli = lightning_cli(["--config", str(CONFIGS[name])], run=False)
     assert isinstance(cli.model, DigitsCNN)
     assert isinstance(cli.datamodule, DigitsDataModule)
@@ -68,7 +58,7 @@ def test_cli_parses_config(name, cli_env):
 
 
 @pytest.mark.parametrize("name", ["kfac", "sgd"])
-def test_cli_fit_one_epoch(name, cli_env, tmp_path):
+def test_cli_fit_one_epoch(name, isolated, tmp_path):
     r = fit(CONFIGS[name], tmp_path, "--trainer.max_epochs=1")
     assert r["epochs"] == 1 and len(r["history"]) == 1  # the sanity-check validation is not counted
     assert r["history"][0]["epoch"] == 1
@@ -79,7 +69,7 @@ def test_cli_fit_one_epoch(name, cli_env, tmp_path):
     fit(CONFIGS[name], tmp_path, "--trainer.max_epochs=1")
 
 
-def test_cli_help_and_bad_config(cli_env, capsys):
+def test_cli_help_and_bad_config(isolated, capsys):
     with pytest.raises(SystemExit) as e:
         main(["fit", "--help"])
     assert e.value.code == 0
@@ -91,7 +81,7 @@ def test_cli_help_and_bad_config(cli_env, capsys):
 
 
 # ----------------------------------------------------------------------------- end to end
-def test_kfac_needs_fewer_epochs_than_sgd_to_97_percent(cli_env, tmp_path):
+def test_kfac_needs_fewer_epochs_than_sgd_to_97_percent(isolated, tmp_path):
     kfac = fit(CONFIGS["kfac"], tmp_path / "kfac")
     sgd = fit(CONFIGS["sgd"], tmp_path / "sgd")
     summary = {

@@ -13,12 +13,10 @@ import copy
 import json
 import math
 import os
-import random
 import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import pytorch_lightning as pl
 import torch
@@ -48,28 +46,6 @@ SHORT = (
     "--data.init_args.val_windows=8",
     "--data.init_args.max_bytes=300000",
 )
-
-
-@pytest.fixture
-def isolated(monkeypatch):
-    """Undo what a run in this process changes globally (deterministic: true, seed_everything, threads)."""
-    monkeypatch.setattr(sys, "argv", ["spdkfac"])
-    det, det_warn = (
-        torch.are_deterministic_algorithms_enabled(),
-        torch.is_deterministic_algorithms_warn_only_enabled(),
-    )
-    threads, rng = torch.get_num_threads(), torch.get_rng_state()
-    py_rng, np_rng = random.getstate(), np.random.get_state()
-    env = dict(os.environ)
-    torch.set_num_threads(min(2, threads))
-    yield
-    os.environ.clear()
-    os.environ.update(env)
-    torch.use_deterministic_algorithms(det, warn_only=det_warn)
-    torch.set_num_threads(threads)
-    torch.set_rng_state(rng)
-    random.setstate(py_rng)
-    np.random.set_state(np_rng)
 
 
 # ----------------------------------------------------------------------------- configs
@@ -215,15 +191,9 @@ def test_kfac_registers_every_linear_with_3d_inputs():
 # ----------------------------------------------------------------------------- data
 def test_datamodule_is_deterministic_and_round_trips_to_the_source():
     max_bytes, T, B = 300_000, 32, 8
-    dm = StdlibTextDataModule(
-        block_size=T,
-        batch_size=B,
-        max_bytes=max_bytes,
-        seed=3,
-        val_fraction=0.1,
-        val_windows=16,
-        batches_per_epoch=4,
-    )
+    kw = dict(block_size=T, batch_size=B, max_bytes=max_bytes, seed=3, val_fraction=0.1, val_windows=16,
+              batches_per_epoch=4)
+    dm = StdlibTextDataModule(**kw)
     dm.setup("fit")
     files = stdlib_files()
     assert files == sorted(files) and not any(f.name.startswith("_sysconfigdata") for f in files)
@@ -250,27 +220,11 @@ def test_datamodule_is_deterministic_and_round_trips_to_the_source():
         for row_x, row_y in zip(x, y):  # every crop is a piece of the training split
             crop = bytes(row_x.tolist()) + bytes(row_y[-1:].tolist())
             assert crop in source[: len(dm.train_tokens)]
-    same = StdlibTextDataModule(
-        block_size=T,
-        batch_size=B,
-        max_bytes=max_bytes,
-        seed=3,
-        val_fraction=0.1,
-        val_windows=16,
-        batches_per_epoch=4,
-    )
+    same = StdlibTextDataModule(**kw)
     same.setup("fit")
     for (x1, y1), (x2, y2) in zip(train, batches(same, "train_dataloader")):
         assert torch.equal(x1, x2) and torch.equal(y1, y2)
-    other = StdlibTextDataModule(
-        block_size=T,
-        batch_size=B,
-        max_bytes=max_bytes,
-        seed=4,
-        val_fraction=0.1,
-        val_windows=16,
-        batches_per_epoch=4,
-    )
+    other = StdlibTextDataModule(**{**kw, "seed": 4})
     other.setup("fit")
     assert not torch.equal(train[0][0], batches(other, "train_dataloader")[0][0])
     # validation: the same fixed windows for every seed and every call, spread over the whole split

@@ -11,13 +11,11 @@ import csv
 import importlib.util
 import json
 import os
-import random
 import re
 import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -41,26 +39,6 @@ FEW_STEPS = ("--trainer.max_epochs=1", "--trainer.limit_train_batches=3", "--tra
 
 def kfac_layer_names(model: nn.Module) -> set[str]:
     return {name for name, m in model.named_modules() if isinstance(m, (nn.Conv2d, nn.Linear))}
-
-
-@pytest.fixture
-def isolated(monkeypatch):
-    """One torch thread, a clean sys.argv, and undo what the CLI changes globally (determinism, seeds, env)."""
-    monkeypatch.setattr(sys, "argv", ["spdkfac"])
-    env = dict(os.environ)  # seed_everything sets PL_GLOBAL_SEED
-    det = torch.are_deterministic_algorithms_enabled()
-    det_warn = torch.is_deterministic_algorithms_warn_only_enabled()
-    threads, rng = torch.get_num_threads(), torch.get_rng_state()
-    py_rng, np_rng = random.getstate(), np.random.get_state()
-    torch.set_num_threads(1)
-    yield
-    os.environ.clear()
-    os.environ.update(env)
-    torch.use_deterministic_algorithms(det, warn_only=det_warn)
-    torch.set_num_threads(threads)
-    torch.set_rng_state(rng)
-    random.setstate(py_rng)
-    np.random.set_state(np_rng)
 
 
 # ----------------------------------------------------------------------------- model and K-FAC

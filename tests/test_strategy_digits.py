@@ -18,14 +18,12 @@ from __future__ import annotations
 import copy
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 import yaml
@@ -179,26 +177,6 @@ def test_config_matches_the_single_process_demo_but_strategy_devices_and_batch()
         reference["trainer"].pop(key)
     reference["data"]["init_args"].pop("batch_size")
     assert stripped == reference  # same seed, model, optimizer, schedule, K-FAC settings, callbacks
-
-
-@pytest.fixture
-def isolated(monkeypatch):
-    """Undo what building the Trainer in this process changes globally (deterministic: true, seed_everything)."""
-    monkeypatch.setattr(sys, "argv", ["spdkfac"])
-    for var in _LAUNCH_VARS:
-        monkeypatch.delenv(var, raising=False)
-    env = dict(os.environ)
-    det, det_warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    threads, rng = torch.get_num_threads(), torch.get_rng_state()
-    py_rng, np_rng = random.getstate(), np.random.get_state()
-    yield
-    os.environ.clear()
-    os.environ.update(env)
-    torch.use_deterministic_algorithms(det, warn_only=det_warn)
-    torch.set_num_threads(threads)
-    torch.set_rng_state(rng)
-    random.setstate(py_rng)
-    np.random.set_state(np_rng)
 
 
 def test_config_parses_and_instantiates_the_strategy(isolated, capsys):
