@@ -183,7 +183,39 @@ class DigitsCNN(pl.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
-class TimeToAccuracy(pl.Callback):
+class JSONRecord(pl.Callback):
+    """Base of the run-record callbacks: keeps :attr:`results` and writes them atomically as JSON.
+
+    Args:
+        path: where to write the JSON, or None to keep it in memory only. A relative path is taken
+            relative to ``trainer.default_root_dir`` (the current directory unless set), so
+            ``--trainer.default_root_dir`` moves it too. Only global rank 0 writes.
+    """
+
+    def __init__(self, path: str | None = None):
+        super().__init__()
+        self.path = path
+        self.results: dict[str, Any] = {}
+        self._t0 = 0.0
+
+    def resolved_path(self, trainer: pl.Trainer) -> str | None:
+        if self.path is None:
+            return None
+        path = os.path.expanduser(self.path)
+        return path if os.path.isabs(path) else os.path.join(trainer.default_root_dir, path)
+
+    def _write(self, trainer: pl.Trainer) -> None:
+        path = self.resolved_path(trainer)
+        if path is None or not trainer.is_global_zero:
+            return
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.results, f, indent=2)
+        os.replace(tmp, path)
+
+
+class TimeToAccuracy(JSONRecord):
     """Record when validation accuracy first reaches a target, and the final and best accuracy.
 
     After every validation run of ``fit`` (the sanity check excluded) it reads ``monitor`` from
@@ -205,20 +237,11 @@ class TimeToAccuracy(pl.Callback):
     """
 
     def __init__(self, target: float = 0.97, path: str | None = None, monitor: str = "val_acc"):
-        super().__init__()
         if not 0.0 < target <= 1.0:
             raise ValueError(f"target must be in (0, 1], got {target!r}")
+        super().__init__(path)
         self.target = target
-        self.path = path
         self.monitor = monitor
-        self.results: dict[str, Any] = {}
-        self._t0 = 0.0
-
-    def resolved_path(self, trainer: pl.Trainer) -> str | None:
-        if self.path is None:
-            return None
-        path = os.path.expanduser(self.path)
-        return path if os.path.isabs(path) else os.path.join(trainer.default_root_dir, path)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._t0 = time.perf_counter()
@@ -263,13 +286,3 @@ class TimeToAccuracy(pl.Callback):
             return
         self.results["total_seconds"] = round(time.perf_counter() - self._t0, 4)
         self._write(trainer)
-
-    def _write(self, trainer: pl.Trainer) -> None:
-        path = self.resolved_path(trainer)
-        if path is None or not trainer.is_global_zero:
-            return
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(self.results, f, indent=2)
-        os.replace(tmp, path)

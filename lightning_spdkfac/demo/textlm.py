@@ -18,7 +18,6 @@ calling the module and would therefore be invisible to K-FAC.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import sysconfig
@@ -31,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, RandomSampler
+
+from .digits import JSONRecord
 
 VOCAB_SIZE = 256  # byte-level tokens
 
@@ -415,7 +416,7 @@ class TinyGPT(pl.LightningModule):
 
 
 # ----------------------------------------------------------------------------- a record of the run
-class LossHistory(pl.Callback):
+class LossHistory(JSONRecord):
     """Write the validation loss after every validation run of ``fit`` (sanity check excluded) to JSON.
 
     The file (also kept in :attr:`results`)::
@@ -433,17 +434,8 @@ class LossHistory(pl.Callback):
     """
 
     def __init__(self, path: str | None = "val_loss.json", monitor: str = "val_loss"):
-        super().__init__()
-        self.path = path
+        super().__init__(path)
         self.monitor = monitor
-        self.results: dict[str, Any] = {}
-        self._t0 = 0.0
-
-    def resolved_path(self, trainer: pl.Trainer) -> str | None:
-        if self.path is None:
-            return None
-        path = os.path.expanduser(self.path)
-        return path if os.path.isabs(path) else os.path.join(trainer.default_root_dir, path)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._t0 = time.perf_counter()
@@ -481,13 +473,3 @@ class LossHistory(pl.Callback):
         self.results["steps"] = trainer.global_step
         self.results["total_seconds"] = round(time.perf_counter() - self._t0, 3)
         self._write(trainer)
-
-    def _write(self, trainer: pl.Trainer) -> None:
-        path = self.resolved_path(trainer)
-        if path is None or not trainer.is_global_zero:
-            return
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(self.results, f, indent=2)
-        os.replace(tmp, path)
