@@ -56,6 +56,7 @@ class DeepSpeedGradAccess(GradAccess):
         self._engine_fn = engine_fn  # the engine exists only after the strategy's setup
         self.fused = fused
         self._fragments: list[torch.nn.Parameter] = []
+        self._fused_path = False  # which path open() took, so close() writes back the same way
 
     @property
     def engine(self):
@@ -82,9 +83,9 @@ class DeepSpeedGradAccess(GradAccess):
         frag = [p for p in params if self._partitioned(p)]
         frag_ids = {id(p) for p in frag}
         grads = {p: None if id(p) in frag_ids else p.grad for p in params}
+        self._fused_path = bool(frag) and self.fused and _fusable(frag)
         if frag:
-            full = self._gather_fused(frag) if self.fused and _fusable(frag) else self._gather_each(frag)
-            grads.update(full)
+            grads.update(self._gather_fused(frag) if self._fused_path else self._gather_each(frag))
         self._fragments = frag
         return grads
 
@@ -118,7 +119,7 @@ class DeepSpeedGradAccess(GradAccess):
         frag, self._fragments = self._fragments, []
         if not frag:
             return
-        if self.fused and _fusable(frag):
+        if self._fused_path:
             self._scatter(frag, grads)
             return
         from deepspeed.utils import safe_set_full_grad
