@@ -7,7 +7,9 @@ machine). Each rank runs in a fresh process with ``torch.distributed`` initializ
 127.0.0.1 by default) and ``threads`` intra-op threads (1 by default). The worker must be a module-level function (it is pickled by reference) and
 return something picklable. Any failure - an exception in a rank, a rank dying, the whole run exceeding
 ``timeout`` - kills every rank and raises :class:`RanksFailed` (an AssertionError, so a test fails
-with it) with the rank's traceback.
+with it) with the rank's traceback. Fault-injection tests pass ``allow_failures=True`` instead: a rank that
+raises or dies does not stop the others, and its place in the result list holds a :class:`RankFailure`
+(with its traceback or exit code), so a test can read what the surviving ranks saw.
 
 Start method: "forkserver" by default. Its server process imports torch and the worker's module once per
 pytest session, and every rank is then forked from it in milliseconds, instead of re-importing torch
@@ -28,10 +30,11 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from multiprocessing import forkserver
 from typing import Any
 
-__all__ = ["RanksFailed", "free_port", "run_distributed"]
+__all__ = ["RankFailure", "RanksFailed", "free_port", "run_distributed"]
 
 _GRACE_S = 1.0  # after a first failure, how long to collect the other ranks' reports
 _STOP_S = 3.0  # how long a terminated rank may take to exit before it is killed
@@ -42,6 +45,19 @@ class RanksFailed(AssertionError):
     """A rank raised, died or did not finish in time; the message holds the ranks' tracebacks."""
 
 
+@dataclass(frozen=True)
+class RankFailure:
+    """What ``run_distributed(..., allow_failures=True)`` returns for a rank that did not return normally.
+
+    ``message``: the rank's traceback (it raised), or why there is none ("exited without a report (exit
+    code 1)", "did not finish within 30 s (killed)"). ``exitcode``: the process's exit code where known.
+    """
+
+    rank: int
+    message: str
+    exitcode: int | None = None
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it: bind to port 0)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -49,8 +65,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(fn, rank, world_size, port, backend, timeout, threads, args, kwargs, conn) -> None:
-    """Entry point of one rank: init, run ``fn``, report ("ok", result) or ("error", traceback)."""
+def _rank_main(fn, rank, world_size, port, backend, timeout, threads, args, kwargs, conn,
+               final_barrier=True) -> None:
+    """Entry point of one rank: init, run ``fn``, report ("ok", result) or ("error", traceback).
+
+    ``final_barrier=False`` (fault injection: a peer may be gone) skips the barrier before teardown."""
     os.environ["OMP_NUM_THREADS"] = str(threads)
     initialized = False
     try:
@@ -62,7 +81,8 @@ def _rank_main(fn, rank, world_size, port, backend, timeout, threads, args, kwar
                                 world_size=world_size, timeout=datetime.timedelta(seconds=timeout))
         initialized = True
         result = fn(rank, world_size, *args, **kwargs)
-        dist.barrier()  # nobody tears down (rank 0 hosts the store) while another rank still works
+        if final_barrier:
+            dist.barrier()  # nobody tears down (rank 0 hosts the store) while another rank still works
         # Plain pickle, by value: the connection's own pickler would hand tensors over as shared memory
         # owned by this process, which may be gone by the time the parent rebuilds them.
         report = pickle.dumps(("ok", result))
@@ -119,8 +139,9 @@ def _stop(procs: list[mp.process.BaseProcess], patience: float) -> None:
             p.join(_STOP_S)
 
 
-def _collect(procs, pipes, timeout: float) -> tuple[dict[int, Any], list[tuple[int, str]]]:
-    """Read every rank's report until all reported, the timeout passes, or a failure's grace ends."""
+def _collect(procs, pipes, timeout: float, grace: bool = True) -> tuple[dict[int, Any], list[tuple[int, str]]]:
+    """Read every rank's report until all reported, the timeout passes, or a failure's grace ends
+    (``grace=False``: a failure does not shorten the wait for the other ranks)."""
     waiting = {pipe: rank for rank, pipe in enumerate(pipes)}
     results: dict[int, Any] = {}
     errors: list[tuple[int, str]] = []
@@ -149,7 +170,7 @@ def _collect(procs, pipes, timeout: float) -> tuple[dict[int, Any], list[tuple[i
                 results[rank] = payload
             else:
                 errors.append((rank, payload))
-        if errors:
+        if errors and grace:
             # The first report is usually the cause; let the others say their part briefly, then stop.
             deadline = min(deadline, time.monotonic() + _GRACE_S)
     return results, errors
@@ -164,6 +185,7 @@ def run_distributed(
     start_method: str = "forkserver",
     pg_timeout: float | None = None,
     threads: int = 1,
+    allow_failures: bool = False,
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` ranks; the results in rank order.
@@ -171,6 +193,11 @@ def run_distributed(
     ``timeout`` (seconds) bounds the whole run after the ranks started; ``pg_timeout`` (default: the
     same) is the process group's timeout, which bounds every collective inside the ranks. On failure
     every rank is killed and :class:`RanksFailed` carries the failing ranks' tracebacks.
+
+    ``allow_failures=True`` (fault-injection tests): nothing raises for a rank's failure. Each rank runs
+    until it returns, raises or dies, or ``timeout`` passes (then it is killed); the list holds each rank's
+    result or a :class:`RankFailure`. The barrier that normally precedes teardown is skipped (a peer may
+    be gone), and every process is still reaped before this returns.
     """
     if "<locals>" in getattr(fn, "__qualname__", "<locals>") or fn.__module__ in ("__main__", "__mp_main__"):
         raise ValueError(f"fn must be a module-level function of an importable module, got {fn!r}")
@@ -187,11 +214,19 @@ def run_distributed(
             pipes.append(recv)
             p = ctx.Process(target=_rank_main, name=f"rank{rank}", daemon=True,
                             args=(fn, rank, world_size, port, backend, pg_timeout or timeout, threads, args,
-                                  kwargs, send))
+                                  kwargs, send, not allow_failures))
             p.start()
             send.close()  # the rank holds the write end now
             procs.append(p)
-        results, errors = _collect(procs, pipes, timeout)
+        results, errors = _collect(procs, pipes, timeout, grace=not allow_failures)
+        if allow_failures:
+            failed = {r: RankFailure(r, tb, procs[r].exitcode) for r, tb in errors}
+            for r in range(world_size):
+                if r not in results and r not in failed:
+                    failed[r] = RankFailure(r, f"did not finish within {timeout} s (killed)")
+            # Every rank reported or died: let them tear down in peace; else kill them all at once below.
+            clean = len(results) + len(errors) == world_size
+            return [results[r] if r in results else failed[r] for r in range(world_size)]
         if errors:
             report = "\n".join(f"--- rank {r} failed:\n{tb}" for r, tb in errors)
             raise RanksFailed(f"{len(errors)} of {world_size} ranks failed in {fn.__qualname__}:\n{report}")

@@ -20,6 +20,14 @@ rank at any time. :meth:`InverseBroadcaster.exchange` runs this loop for you::
 Post everything before waiting anything, so that no rank blocks on a receive while a broadcast it owes
 others is still unissued. Everybody gets bit-identical inverses: the owner's own copy is also rebuilt
 from the packed triangle it sent (symmetrized from the upper triangle, rounded to the comm dtype).
+
+Failures: every wait (a receive, or the completion of this rank's own broadcasts) is bounded by ``timeout``
+seconds. A broadcast that fails (its owner or a receiver crashed) or does not complete in time raises
+:class:`~lightning_spdkfac.comm.faults.KFACCommError` naming the phase ("K-FAC inverse broadcast"), the
+factor, its owner, this rank and the timeout. The round is then abandoned: no pending broadcast is waited
+again and no receive buffer of the round is read (gloo may still fill one when a late owner arrives);
+until :meth:`InverseBroadcaster.reset` acknowledges the failure, every call raises. Every round receives
+into freshly allocated buffers.
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ from ._common import (
     distributed_ready,
     global_rank,
 )
+from .faults import INVERSE_BROADCAST, KFACCommError, check_timeout, comm_error, wait_work
 from .triangle import pack_triu, triu_size, unpack_triu
 
 __all__ = ["InverseBroadcaster", "RoundTimings"]
@@ -81,6 +90,9 @@ class InverseBroadcaster:
         result_dtype: dtype of every returned inverse (the same on every rank).
         device: where received inverses live (default: the current GPU with NCCL, else CPU).
         order: the global order of the non-replicated factors (default: ascending index).
+        timeout: seconds any one wait on a broadcast may block before it raises
+            :class:`~lightning_spdkfac.comm.faults.KFACCommError` (see the module docstring).
+        names: a label per factor index for error messages (e.g. ``"layer 3 G"``); default: the index.
     """
 
     def __init__(
@@ -92,8 +104,15 @@ class InverseBroadcaster:
         result_dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
         order: Sequence[int] | None = None,
+        timeout: float = 600.0,
+        names: Sequence[str] | None = None,
     ) -> None:
         self.sides = check_sides(sides)
+        self.timeout = check_timeout("timeout", timeout)
+        if names is not None and (isinstance(names, str) or len(names) != len(self.sides)):
+            raise ValueError(f"names must give one label per factor ({len(self.sides)}), got {names!r}")
+        self.names = (tuple(str(x) for x in names) if names is not None
+                      else tuple(str(i) for i in range(len(self.sides))))
         if len(owners) != len(self.sides):
             raise ValueError(f"owners and sides must have the same length, got {len(owners)} and {len(self.sides)}")
         self.process_group = process_group
@@ -120,6 +139,7 @@ class InverseBroadcaster:
         self._src = {i: global_rank(process_group, self.owners[i]) for i in sent} if self._distributed else {}
         self._lock = threading.Lock()
         self._active = False
+        self._failure: KFACCommError | None = None
         self.last_timings: RoundTimings | None = None
         self._clear()
 
@@ -127,7 +147,7 @@ class InverseBroadcaster:
     def _clear(self) -> None:
         n = len(self.sides)
         self._pos = 0
-        self._sends: list[object] = []
+        self._sends: list[tuple[int, object]] = []  # (factor, work) of own broadcasts already returned
         self._entries: dict[int, _Entry] = {}
         self._returned = [False] * n
         self._t_begin = NAN
@@ -154,10 +174,47 @@ class InverseBroadcaster:
         return RoundTimings(self._t_begin, tuple(self._t_post), tuple(self._t_wait_start),
                             tuple(self._t_wait_end))
 
+    @property
+    def failure(self) -> KFACCommError | None:
+        """The communication error that abandoned a round, until :meth:`reset` (None: usable)."""
+        return self._failure
+
+    def _check_usable(self, call: str) -> None:
+        """Raise if a failed round was not acknowledged by :meth:`reset` (called with the lock held)."""
+        if self._failure is not None:
+            raise RuntimeError(
+                f"InverseBroadcaster.{call}: this broadcaster abandoned a round after a failed collective ("
+                f"{self._failure.phase}, {self._failure.what}); its receive buffers were dropped and the "
+                "process group may still have broadcasts pending. Restart the job (or re-create the process "
+                "group); call reset() on every rank only if you know all ranks are back in step"
+            ) from self._failure
+
+    def _describe(self, index: int) -> str:
+        owner = self.owners[index]
+        who = "this rank" if owner == self.rank else f"rank {owner}"
+        return f"the inverse of factor {self.names[index]} (from its owner, {who})"
+
+    def _wait_work(self, index: int, work: object) -> None:
+        try:
+            wait_work(work, self.timeout, collective="broadcast", phase=INVERSE_BROADCAST,
+                      what=self._describe(index), rank=self.rank, world_size=self.world_size)
+        except KFACCommError as error:
+            self._fail(error)
+            raise
+
+    def _fail(self, error: KFACCommError) -> None:
+        """Abandon the round: pending broadcasts are not waited again, their buffers are never read."""
+        with self._lock:
+            self._failure = error
+            self._clear()
+            self._active = False
+
     # ----------------------------------------------------------------------------------------- round
     def begin_round(self) -> None:
-        """Start an inverse round. Raises if the previous round was left incomplete or not fully waited."""
+        """Start an inverse round. Raises if the previous round was left incomplete or not fully waited,
+        or if a round failed and :meth:`reset` was not called since."""
         with self._lock:
+            self._check_usable("begin_round()")
             if self._active and (self._pos not in (0, len(self.order)) or self._entries):
                 raise RuntimeError(
                     f"begin_round() while the previous round is unfinished (next factor in the order: "
@@ -166,14 +223,15 @@ class InverseBroadcaster:
             sends = self._sends
             if self._active and any(self._returned):  # the previous round ended by wait(i) calls
                 self.last_timings = self.timings()
-        for w in sends:  # the previous round's own broadcasts, if only wait(i) was used
-            w.wait()
+        for i, w in sends:  # the previous round's own broadcasts, if only wait(i) was used
+            self._wait_work(i, w)
         with self._lock:
             self._clear()
             self._active = True
             self._t_begin = time.perf_counter()
 
     def _advance(self, index: int, verb: str) -> None:
+        self._check_usable(f"{verb}({index})")
         if not self._active:
             raise RuntimeError(f"{verb}({index}) outside a round: call begin_round() first")
         if index in self._entries or self._returned[index]:
@@ -198,6 +256,7 @@ class InverseBroadcaster:
         owner = self.owners[index]
         with self._lock:
             if owner == -1:
+                self._check_usable(f"publish({index})")
                 if not self._active:
                     raise RuntimeError(f"publish({index}) outside a round: call begin_round() first")
                 if index in self._entries or self._returned[index]:
@@ -232,9 +291,18 @@ class InverseBroadcaster:
             self._t_post[index] = time.perf_counter()
 
     def _launch(self, index: int, buf: torch.Tensor) -> object | None:
+        """Issue the broadcast of ``index`` (called with the lock held)."""
         if not self._distributed:
             return None
-        return dist.broadcast(buf, src=self._src[index], group=self.process_group, async_op=True)
+        try:
+            return dist.broadcast(buf, src=self._src[index], group=self.process_group, async_op=True)
+        except Exception as exc:  # noqa: BLE001 - e.g. the backend already knows a peer is gone
+            error = comm_error(exc, collective="broadcast", phase=INVERSE_BROADCAST, what=self._describe(index),
+                               rank=self.rank, world_size=self.world_size, timeout_s=self.timeout, launching=True)
+            self._failure = error
+            self._clear()
+            self._active = False
+            raise error from exc
 
     def exchange(self, invert: Callable[[int], torch.Tensor]) -> None:
         """Post the rest of the round: for each factor left in :attr:`order`, ``publish(i, invert(i))`` on
@@ -256,6 +324,7 @@ class InverseBroadcaster:
         """
         index = check_index(index, len(self.sides))
         with self._lock:
+            self._check_usable(f"wait({index})")
             entry = self._entries.get(index)
             if entry is None:
                 state = "was already returned" if self._returned[index] else "was never posted"
@@ -264,13 +333,13 @@ class InverseBroadcaster:
         own_send = entry.work is not None and self.owners[index] == self.rank
         if entry.value is None:
             if entry.work is not None and not own_send:
-                entry.work.wait()
+                self._wait_work(index, entry.work)
             assert entry.buffer is not None
             entry.value = unpack_triu(entry.buffer, [self.sides[index]], dtype=self.result_dtype)[0]
         value = entry.value
         with self._lock:
             if own_send:
-                self._sends.append(entry.work)  # the owner's send may still be in flight: wait_all ends it
+                self._sends.append((index, entry.work))  # may still be in flight: wait_all ends it
             del self._entries[index]
             self._returned[index] = True
             self._t_wait_start[index] = t0
@@ -280,7 +349,8 @@ class InverseBroadcaster:
     def wait_all(self) -> dict[int, torch.Tensor]:
         """Every posted factor not yet returned, by index; also completes this rank's own broadcasts.
 
-        When the whole order has been posted, this ends the round (no tensor is kept afterwards).
+        When the whole order has been posted, this ends the round (no tensor is kept afterwards). A
+        broadcast that fails or times out raises KFACCommError and abandons the round (module docstring).
         """
         with self._lock:
             indices = sorted(self._entries)
@@ -290,8 +360,8 @@ class InverseBroadcaster:
         out = {i: self.wait(i) for i in indices}
         with self._lock:
             sends, self._sends = self._sends, []
-        for w in sends:
-            w.wait()
+        for i, w in sends:
+            self._wait_work(i, w)
         with self._lock:
             if self._pos == len(self.order) and not self._entries:
                 self.last_timings = self.timings()
@@ -300,14 +370,19 @@ class InverseBroadcaster:
         return dict(sorted(out.items()))
 
     def reset(self) -> None:
-        """Discard the round: wait for every issued broadcast (bounded by the group timeout), drop all.
+        """Discard the round: wait for every issued broadcast (each bounded by ``timeout``), drop all.
+
+        Also acknowledges a failure (:attr:`failure`): the abandoned round's broadcasts are not waited
+        again, and the next round receives into new buffers. If a wait here fails, the round is dropped all
+        the same and the KFACCommError is raised (and kept in :attr:`failure`; a second reset() clears it).
 
         Only consistent when every rank resets at the same point of the order.
         """
         with self._lock:
-            works = [e.work for e in self._entries.values() if e.work is not None] + self._sends
-        for w in works:
-            w.wait()
+            works = [(i, e.work) for i, e in self._entries.items() if e.work is not None] + self._sends
+            self._failure = None
+        for i, w in works:
+            self._wait_work(i, w)
         with self._lock:
             self._clear()
             self._active = False

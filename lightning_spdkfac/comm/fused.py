@@ -21,6 +21,14 @@ communication ``dtype``); the caller's matrix is neither kept nor modified. Aver
 a division after the wait (gloo has no AVG op). Timestamps (``time.perf_counter``) are taken per factor
 at submit and per group at launch, wait start and wait end; :attr:`last_timings` holds those of the last
 completed step, so a profiling window can feed the fusion planner.
+
+Failures: every wait is bounded by ``timeout`` seconds. A group whose all-reduce fails (a peer crashed) or
+does not complete in time raises :class:`~lightning_spdkfac.comm.faults.KFACCommError` naming the phase
+("K-FAC factor all-reduce"), the group and its factors, the rank and the timeout. The step is then
+abandoned: the collectives still pending are not waited again, and their buffers (which gloo may still
+write into when a late peer arrives) are dropped, never read or reused. Until :meth:`reset` acknowledges
+the failure, every call raises instead of starting a step on a process group in an unknown state; after
+it, each step packs into freshly allocated buffers.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from ._common import NAN, check_comm_dtype, check_index, check_sides, default_device, distributed_ready
+from .faults import FACTOR_ALLREDUCE, KFACCommError, check_timeout, comm_error, wait_work
 from .triangle import pack_triu, triu_size, unpack_triu
 
 __all__ = ["FusedAllReduce", "StepTimings"]
@@ -64,7 +73,7 @@ class StepTimings:
 class _LocalWork:
     """Stands in for a Work object with a single process (nothing to reduce)."""
 
-    def wait(self) -> bool:
+    def wait(self, timeout: object = None) -> bool:
         return True
 
 
@@ -86,6 +95,9 @@ class FusedAllReduce:
         result_dtype: dtype of the results; None: the submitted matrix's dtype (float32 for None).
         device: buffer device for a group whose members were all None on this rank (default: the
             current GPU with NCCL, else CPU); other buffers live with the submitted matrices.
+        timeout: seconds any one wait on a group's all-reduce may block before it raises
+            :class:`~lightning_spdkfac.comm.faults.KFACCommError` (see the module docstring).
+        names: a label per factor index for error messages (e.g. ``"layer 3 G"``); default: the index.
     """
 
     def __init__(
@@ -98,9 +110,15 @@ class FusedAllReduce:
         allow_missing: bool = False,
         result_dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        timeout: float = 600.0,
+        names: Sequence[str] | None = None,
     ) -> None:
         self.sides = check_sides(sides)
         n = len(self.sides)
+        self.timeout = check_timeout("timeout", timeout)
+        if names is not None and (isinstance(names, str) or len(names) != n):
+            raise ValueError(f"names must give one label per factor ({n}), got {names!r}")
+        self.names = tuple(str(x) for x in names) if names is not None else tuple(str(i) for i in range(n))
         self.groups: tuple[tuple[int, ...], ...] = tuple(tuple(int(i) for i in g) for g in groups)
         self._group_of = [-1] * n
         for g, members in enumerate(self.groups):
@@ -124,6 +142,7 @@ class FusedAllReduce:
         self.process_group = process_group
         self._distributed = distributed_ready(process_group)
         self.world_size = dist.get_world_size(process_group) if self._distributed else 1
+        self.rank = dist.get_rank(process_group) if self._distributed else 0
         if self.allow_missing and self.dtype == torch.bfloat16 and self.world_size > 256:
             raise ValueError("allow_missing with dtype=bfloat16 needs a world size <= 256 (exact counts)")
         self.device = torch.device(device) if device is not None else default_device(process_group)
@@ -140,6 +159,7 @@ class FusedAllReduce:
 
         self._lock = threading.Lock()
         self._active = False
+        self._failure: KFACCommError | None = None
         self.last_timings: StepTimings | None = None
         self._clear()
 
@@ -169,6 +189,32 @@ class FusedAllReduce:
         """True between :meth:`begin_step` and the end of :meth:`wait` (or :meth:`reset`)."""
         return self._active
 
+    @property
+    def failure(self) -> KFACCommError | None:
+        """The communication error that abandoned a step, until :meth:`reset` (None: usable)."""
+        return self._failure
+
+    def _check_usable(self, call: str) -> None:
+        """Raise if a failed step was not acknowledged by :meth:`reset` (called with the lock held)."""
+        if self._failure is not None:
+            raise RuntimeError(
+                f"FusedAllReduce.{call}: this executor abandoned a step after a failed collective ("
+                f"{self._failure.phase}, {self._failure.what}); its buffers were dropped and the process "
+                "group may still have that collective pending. Restart the job (or re-create the process "
+                "group); call reset() on every rank only if you know all ranks are back in step"
+            ) from self._failure
+
+    def _describe(self, g: int) -> str:
+        labels = ", ".join(self.names[i] for i in self.groups[g])
+        return f"fusion group {g} of {len(self.groups)} (factors {labels})"
+
+    def _fail(self, error: KFACCommError) -> None:
+        """Abandon the step: pending works are not waited again, and their buffers are never read."""
+        with self._lock:
+            self._failure = error
+            self._clear()
+            self._active = False
+
     def group_of(self, index: int) -> int:
         return self._group_of[check_index(index, len(self.sides))]
 
@@ -194,8 +240,10 @@ class FusedAllReduce:
 
     # ------------------------------------------------------------------------------------------ step
     def begin_step(self) -> None:
-        """Start a step. Raises if the previous step still has submitted factors or outstanding works."""
+        """Start a step. Raises if the previous step still has submitted factors or outstanding works, or
+        if a step failed and :meth:`reset` was not called since."""
         with self._lock:
+            self._check_usable("begin_step()")
             if self._active and (any(self._submitted) or self._launch_order):
                 raise RuntimeError(
                     "FusedAllReduce.begin_step() while the previous step is unfinished (submitted factors "
@@ -213,6 +261,7 @@ class FusedAllReduce:
         """
         index = check_index(index, len(self.sides))
         with self._lock:
+            self._check_usable(f"submit({index})")
             if not self._active:
                 raise RuntimeError(f"submit({index}) outside a step: call begin_step() first")
             g = self._group_of[index]
@@ -254,6 +303,7 @@ class FusedAllReduce:
                     self._next_launch += 1
 
     def _launch(self, g: int) -> None:
+        """Issue group ``g``'s all-reduce (called with the lock held)."""
         members = self.groups[g]
         buf = self._buffers[g]
         if buf is None:
@@ -267,7 +317,16 @@ class FusedAllReduce:
             flags = torch.tensor([1.0 if self._present[i] else 0.0 for i in members], dtype=self.dtype)
             buf[self._numel[g] - len(members):].copy_(flags)
         if self._distributed:
-            work = dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.process_group, async_op=True)
+            try:
+                work = dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.process_group, async_op=True)
+            except Exception as exc:  # noqa: BLE001 - e.g. the backend already knows that a peer is gone
+                error = comm_error(exc, collective="all_reduce", phase=FACTOR_ALLREDUCE, what=self._describe(g),
+                                   rank=self.rank, world_size=self.world_size, timeout_s=self.timeout,
+                                   launching=True)
+                self._failure = error
+                self._clear()
+                self._active = False
+                raise error from exc
         else:
             work = _LocalWork()
         self._works[g] = work
@@ -286,6 +345,7 @@ class FusedAllReduce:
         if isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < len(self.groups):
             raise IndexError(f"group must be an int in [0, {len(self.groups)}), got {group!r}")
         with self._lock:
+            self._check_usable(f"wait_group({group})")
             if not self._active:
                 raise RuntimeError("wait_group() outside a step: call begin_step() first")
             if self._waited[group]:
@@ -294,7 +354,12 @@ class FusedAllReduce:
                 raise RuntimeError(self._missing_message(self.groups[group]))
             work = self._works[group]
         t0 = time.perf_counter()
-        work.wait()
+        try:
+            wait_work(work, self.timeout, collective="all_reduce", phase=FACTOR_ALLREDUCE,
+                      what=self._describe(group), rank=self.rank, world_size=self.world_size)
+        except KFACCommError as error:
+            self._fail(error)
+            raise
         t1 = time.perf_counter()
         with self._lock:
             results = self._finish(group)
@@ -339,9 +404,11 @@ class FusedAllReduce:
         """Block on every group (in launch order); the step's averaged factors, in index order.
 
         Raises RuntimeError naming the factors never submitted (nothing is waited then, so the caller
-        may still submit them and wait again). Ends the step: no tensor is kept afterwards.
+        may still submit them and wait again), and KFACCommError when an all-reduce fails or times out
+        (the step is then abandoned, see the module docstring). Ends the step: no tensor is kept afterwards.
         """
         with self._lock:
+            self._check_usable("wait()")
             if not self._active:
                 raise RuntimeError("wait() outside a step: call begin_step() first")
             if not all(self._submitted):
@@ -357,15 +424,25 @@ class FusedAllReduce:
         return results
 
     def reset(self) -> None:
-        """Discard the current step: wait for its issued works (bounded by the group's timeout), drop all.
+        """Discard the current step: wait for its issued works (each bounded by ``timeout``), drop all.
+
+        Also acknowledges a failure (:attr:`failure`): the abandoned step's works are not waited again,
+        and the next step packs into new buffers. If a wait here fails, the step is dropped all the same
+        and the KFACCommError is raised (and kept in :attr:`failure`; a second reset() clears it).
 
         Only consistent when every rank resets at the same point: a group launched on some ranks but not
         on others leaves the process group's collective sequence mismatched, which nothing local can fix.
         """
         with self._lock:
-            works = [self._works[g] for g in self._launch_order if not self._waited[g]]
-        for w in works:
-            w.wait()
+            works = [(g, self._works[g]) for g in self._launch_order if not self._waited[g]]
+            self._failure = None
+        try:
+            for g, w in works:
+                wait_work(w, self.timeout, collective="all_reduce", phase=FACTOR_ALLREDUCE,
+                          what=self._describe(g), rank=self.rank, world_size=self.world_size)
+        except KFACCommError as error:
+            self._fail(error)
+            raise
         with self._lock:
             self._clear()
             self._active = False

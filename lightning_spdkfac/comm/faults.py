@@ -1,0 +1,116 @@
+"""Failures of K-FAC's collectives: bounded waits, and errors that say which collective failed, where, and why.
+
+Every blocking wait of the comm executors on an asynchronous collective goes through :func:`wait_work`,
+bounded by a timeout in seconds (``SPDOptions.comm_timeout_s``, 600 s by default). When a peer rank
+crashes, gloo fails the pending collectives as soon as it sees the peer's socket close; when a peer
+stalls (or issued a different collective), the wait ends at the timeout. Either way the caller gets a
+:class:`KFACCommError` naming the collective (``all_reduce`` / ``broadcast`` / ``all_gather``), the phase
+(:data:`FACTOR_ALLREDUCE`, :data:`INVERSE_BROADCAST`, :data:`PLAN_CHECK`), what was being sent, this
+rank, the world size and the timeout, with the backend's exception as ``__cause__``.
+
+Backends: with gloo (CPU tensors) ``Work.wait(timeout)`` blocks the host and raises at the deadline,
+leaving the collective queued in gloo (the executors then abandon it: see their ``reset``). With NCCL,
+``Work.wait`` only orders the current CUDA stream behind the collective unless ``TORCH_NCCL_BLOCKING_WAIT=1``
+is set, so the bound that applies there is the process group's own timeout (NCCL's watchdog); the error
+path is the same.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from datetime import timedelta
+
+FACTOR_ALLREDUCE = "K-FAC factor all-reduce"
+INVERSE_BROADCAST = "K-FAC inverse broadcast"
+PLAN_CHECK = "K-FAC plan check"
+
+__all__ = [
+    "FACTOR_ALLREDUCE",
+    "INVERSE_BROADCAST",
+    "PLAN_CHECK",
+    "KFACCommError",
+    "check_timeout",
+    "comm_error",
+    "wait_work",
+]
+
+
+class KFACCommError(RuntimeError):
+    """A K-FAC collective failed (a peer crashed or broke the connection) or did not complete in time.
+
+    Attributes: ``collective`` (``"all_reduce"``, ``"broadcast"``, ``"all_gather"``), ``phase`` (e.g.
+    ``"K-FAC factor all-reduce"``), ``what`` (the fusion group / factor / plan), ``rank`` and ``world_size``
+    (in the K-FAC process group), ``timeout_s``, and ``timed_out`` (True: the wait hit the timeout; False:
+    the backend reported an error). The backend's exception is ``__cause__``.
+    """
+
+    def __init__(self, message: str, *, collective: str, phase: str, what: str, rank: int, world_size: int,
+                 timeout_s: float, timed_out: bool) -> None:
+        super().__init__(message)
+        self.collective = collective
+        self.phase = phase
+        self.what = what
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        self.timed_out = timed_out
+
+
+def check_timeout(name: str, value: object) -> float:
+    """``value`` as float seconds: TypeError unless a real number, ValueError unless finite and > 0."""
+    what = ("a positive, finite number of seconds (the longest any rank waits for one K-FAC collective "
+            "before failing)")
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be {what}, got {value!r} of type {type(value).__name__}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be {what}, got {value!r}")
+    return float(value)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
+
+
+def _is_timeout(exc: BaseException) -> bool:
+    # gloo's Work.wait(timeout): "Operation timed out!"; gloo's own (process-group) timeout: "Timed out
+    # waiting ... for recv operation to complete"; NCCL blocking wait: "... timed out ...".
+    return "timed out" in str(exc).lower()
+
+
+def comm_error(exc: BaseException, *, collective: str, phase: str, what: str, rank: int, world_size: int,
+               timeout_s: float, launching: bool = False) -> KFACCommError:
+    """The :class:`KFACCommError` for ``exc`` raised while launching or waiting on a K-FAC collective."""
+    timed_out = not launching and _is_timeout(exc)
+    if timed_out:
+        happened = f"did not complete within comm_timeout_s={timeout_s:g} s"
+        advice = ("A peer rank is stalled, has crashed without closing its connections, or issued a "
+                  "different collective. Look at the other ranks' logs for the first error; check that every "
+                  "rank runs the same steps (no rank-dependent evaluation, checkpointing or early exit) with "
+                  "the same K-FAC plan; raise comm_timeout_s if one rank is legitimately slower than "
+                  f"{timeout_s:g} s at this point.")
+    else:
+        verb = "could not be launched" if launching else "failed"
+        happened = f"{verb} ({_first_line(exc)}; comm_timeout_s={timeout_s:g} s)"
+        advice = ("A peer rank probably crashed or closed its connection: look at the other ranks' logs for the "
+                  "first error (the one that is not a K-FAC communication error), and check that all ranks "
+                  "are alive and can reach each other.")
+    message = (f"{phase} failed: {collective} of {what} on rank {rank} of {world_size} {happened}. {advice} "
+               "This process group can no longer be trusted (collectives may still be pending); restart the "
+               "job or re-create the process group (an elastic restart resumes from the last checkpoint).")
+    return KFACCommError(message, collective=collective, phase=phase, what=what, rank=rank,
+                         world_size=world_size, timeout_s=timeout_s, timed_out=timed_out)
+
+
+def wait_work(work: object, timeout_s: float, *, collective: str, phase: str, what: str, rank: int,
+              world_size: int) -> None:
+    """``work.wait()``, bounded by ``timeout_s`` seconds; a failure or timeout raises :class:`KFACCommError`
+    (with the backend's exception as ``__cause__``)."""
+    try:
+        done = work.wait(timeout=timedelta(seconds=timeout_s))
+        if done is False:  # a backend that reports the timeout instead of raising it
+            raise TimeoutError(f"Work.wait timed out after {timeout_s:g} s")
+    except Exception as exc:  # noqa: BLE001 - every backend error becomes one that names the collective
+        raise comm_error(exc, collective=collective, phase=phase, what=what, rank=rank, world_size=world_size,
+                         timeout_s=timeout_s) from exc
