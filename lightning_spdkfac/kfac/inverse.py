@@ -1,11 +1,61 @@
-"""Damped inverses of Kronecker factors: Cholesky first, a clamped eigendecomposition where it fails.
+"""Damped inverses of Kronecker factors, with a fallback ladder for ill-conditioned or indefinite ones.
 
-The stored factor is never modified: damping is added to a copy in the inversion dtype.
+Each factor F is inverted as (F + damping I)^-1 by the first of these levels that gives a usable
+result (finite in the inversion dtype):
+
+``"cholesky"``
+    Cholesky of the damped copy in the inversion dtype: the healthy path. All factors of a batch
+    are factorized first and checked together with one host sync. A factorization is rejected
+    when it fails, when its inverse is not finite, or when the damped factor M = F + damping I is
+    too ill-conditioned for the inversion dtype: ``max_i M_ii (M^-1)_ii`` above 0.1/eps. That is a
+    lower bound (within a factor n) of the condition number of the diagonally scaled matrix
+    D^-1/2 M D^-1/2, D = diag(M), which is what governs the accuracy of Cholesky (Demmel 1989; the
+    plain condition number of a badly scaled factor can be far larger while Cholesky stays exact),
+    so above it the Cholesky inverse's error reaches tens of percent. For PSD F each term is at
+    most ``(F_ii + damping) / damping``: healthy factors stay on this path.
+``"eigh"``
+    A symmetric eigendecomposition in float64 of the symmetrized factor: negative eigenvalues (a
+    factor made indefinite by round-off) are clamped to zero, damping is added, and eigenvalues
+    below 1e-10 of the largest are raised to that floor, so a singular factor with damping 0 still
+    gives a finite inverse.
+``"damping"``
+    Where the eigendecomposition raises (``torch.linalg.eigh`` can fail to converge) or its inverse
+    is not finite in the inversion dtype: the damping is multiplied by 10, up to
+    :data:`DAMPING_RETRIES` times, each time trying a float64 Cholesky and then the clamped
+    eigendecomposition with that damping. A damping of 0 starts from eps (of the inversion dtype)
+    times the factor's mean eigenvalue.
+``"identity"``
+    Where even that fails (e.g. a factor with non-finite entries, or a zero factor with damping 0):
+    ``I / (trace(F)/n + damping)``, the inverse of the factor's isotropic part; ``I / damping`` (or
+    ``I``) if that is not a positive finite number.
+
+Every level returns a finite inverse; with damping > 0 its eigenvalues are at most 1/damping, so
+the preconditioned gradient stays finite too.
+
+The stored factor is never modified: damping is added to a copy.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+LEVELS = ("cholesky", "eigh", "damping", "identity")
+DAMPING_RETRIES = 3  # damping x 10, x 100, x 1000
+DAMPING_GROWTH = 10.0
+COND_LIMIT = 0.1  # Cholesky is rejected where the condition-number bound exceeds COND_LIMIT / eps
+EIGH_FLOOR = 1e-10  # eigenvalues of the damped factor below this fraction of the largest are raised to it
+
+
+@dataclass(frozen=True)
+class Fallback:
+    """A factor the Cholesky path did not invert: which, how it was inverted instead, and why."""
+
+    index: int  # position of the factor in the batch
+    level: str  # "eigh", "damping" or "identity" (see the module docstring)
+    damping: float  # the damping the returned inverse used
+    reason: str  # why the previous levels failed, for messages
 
 
 def _damped_copy(factor: torch.Tensor, damping: float, dtype: torch.dtype) -> torch.Tensor:
@@ -14,44 +64,130 @@ def _damped_copy(factor: torch.Tensor, damping: float, dtype: torch.dtype) -> to
     return m
 
 
-def eigh_inverse(factor: torch.Tensor, damping: float, dtype: torch.dtype) -> torch.Tensor:
-    """(F + damping I)^-1 through a symmetric eigendecomposition with clamped eigenvalues.
+def _finite(t: torch.Tensor) -> bool:
+    return bool(torch.isfinite(t).all())
 
-    Negative eigenvalues (a factor made indefinite by round-off) are clamped to zero before
-    damping is added; a relative floor keeps the result finite even with damping=0.
+
+def eigh_inverse(factor: torch.Tensor, damping: float, dtype: torch.dtype) -> torch.Tensor:
+    """(F + damping I)^-1 through a float64 symmetric eigendecomposition with clamped eigenvalues.
+
+    Negative eigenvalues are clamped to zero before damping is added; a floor of 1e-10 times the
+    largest eigenvalue keeps the result finite even with damping=0. May raise
+    ``torch.linalg.LinAlgError`` (no convergence, or a zero factor with damping 0) or return
+    non-finite values (a non-finite factor, or an inverse too large for ``dtype``):
+    :func:`robust_inverse` handles both.
     """
     f = factor.to(torch.float64)
     f = 0.5 * (f + f.T)  # exact symmetry for eigh
     evals, evecs = torch.linalg.eigh(f)
     evals = evals.clamp(min=0.0) + damping
-    floor = max(float(evals.max()) * 1e-10, torch.finfo(torch.float64).tiny)
-    inv = (evecs / evals.clamp(min=floor)) @ evecs.T
+    top = float(evals.max())
+    if not top > 0.0:  # a zero factor without damping: no curvature to invert (1/tiny would overflow later)
+        raise torch.linalg.LinAlgError("the factor has no positive eigenvalue and damping is 0")
+    inv = (evecs / evals.clamp(min=top * EIGH_FLOOR)) @ evecs.T
     return inv.to(dtype)
 
 
-def damped_inverses(
-    factors: list[torch.Tensor], damping: float, dtype: torch.dtype
-) -> tuple[list[torch.Tensor], list[int]]:
-    """Damped inverses of several factors.
+def _cholesky_inverse64(factor: torch.Tensor, damping: float, dtype: torch.dtype) -> torch.Tensor | None:
+    """(sym(F) + damping I)^-1 by a float64 Cholesky, or None where it fails or is not finite in ``dtype``."""
+    f = factor.to(torch.float64)
+    f = 0.5 * (f + f.T)
+    f.diagonal().add_(damping)
+    L, info = torch.linalg.cholesky_ex(f)
+    if int(info) != 0:
+        return None
+    inv = torch.cholesky_inverse(L).to(dtype)
+    return inv if _finite(inv) else None
 
-    Returns the inverses and the indices of the factors whose Cholesky failed (those were
-    inverted with :func:`eigh_inverse`). One host sync for the whole batch, not one per factor.
+
+def scaled_identity(factor: torch.Tensor, damping: float, dtype: torch.dtype) -> torch.Tensor:
+    """I / (trace(F)/n + damping): the last resort; finite whatever the factor holds."""
+    n = factor.shape[0]
+    mean = float(factor.to(torch.float64).diagonal().sum()) / max(n, 1)
+    denom = mean + damping
+    if not (denom > 0.0 and denom < float("inf")) or not (1.0 / denom) < torch.finfo(dtype).max:
+        denom = damping if damping > 0.0 else 1.0
+    return torch.eye(n, dtype=dtype, device=factor.device) / denom
+
+
+def robust_inverse(factor: torch.Tensor, damping: float, dtype: torch.dtype,
+                   reason: str = "Cholesky was not tried") -> tuple[torch.Tensor, str, float, str]:
+    """The fallback ladder below Cholesky for one factor: (inverse, level, damping used, reason).
+
+    ``reason`` says why Cholesky was rejected; it is extended with why each later level failed.
+    """
+    reasons = [reason]
+    if not _finite(factor):
+        reasons.append("the factor holds non-finite values")
+        return scaled_identity(factor, damping, dtype), "identity", damping, "; ".join(reasons)
+    try:
+        inv = eigh_inverse(factor, damping, dtype)
+        if _finite(inv):
+            return inv, "eigh", damping, "; ".join(reasons)
+        reasons.append(f"the eigendecomposition's inverse is not finite in {dtype}")
+    except RuntimeError as e:  # torch.linalg.LinAlgError: no convergence
+        reasons.append(f"the eigendecomposition failed ({str(e).splitlines()[0]})")
+    mean = abs(float(factor.to(torch.float64).diagonal().sum())) / max(factor.shape[0], 1)
+    base = damping if damping > 0.0 else torch.finfo(dtype).eps * mean
+    if base > 0.0:
+        for k in range(1, DAMPING_RETRIES + 1):
+            d = base * DAMPING_GROWTH**k
+            inv = _cholesky_inverse64(factor, d, dtype)
+            if inv is None:
+                try:
+                    inv = eigh_inverse(factor, d, dtype)
+                except RuntimeError:
+                    inv = None
+            if inv is not None and _finite(inv):
+                return inv, "damping", d, "; ".join(reasons)
+        reasons.append(f"damping up to {base * DAMPING_GROWTH**DAMPING_RETRIES:.3g} did not help")
+    return scaled_identity(factor, damping, dtype), "identity", damping, "; ".join(reasons)
+
+
+def robust_inverses(
+    factors: list[torch.Tensor], damping: float, dtype: torch.dtype
+) -> tuple[list[torch.Tensor], list[Fallback]]:
+    """Damped inverses of several factors, and a :class:`Fallback` for each one Cholesky did not invert.
+
+    One host sync for the whole batch when every Cholesky succeeds; the fallback levels sync
+    freely (they only run on factors that need them).
     """
     if not factors:
         return [], []
-    inverses, bad = [], []
+    limit = COND_LIMIT / torch.finfo(dtype).eps
+    inverses, flags = [], []
     for f in factors:
-        L, info = torch.linalg.cholesky_ex(_damped_copy(f, damping, dtype))
+        m = _damped_copy(f, damping, dtype)
+        L, info = torch.linalg.cholesky_ex(m)
         failed_here = info.ne(0)
         # A failed factorization may hold zeros on its diagonal, on which cholesky_inverse
         # raises; put ones there without a host sync (that result is discarded below).
         L.diagonal().masked_fill_(failed_here, 1.0)
         inv = torch.cholesky_inverse(L)
         inverses.append(inv)
-        # Cholesky can also "succeed" on a near-singular matrix whose inverse overflows
-        # (one pass: a non-finite entry makes the sum non-finite).
-        bad.append(failed_here | ~torch.isfinite(inv.sum()))
-    failed = torch.stack(bad).nonzero().flatten().tolist()  # the one sync
-    for i in failed:
-        inverses[i] = eigh_inverse(factors[i], damping, dtype)
-    return inverses, failed
+        # Codes: 0 ok, 1 failed, 2 inverse not finite (one pass: a non-finite entry makes the sum
+        # non-finite; Cholesky can "succeed" on a near-singular matrix whose inverse overflows),
+        # 3 too ill-conditioned for dtype (see the module docstring).
+        ill = (m.diagonal() * inv.diagonal()).max() > limit
+        flags.append(torch.where(failed_here, 1, torch.where(~torch.isfinite(inv.sum()), 2, torch.where(ill, 3, 0))))
+    codes = torch.stack(flags).tolist()  # the one sync
+    why = {1: "it is not positive definite after damping (indefinite or singular)", 2: "the Cholesky inverse is not finite",
+           3: f"the damped factor is too ill-conditioned for a {dtype} Cholesky (condition number above "
+              f"{limit:.2g})"}
+    fallbacks = []
+    for i, code in enumerate(codes):
+        if code:
+            inverses[i], level, used, reason = robust_inverse(factors[i], damping, dtype, why[code])
+            fallbacks.append(Fallback(i, level, used, reason))
+    return inverses, fallbacks
+
+
+def damped_inverses(
+    factors: list[torch.Tensor], damping: float, dtype: torch.dtype
+) -> tuple[list[torch.Tensor], list[int]]:
+    """Damped inverses of several factors and the indices of those Cholesky did not invert.
+
+    The same as :func:`robust_inverses` with only the indices of the fallbacks.
+    """
+    inverses, fallbacks = robust_inverses(factors, damping, dtype)
+    return inverses, [fb.index for fb in fallbacks]
