@@ -372,7 +372,6 @@ def test_load_state_of_another_model_is_refused_and_changes_nothing():
         ({"kl_clip": -1.0}, r"kl_clip must be > 0"),
         ({"factor_update_steps": 0}, r"factor_update_steps must be a positive integer"),
         ({"inv_update_steps": -2}, r"inv_update_steps must be a positive integer"),
-        ({"inv_update_steps": 1.5}, r"inv_update_steps must be a positive integer"),
         ({"lr": -0.1}, r"lr must be >= 0"),
         ({"damping": float("nan")}, r"damping must be >= 0"),
         ({"inv_dtype": torch.float16}, r"inv_dtype must be torch.float32 or torch.float64"),
@@ -387,6 +386,8 @@ def test_bad_arguments_name_the_argument(kwargs, match):
 def test_bad_types():
     with pytest.raises(TypeError, match="damping must be a number or a callable"):
         KFACPreconditioner(mlp(), damping="big")
+    with pytest.raises(TypeError, match="inv_update_steps must be a positive integer"):
+        KFACPreconditioner(mlp(), inv_update_steps=1.5)
     with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
         KFACPreconditioner("model")
 

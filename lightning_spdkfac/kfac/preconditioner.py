@@ -17,9 +17,11 @@ updates the running averages -> (on inverse steps) damped inverses -> preconditi
 
 from __future__ import annotations
 
+import logging
+import numbers
 import re
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
@@ -30,10 +32,12 @@ from ..telemetry import StepTimer
 from . import hparams as hp
 from .distributor import Distributor, FactorKey, Task
 from .gradients import GradAccess
-from .inverse import damped_inverses
+from .inverse import robust_inverses
 from .layers import LayerHelper, make_helper
 
-STATE_VERSION = 1
+log = logging.getLogger(__name__)
+
+STATE_VERSION = 2  # 2: adds 'layer_dims' (every registered layer and its factor sides)
 
 
 @dataclass(eq=False)
@@ -53,6 +57,9 @@ class KFACLayer:
     g_calls: int = 0
     last_micro_batch: int = -1
     ran: bool = False  # forward ran in training mode since the last step
+    # Training-mode forwards without grad since the last step: the first pass of reentrant activation
+    # checkpointing, whose recomputation during backward then counts (see _make_forward_hook).
+    nograd_calls: int = 0
     # Pipelining: calls in the current micro-batch, the count that makes a factor final
     # (learned from the previous step), and what was handed to the distributor.
     mb_a_calls: int = 0
@@ -71,7 +78,12 @@ class KFACLayer:
         self.mb_a_calls = self.mb_g_calls = 0
         self.last_micro_batch = -1
         self.ran = False
+        self.nograd_calls = 0
         self.submitted.clear()
+
+    def trainable(self) -> bool:
+        """Whether all the layer's parameters require grad now (a frozen layer is left alone)."""
+        return all(p.requires_grad for p in self.helper.params())
 
     def step_a(self) -> torch.Tensor:
         """This step's A_new as a new matrix (the distributed path sends it)."""
@@ -134,6 +146,40 @@ class KFACLayer:
                 running.lerp_(new, weight)  # decay*F + (1-decay)*F_new in one pass
 
 
+def _sum32(t: torch.Tensor) -> torch.Tensor:
+    """Sum of a tensor, accumulated and returned in at least float32 (an fp16 sum can overflow)."""
+    return t.sum() if t.dtype == torch.float64 else t.sum(dtype=torch.float32)
+
+
+def _describe_bad(bad: dict[str, list[str]]) -> str:
+    """``{"net.0": ["activations (A factor)"]}`` -> ``"layer 'net.0': activations (A factor)"``."""
+    parts = [f"{name if name.startswith('parameter ') else f'layer {name!r}'}: {', '.join(what)}"
+             for name, what in bad.items()]
+    return "; ".join(parts) or "no single tensor identified"
+
+
+# What the preconditioner did instead of Cholesky, per fallback level of kfac.inverse.
+_FALLBACK_ACTION = {
+    "eigh": "using a clamped eigendecomposition (consider a larger damping)",
+    "damping": "the clamped eigendecomposition failed too, so this factor was inverted with damping "
+               "{damping:g} (raise damping)",
+    "identity": "no damped inverse was finite, so this factor uses a scaled identity I / (trace/n + damping), "
+                "which drops its curvature (raise damping; check the factor for non-finite values)",
+}
+
+
+def _in_backward() -> bool:
+    """Whether autograd is running a backward pass now (activation checkpointing recomputes there)."""
+    task_id = getattr(torch._C, "_current_graph_task_id", None)
+    return task_id is not None and task_id() != -1
+
+
+def _eager(fn: Callable) -> Callable:
+    """``fn`` excluded from torch.compile tracing (run as plain Python; a graph break under compile)."""
+    disable = getattr(getattr(torch, "compiler", None), "disable", None)
+    return fn if disable is None else disable(fn, recursive=True)
+
+
 def _autocast_off(device_type: str):
     """Autocast disabled for factor statistics (fp32 factors under bf16/fp16 autocast)."""
     if torch.is_autocast_enabled(device_type):
@@ -162,6 +208,16 @@ class KFACPreconditioner:
             default is one process. See :mod:`lightning_spdkfac.kfac.distributor`.
         grad_access: where the reduced gradients are read and written; the default is
             ``param.grad`` in place. See :mod:`lightning_spdkfac.kfac.gradients`.
+        max_bad_steps: after this many consecutive factor steps skipped for non-finite values
+            (activations, output gradients, received factors or gradients), :meth:`step` raises
+            a RuntimeError naming the layers and what was non-finite; None never raises. A step
+            with non-finite values skips the factor update (the running factors keep their last
+            good value) and, where the gradients are non-finite, preconditioning (the optimizer's
+            own overflow handling then sees them as they are); ``skipped_factor_steps`` and
+            ``skipped_precondition_steps`` count them. The default, 100, leaves room for a dynamic
+            fp16 loss scaler (GradScaler, DeepSpeed), which halves its scale on each overflow step
+            and so recovers within about 25 consecutive ones even from 2^24, while stopping a run
+            whose factors or loss went non-finite for good before it wastes an epoch.
     """
 
     def __init__(
@@ -180,9 +236,19 @@ class KFACPreconditioner:
         grad_scaler: torch.amp.GradScaler | None = None,
         distributor: Distributor | None = None,
         grad_access: GradAccess | None = None,
+        max_bad_steps: int | None = 100,
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if max_bad_steps is not None:
+            bad_type = isinstance(max_bad_steps, bool) or not isinstance(max_bad_steps, int)
+            if bad_type or max_bad_steps < 1:
+                raise (TypeError if bad_type else ValueError)(
+                    "max_bad_steps must be None (never raise) or a positive integer (consecutive factor steps "
+                    f"with non-finite values before K-FAC raises), got {type(max_bad_steps).__name__} "
+                    f"{max_bad_steps!r}"
+                )
+        self.max_bad_steps = max_bad_steps
         hp.check_schedule("damping", damping, hp.NONNEGATIVE)
         hp.check_schedule("factor_decay", factor_decay, hp.DECAY)
         if kl_clip is not None:
@@ -232,6 +298,9 @@ class KFACPreconditioner:
         self.steps = 0  # optimizer steps taken (calls of step())
         self.skipped_factor_steps = 0  # factor updates skipped for non-finite values
         self.skipped_precondition_steps = 0  # steps left unpreconditioned: non-finite gradients
+        self.consecutive_bad_steps = 0  # factor steps skipped in a row (max_bad_steps bounds it)
+        self.last_bad_step: dict | None = None  # {"step": k, "bad": {where: [what, ...]}} of the last one
+        self.inverse_fallbacks = 0  # factor inversions Cholesky could not do (see kfac.inverse)
         self._grads: dict = {}  # parameter -> gradient tensor, while step() runs
         self._grads_finite = True
         self._micro_batch = 0
@@ -291,12 +360,26 @@ class KFACPreconditioner:
     # ------------------------------------------------------------------ hooks
     def _make_forward_hook(self, layer: KFACLayer) -> Callable:
         def forward_hook(module, inputs, output):
-            if not module.training or not torch.is_grad_enabled():
+            if not module.training:
+                return
+            if not torch.is_grad_enabled():
+                layer.nograd_calls += 1
+                return
+            recomputed = _in_backward()
+            if recomputed:
+                # Activation checkpointing recomputes this forward during backward. Non-reentrant
+                # (use_reentrant=False): the first forward already counted the call and hooked its
+                # output, whose gradient is the one backward uses; counting it again would double A.
+                # Reentrant: the first forward ran without grad; this call is the one backward uses.
+                if layer.nograd_calls == 0:
+                    return
+                layer.nograd_calls -= 1
+            if not layer.trainable():  # frozen (requires_grad=False): not collected, not preconditioned
                 return
             layer.ran = True
             if not self.collecting or not isinstance(output, torch.Tensor) or not output.requires_grad:
                 return
-            if self._backward_seen:  # a forward after a backward starts a new micro-batch
+            if self._backward_seen and not recomputed:  # a forward after a backward starts a new micro-batch
                 self._micro_batch += 1
                 self._backward_seen = False
                 for ly in self.layers.values():
@@ -313,7 +396,10 @@ class KFACPreconditioner:
             if final:
                 self.distributor.factor_final(layer.index, "A", A_new)
 
-        return forward_hook
+        # Under torch.compile the hooks run as plain Python (a graph break at each K-FAC layer): traced,
+        # K-FAC's bookkeeping would be compiled into graphs guarded on per-layer Python state, with its
+        # in-place updates of persistent buffers replayed as side effects.
+        return _eager(forward_hook)
 
     def _make_grad_hook(self, layer: KFACLayer, x: torch.Tensor) -> Callable:
         batch = layer.helper.batch_size(x)
@@ -331,7 +417,7 @@ class KFACPreconditioner:
             if final:
                 self.distributor.factor_final(layer.index, "G", G_new)
 
-        return grad_hook
+        return _eager(grad_hook)
 
     def _accumulate_a(self, layer: KFACLayer, x: torch.Tensor) -> None:
         a = layer.helper.a_rows(x.detach()).to(self.factor_dtype)
@@ -405,10 +491,15 @@ class KFACPreconditioner:
             ready.append(layer)
         return ready
 
+    def _grad_sums(self) -> list[torch.Tensor]:
+        """One scalar per gradient, non-finite exactly where the gradient holds an inf or NaN."""
+        sums = [_sum32(g) for g in self._grads.values() if g is not None]
+        sums += [_sum32(p.grad) for p in self._other_params if p.grad is not None]
+        return sums
+
     def _finite(self, extra: list[torch.Tensor]) -> tuple[bool, bool]:
         """One host sync: (are all gradients finite, are all the ``extra`` scalars finite)."""
-        sums = [g.sum() for g in self._grads.values() if g is not None]
-        sums += [p.grad.sum() for p in self._other_params if p.grad is not None]
+        sums = self._grad_sums()
         n = len(sums)
         if not sums and not extra:
             return True, True
@@ -416,24 +507,92 @@ class KFACPreconditioner:
         grads_ok, extra_ok = torch.stack([ok[:n].all(), ok[n:].all()]).tolist()
         return grads_ok, extra_ok
 
-    def _check_finite(self, extra: list[torch.Tensor]) -> bool:
-        """Whether this step may update the factors; notes non-finite gradients for the step."""
+    def _check_finite(self, extra: list[torch.Tensor], labels: list[tuple[KFACLayer, str, bool]]) -> bool:
+        """Whether this step may update the factors; notes non-finite gradients for the step.
+
+        ``labels[i]`` is ``(layer, "A" or "G", received)`` for ``extra[i]``, used only on a bad step
+        to say where the non-finite values are. Raises after ``max_bad_steps`` bad steps in a row.
+        """
         grads_ok, extra_ok = self._finite(extra)
         if not grads_ok:
             # The optimizer's own overflow handling (GradScaler, DeepSpeed) sees the gradients as
             # they are: preconditioning would only spread the inf/NaN over every entry.
             self._grads_finite = False
         if grads_ok and extra_ok:
+            self.consecutive_bad_steps = 0
             return True
         self.skipped_factor_steps += 1
+        self.consecutive_bad_steps += 1
+        bad = self._blame(extra, labels)  # off the healthy path: one more host sync
+        self.last_bad_step = {"step": self.steps, "bad": bad}
+        where = _describe_bad(bad)
+        only_grads = all(what == ["gradient"] for what in bad.values())
+        # A gradient overflow alone is routine under a dynamic fp16 loss scale: info, not warning.
+        log.log(
+            logging.INFO if only_grads else logging.WARNING,
+            "K-FAC step %d: non-finite values (%s); factor update skipped%s (%d in a row, %d in all)",
+            self.steps, where, "" if grads_ok else " and gradients left unpreconditioned",
+            self.consecutive_bad_steps, self.skipped_factor_steps,
+        )
+        if self.max_bad_steps is not None and self.consecutive_bad_steps >= self.max_bad_steps:
+            raise RuntimeError(
+                f"K-FAC: {self.consecutive_bad_steps} consecutive factor steps had non-finite values "
+                f"(max_bad_steps={self.max_bad_steps}), so their factor updates were skipped; at step "
+                f"{self.steps}: {where}. Training has diverged or the data holds NaN/Inf: lower the "
+                "learning rate, raise damping, use loss scaling (a GradScaler / fp16 loss scale) or bf16, "
+                "and check the input data; max_bad_steps=None disables this error"
+            )
         return False
+
+    def _blame(self, extra: list[torch.Tensor], labels: list[tuple[KFACLayer, str, bool]]) -> dict[str, list[str]]:
+        """Where the non-finite values of a bad step are: {layer or parameter: [what, ...]}.
+
+        Layers in registration order (their factors, then their gradient), then other parameters.
+        """
+        places: list[tuple[str, object]] = [(layer.name, (which, received, layer)) for layer, which, received in labels]
+        scalars: list[torch.Tensor] = list(extra)
+        for layer in self.layers.values():
+            for p in layer.helper.params():
+                g = self._grads.get(p)
+                if g is not None:
+                    places.append((layer.name, "gradient"))
+                    scalars.append(_sum32(g))
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        for p in self._other_params:
+            if p.grad is not None:
+                places.append((f"parameter {names.get(id(p), '?')!r}", "gradient"))
+                scalars.append(_sum32(p.grad))
+        ok = torch.isfinite(torch.stack([s.float() for s in scalars])).tolist() if scalars else []
+        found: dict[str, list[str]] = {}
+        for (name, what), fine in zip(places, ok):
+            if fine:
+                continue
+            if isinstance(what, tuple):
+                what = self._factor_blame(*what)
+            if what not in found.setdefault(name, []):
+                found[name].append(what)
+        order = {name: i for i, name in enumerate(self.layers)}
+        return dict(sorted(found.items(), key=lambda kv: order.get(kv[0], len(order))))
+
+    @staticmethod
+    def _factor_blame(which: str, received: bool, layer: KFACLayer) -> str:
+        kind = "activations (A factor)" if which == "A" else "output gradients (G factor)"
+        if not received:
+            return kind
+        # A reduced factor: non-finite here already, or only after the reduction over ranks?
+        local, calls = (layer.xx, layer.a_calls) if which == "A" else (layer.dd, layer.g_calls)
+        if calls and local is not None and not bool(torch.isfinite(local.diagonal().sum())):
+            return f"{kind} on this rank"
+        return f"received {which} factor (non-finite after the reduction over ranks)"
 
     def _update_factors(self, k: int) -> None:
         ready = self._collected_layers()
         if not ready:
             return
         g_scale = self._g_scale()
-        if not self._check_finite([d for layer in ready for d in layer.gram_diagonals()]):
+        diagonals = [d for layer in ready for d in layer.gram_diagonals()]
+        labels = [(layer, which, False) for layer in ready for which in ("A", "G")]
+        if not self._check_finite(diagonals, labels):
             return
         decay = hp.resolve("factor_decay", self.factor_decay, k, hp.DECAY)
         for layer in ready:
@@ -471,7 +630,8 @@ class KFACPreconditioner:
             return
         # Reduced factors and DDP-averaged gradients are identical on every rank: so is this test.
         diagonals = [m.diagonal().sum() for _, A, G in ready for m in (A, G)]
-        if not self._check_finite(diagonals):
+        labels = [(layer, which, True) for layer, _, _ in ready for which in ("A", "G")]
+        if not self._check_finite(diagonals, labels):
             return
         decay = hp.resolve("factor_decay", self.factor_decay, k, hp.DECAY)
         for layer, A, G in ready:
@@ -487,15 +647,16 @@ class KFACPreconditioner:
 
         def invert(tasks: list[Task]) -> list[torch.Tensor]:
             with self.timer.phase("inverse_compute"):
-                inverses, failed = damped_inverses([t[2] for t in tasks], damping, self.inv_dtype)
-            for i in failed:
-                index, which, _ = tasks[i]
+                inverses, fallbacks = robust_inverses([t[2] for t in tasks], damping, self.inv_dtype)
+            self.inverse_fallbacks += len(fallbacks)
+            for fb in fallbacks:
+                index, which, _ = tasks[fb.index]
                 name = by_index[index].name
                 self._warn_once(
                     name,
-                    "eigh",
-                    f"K-FAC layer {name!r}: Cholesky of the damped {which} factor failed at step {k}; "
-                    "using a clamped eigendecomposition (consider a larger damping)",
+                    f"inverse-{fb.level}",
+                    f"K-FAC layer {name!r}: Cholesky of the damped {which} factor failed at step {k} "
+                    f"(damping {damping:g}): {fb.reason}; " + _FALLBACK_ACTION[fb.level].format(damping=fb.damping),
                 )
             return inverses
 
@@ -516,6 +677,8 @@ class KFACPreconditioner:
     def _precondition_layer(self, layer: KFACLayer) -> None:
         """P = G_inv [dW, db] A_inv for one layer, kept until the KL clip of the step is known."""
         if layer.index in self._preconditioned or not layer.ran or layer.A_inv is None or not self._grads_finite:
+            return
+        if not layer.trainable():  # frozen after its forward: its (stale or absent) gradient is left as is
             return
         g = layer.helper.grad_matrix(self._grads)
         if g is None:
@@ -580,7 +743,11 @@ class KFACPreconditioner:
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
-        """Everything the next step needs: counters, running factors and current inverses."""
+        """Everything the next step needs: counters, running factors and current inverses.
+
+        ``layer_dims`` names every registered layer with its factor sides ``[A, G]``, layers without
+        factors yet included, so that :meth:`load_state_dict` recognizes a state of another model.
+        """
         layers = {}
         for name, ly in self.layers.items():
             if ly.A is None:
@@ -590,38 +757,187 @@ class KFACPreconditioner:
             "version": STATE_VERSION,
             "steps": self.steps,
             "skipped_factor_steps": self.skipped_factor_steps,
+            "layer_dims": {name: [ly.helper.a_dim, ly.helper.g_dim] for name, ly in self.layers.items()},
             "layers": layers,
         }
 
-    def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict`; refuses, without changing anything, a state of another model."""
-        if not isinstance(state, dict) or "layers" not in state or "steps" not in state:
-            raise ValueError("not a KFACPreconditioner state dict (missing 'steps' or 'layers')")
-        problems = []
-        for name, s in state["layers"].items():
-            layer = self.layers.get(name)
-            if layer is None:
-                problems.append(f"{name!r}: not a K-FAC layer of this model")
-                continue
-            want = (layer.helper.a_dim, layer.helper.g_dim)
-            got = (tuple(s["A"].shape), tuple(s["G"].shape))
-            if got != ((want[0], want[0]), (want[1], want[1])):
-                problems.append(f"{name!r}: factor shapes {got[0]}, {got[1]}; this model needs "
-                                f"({want[0]}, {want[0]}), ({want[1]}, {want[1]})")
-        if problems:
-            raise ValueError("K-FAC state does not match this model:\n  " + "\n  ".join(problems))
-        for layer in self.layers.values():
-            s = state["layers"].get(layer.name)
-            dev = layer.helper.module.weight.device
-            if s is None:
-                layer.A = layer.G = layer.A_inv = layer.G_inv = None
-                continue
-            layer.A = s["A"].to(device=dev, dtype=self.factor_dtype).clone()
-            layer.G = s["G"].to(device=dev, dtype=self.factor_dtype).clone()
-            inv = (s["A_inv"], s["G_inv"])
-            layer.A_inv, layer.G_inv = (
-                (None, None) if inv[0] is None else
-                tuple(t.to(device=dev, dtype=self.inv_dtype).clone() for t in inv)
+    def check_state_dict(self, state: Mapping) -> None:
+        """Raise the ValueError :meth:`load_state_dict` would raise for ``state``; change nothing."""
+        self._verify_state(state)
+
+    def load_state_dict(self, state: Mapping) -> None:
+        """Restore :meth:`state_dict`.
+
+        Everything is verified before anything changes: a state of another model (layers missing or
+        unexpected, other factor shapes) or a corrupt one (missing keys, wrong types, non-tensor
+        entries, tensors of the wrong shape or dtype, non-finite values, a version from a newer
+        release) raises one ValueError listing every problem, and the preconditioner is left exactly
+        as it was. Registered layers without factors in the state start without factors.
+        """
+        factors = self._verify_state(state)
+        loaded = {}  # converted first: nothing is assigned unless every tensor converted
+        for name, (A, G, A_inv, G_inv) in factors.items():
+            dev = self.layers[name].helper.module.weight.device
+            loaded[name] = (
+                A.to(device=dev, dtype=self.factor_dtype).clone(),
+                G.to(device=dev, dtype=self.factor_dtype).clone(),
+                None if A_inv is None else A_inv.to(device=dev, dtype=self.inv_dtype).clone(),
+                None if G_inv is None else G_inv.to(device=dev, dtype=self.inv_dtype).clone(),
             )
+        for name, layer in self.layers.items():
+            layer.A, layer.G, layer.A_inv, layer.G_inv = loaded.get(name, (None, None, None, None))
         self.steps = int(state["steps"])
         self.skipped_factor_steps = int(state.get("skipped_factor_steps", 0))
+
+    def _verify_state(self, state: Mapping) -> dict[str, tuple]:
+        """The factors of ``state`` by layer name, or a ValueError listing every problem found."""
+        if not isinstance(state, Mapping):
+            raise ValueError(f"not a KFACPreconditioner state dict: got a {type(state).__name__}. " + _SKIP_HINT)
+        missing_keys = [k for k in ("version", "steps", "layers") if k not in state]
+        if missing_keys:
+            raise ValueError(
+                f"not a KFACPreconditioner state dict (missing {', '.join(map(repr, missing_keys))}; "
+                f"keys found: {', '.join(map(repr, list(state)[:10])) or 'none'}). " + _SKIP_HINT
+            )
+        corrupt: list[str] = []
+        mismatch: list[str] = []
+        version = state["version"]
+        if not _is_count(version) or version < 1:
+            corrupt.append(f"'version' must be a positive integer, got {version!r}")
+        elif version > STATE_VERSION:
+            raise ValueError(
+                f"K-FAC state version {version} was written by a newer lightning-spdkfac; this one reads "
+                f"versions up to {STATE_VERSION}: upgrade lightning-spdkfac. " + _SKIP_HINT
+            )
+        for key in ("steps", "skipped_factor_steps"):
+            if key in state and not _is_count(state[key]):
+                corrupt.append(f"{key!r} must be a non-negative integer, got {state[key]!r}")
+
+        # Which layers the state was saved for: 'layer_dims' (version 2), else the layers with factors.
+        dims = None
+        if "layer_dims" in state:
+            dims = _layer_dims(state["layer_dims"], corrupt)
+        elif _is_count(version) and version >= 2:
+            corrupt.append("missing 'layer_dims' (every version-2 state has it)")
+        layers = state["layers"]
+        if not isinstance(layers, Mapping):
+            corrupt.append(f"'layers' must be a dict of layer name -> factors, got a {type(layers).__name__}")
+            layers = {}
+        saved_names = list(dims) if dims is not None else [n for n in layers if isinstance(n, str)]
+        for name in saved_names:
+            if name not in self.layers:
+                why = f" (skipped here: {self.skipped[name]})" if name in self.skipped else ""
+                mismatch.append(f"unexpected layer {name!r}: in the state, not a K-FAC layer of this model{why}")
+        if dims is not None:
+            for name in self.layers:
+                if name not in dims:
+                    mismatch.append(f"missing layer {name!r}: a K-FAC layer of this model, absent from the state")
+
+        factors: dict[str, tuple] = {}
+        for name, entry in layers.items():
+            sides = _layer_factors(name, entry, corrupt)
+            if sides is None:
+                continue
+            if not isinstance(name, str):
+                continue  # reported by _layer_factors
+            if dims is not None and name not in dims:
+                corrupt.append(f"layer {name!r} has factors but is not listed in 'layer_dims'")
+                continue
+            if dims is not None and dims[name] != sides[0]:
+                corrupt.append(f"layer {name!r}: factor sides {sides[0]} disagree with 'layer_dims' {dims[name]}")
+                continue
+            layer = self.layers.get(name)
+            if layer is None:
+                continue  # listed above as unexpected
+            want = (layer.helper.a_dim, layer.helper.g_dim)
+            if sides[0] != want:
+                (a, g), (wa, wg) = sides[0], want
+                mismatch.append(f"{name!r}: factor shapes ({a}, {a}), ({g}, {g}); this model needs "
+                                f"({wa}, {wa}), ({wg}, {wg})")
+                continue
+            factors[name] = sides[1]
+        if dims is not None:  # layers saved before they had factors: their sides must match too
+            for name, (a, g) in dims.items():
+                layer = self.layers.get(name)
+                if layer is None or name in layers:
+                    continue
+                wa, wg = layer.helper.a_dim, layer.helper.g_dim
+                if (a, g) != (wa, wg):
+                    mismatch.append(f"{name!r}: factor shapes ({a}, {a}), ({g}, {g}) (no factors yet); "
+                                    f"this model needs ({wa}, {wa}), ({wg}, {wg})")
+        if mismatch or corrupt:
+            what = " and ".join(w for w, p in (("does not match this model", mismatch), ("is corrupt", corrupt)) if p)
+            lines = mismatch + corrupt
+            raise ValueError(
+                f"K-FAC state {what} ({len(lines)} problem{'s' if len(lines) > 1 else ''}); nothing was "
+                "loaded:\n  " + "\n  ".join(lines) + "\n" + _SKIP_HINT
+            )
+        return factors
+
+
+_SKIP_HINT = (
+    "To start K-FAC fresh instead (the rest of a Lightning checkpoint still loads), pass "
+    "KFAC(load_state=\"skip\") to the Lightning callback, or do not call load_state_dict in plain PyTorch."
+)
+
+
+def _is_count(value) -> bool:
+    """A non-negative integer (not a bool)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 0
+
+
+def _layer_dims(dims, corrupt: list[str]) -> dict[str, tuple[int, int]] | None:
+    """``layer_dims`` as {name: (A side, G side)}; None (and a problem noted) if malformed."""
+    if not isinstance(dims, Mapping):
+        corrupt.append(f"'layer_dims' must be a dict of layer name -> [A side, G side], got a {type(dims).__name__}")
+        return None
+    out = {}
+    for name, d in dims.items():
+        if (
+            not isinstance(name, str) or not isinstance(d, (list, tuple)) or len(d) != 2
+            or not all(_is_count(v) and v > 0 for v in d)
+        ):
+            corrupt.append(f"'layer_dims' entry {name!r}: expected [A side, G side] (positive integers), got {d!r}")
+            return None
+        out[name] = (int(d[0]), int(d[1]))
+    return out
+
+
+def _layer_factors(name, entry, corrupt: list[str]):
+    """((A side, G side), (A, G, A_inv, G_inv)) of one saved layer, or None with the problems noted."""
+    if not isinstance(name, str):
+        corrupt.append(f"layer names must be strings, got {name!r}")
+        return None
+    keys = ("A", "G", "A_inv", "G_inv")
+    if not isinstance(entry, Mapping) or set(entry) != set(keys):
+        got = sorted(map(str, entry)) if isinstance(entry, Mapping) else type(entry).__name__
+        corrupt.append(f"layer {name!r}: expected a dict with keys {list(keys)}, got {got}")
+        return None
+    ok = True
+    for key in keys:
+        t = entry[key]
+        if t is None and key.endswith("_inv"):
+            continue
+        if not isinstance(t, torch.Tensor):
+            corrupt.append(f"layer {name!r}: {key} must be a tensor, got a {type(t).__name__}")
+            ok = False
+        elif not t.is_floating_point():
+            corrupt.append(f"layer {name!r}: {key} must be a floating-point tensor, got dtype {t.dtype}")
+            ok = False
+        elif t.dim() != 2 or t.shape[0] != t.shape[1] or t.shape[0] == 0:
+            corrupt.append(f"layer {name!r}: {key} must be a square matrix, got shape {tuple(t.shape)}")
+            ok = False
+        elif not bool(torch.isfinite(t).all()):
+            corrupt.append(f"layer {name!r}: {key} has non-finite values (inf or NaN)")
+            ok = False
+    if not ok:
+        return None
+    A, G, A_inv, G_inv = (entry[k] for k in keys)
+    if (A_inv is None) != (G_inv is None):
+        corrupt.append(f"layer {name!r}: A_inv and G_inv must both be tensors or both None")
+        return None
+    if A_inv is not None and (A_inv.shape != A.shape or G_inv.shape != G.shape):
+        corrupt.append(f"layer {name!r}: inverse shapes {tuple(A_inv.shape)}, {tuple(G_inv.shape)} differ from "
+                       f"factor shapes {tuple(A.shape)}, {tuple(G.shape)}")
+        return None
+    return (A.shape[0], G.shape[0]), (A, G, A_inv, G_inv)
