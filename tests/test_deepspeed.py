@@ -270,7 +270,7 @@ def test_registry_names_and_stage_validation(tmp_path):
     path.write_text('{"zero_optimization": {"stage": 3}}')
     with pytest.raises(ValueError, match="stage 3"):
         SPDKFACDeepSpeedStrategy(config=str(path))
-    with pytest.raises(ValueError, match="stage must be the ZeRO stage"):
+    with pytest.raises(TypeError, match="stage must be the ZeRO stage"):  # a wrong type: TypeError
         SPDKFACDeepSpeedStrategy(stage="two")
     with pytest.raises(ValueError, match="schedule must be one of"):
         SPDKFACDeepSpeedStrategy(schedule="fast")

@@ -20,8 +20,10 @@ every rank. So every rank derives the identical plan.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
+import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -30,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
+from ..kfac import hparams as hp
 from ..kfac.distributor import Distributor, FactorKey, Task
 from ..schedule import (
     AlphaBeta,
@@ -42,6 +45,7 @@ from ..schedule import (
 from ..telemetry import StepTimer
 from ._common import distributed_ready
 from .broadcast import InverseBroadcaster
+from .consistency import check_plan_consistency
 from .fused import FusedAllReduce
 from .profile import broadcast_object, measure_allreduce, measure_broadcast
 from .triangle import triu_size
@@ -49,68 +53,103 @@ from .triangle import triu_size
 SCHEDULES = ("spd", "mpd", "dkfac")
 FUSIONS = ("dtf", "layerwise", "all", "bucket")
 PLACEMENTS = ("lbp", "round_robin", "replicated")
+COMM_DTYPES = ("float32", "bfloat16")
 _DEFAULTS = {
     "spd": dict(pipelining=True, fusion="dtf", placement="lbp"),
     "mpd": dict(pipelining=False, fusion="layerwise", placement="round_robin"),
     "dkfac": dict(pipelining=False, fusion="layerwise", placement="replicated"),
 }
+_DEFAULT_BUCKET_MB = 4.0
+_DEFAULT_PROFILE_STEPS = (3, 8)
 
 
 @dataclass(frozen=True)
 class SPDOptions:
-    """One source of truth for the schedule's options (validated here, by argument name)."""
+    """One source of truth for the schedule's options (validated here, by argument name).
+
+    Every field is checked at construction: a value of the wrong type raises ``TypeError``, a
+    value that is not accepted ``ValueError``, each message naming the option. The schedule name
+    only chooses the defaults of ``pipelining``, ``fusion`` and ``placement``; each of them can be
+    overridden for any schedule (the ablations), and what the resulting combination does not use
+    must not be set:
+
+    - ``bucket_mb`` (other than its default 4.0) only with ``fusion="bucket"``;
+    - ``replan_every`` only with ``pipelining=True`` and ``fusion="dtf"`` (the only combination that
+      measures factor ready times: re-planning re-measures them);
+    - ``small_factor`` only with ``placement="lbp"`` (the other placements do not replicate by size).
+
+    ``profile_steps`` is validated but inert without ``pipelining=True, fusion="dtf"``: it has a
+    non-null default that every strategy passes on, so a composed YAML could not unset it.
+    A world size of 1 is fine with every combination (placement and fusion then do nothing).
+    """
 
     schedule: Literal["spd", "mpd", "dkfac"] = "spd"
     pipelining: bool = True
     fusion: Literal["dtf", "layerwise", "all", "bucket"] = "dtf"
     placement: Literal["lbp", "round_robin", "replicated"] = "lbp"
-    bucket_mb: float = 4.0
-    profile_steps: tuple[int, int] = (3, 8)
+    bucket_mb: float = _DEFAULT_BUCKET_MB
+    profile_steps: tuple[int, int] = _DEFAULT_PROFILE_STEPS
     replan_every: int | None = None
     small_factor: int | None = None
     comm_dtype: Literal["float32", "bfloat16"] = "float32"
+    comm_timeout_s: float = 600.0  # bound on each wait for a K-FAC collective (comm/faults.py)
 
     @classmethod
     def from_schedule(cls, schedule: str = "spd", **overrides) -> SPDOptions:
-        if schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-        values = dict(_DEFAULTS[schedule])
-        values.update({k: v for k, v in overrides.items() if v is not None or k in ("replan_every", "small_factor")})
-        for k in ("pipelining", "fusion", "placement"):
+        """The options of ``schedule``; ``pipelining``, ``fusion`` or ``placement`` None: the schedule's own."""
+        hp.check_choice("schedule", schedule, SCHEDULES)
+        fields = {f.name for f in dataclasses.fields(cls)} - {"schedule"}
+        unknown = sorted(set(overrides) - fields)
+        if unknown:
+            raise TypeError(f"SPDOptions has no option {unknown[0]!r}; the options are {', '.join(sorted(fields))}")
+        # None is "the schedule's own choice" for these three only (checked here so that the message
+        # lists None among what is accepted); any other option is passed on as given.
+        hp.check_bool("pipelining", overrides.get("pipelining"), optional=True)
+        hp.check_choice("fusion", overrides.get("fusion"), FUSIONS, optional=True)
+        hp.check_choice("placement", overrides.get("placement"), PLACEMENTS, optional=True)
+        values = dict(overrides)
+        for k, default in _DEFAULTS[schedule].items():
             if values.get(k) is None:
-                values[k] = _DEFAULTS[schedule][k]
+                values[k] = default
         return cls(schedule=schedule, **values)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.pipelining, bool):
-            raise TypeError(f"pipelining must be True or False, got {self.pipelining!r}")
-        if self.fusion not in FUSIONS:
-            raise ValueError(f"fusion must be one of {FUSIONS}, got {self.fusion!r}")
-        if self.placement not in PLACEMENTS:
-            raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
-        if isinstance(self.bucket_mb, bool) or not isinstance(self.bucket_mb, (int, float)) or not self.bucket_mb > 0:
-            raise ValueError(f"bucket_mb must be a positive number of MiB, got {self.bucket_mb!r}")
-        if self.fusion != "bucket" and self.bucket_mb != 4.0:
-            raise ValueError(f"bucket_mb is only used with fusion='bucket' (fusion={self.fusion!r})")
+        # Each option alone first, then the combinations (so a combination error always means
+        # that every option is valid on its own).
+        hp.check_choice("schedule", self.schedule, SCHEDULES)
+        hp.check_bool("pipelining", self.pipelining)
+        hp.check_choice("fusion", self.fusion, FUSIONS)
+        hp.check_choice("placement", self.placement, PLACEMENTS)
+        hp.check_real("bucket_mb", self.bucket_mb, hp.POSITIVE)
+        object.__setattr__(self, "profile_steps", _profile_steps(self.profile_steps))
         ps = self.profile_steps
-        if (
-            not isinstance(ps, tuple) or len(ps) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) for v in ps)
-            or not 0 <= ps[0] < ps[1]
-        ):
-            raise ValueError(f"profile_steps must be two integers (start, end) with 0 <= start < end, got {ps!r}")
-        if self.replan_every is not None and (
-            isinstance(self.replan_every, bool) or not isinstance(self.replan_every, int)
-            or self.replan_every <= ps[1]
-        ):
+        hp.check_int("replan_every", self.replan_every, low=ps[1] + 1, optional=True,
+                     accepted=f"an integer > profile_steps[1] ({ps[1]})")
+        hp.check_int("small_factor", self.small_factor, low=0, optional=True)
+        hp.check_choice("comm_dtype", self.comm_dtype, COMM_DTYPES)
+        hp.check_real("comm_timeout_s", self.comm_timeout_s, hp.POSITIVE)
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):  # options added later, until they have checks of their own
+            if f.name not in _CHECKED_OPTIONS:
+                hp.check_annotation(f.name, getattr(self, f.name), hints.get(f.name, typing.Any))
+
+        if self.fusion != "bucket" and self.bucket_mb != _DEFAULT_BUCKET_MB:
             raise ValueError(
-                f"replan_every must be None or an integer > profile_steps[1] ({ps[1]}), got {self.replan_every!r}"
+                f"bucket_mb must be left at its default ({_DEFAULT_BUCKET_MB:g}) unless fusion='bucket': "
+                f"bucket_mb is only used with fusion='bucket', got bucket_mb={self.bucket_mb!r} with "
+                f"fusion={self.fusion!r}"
             )
-        if self.small_factor is not None and (
-            isinstance(self.small_factor, bool) or not isinstance(self.small_factor, int) or self.small_factor < 0
-        ):
-            raise ValueError(f"small_factor must be None or a non-negative integer, got {self.small_factor!r}")
-        if self.comm_dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"comm_dtype must be 'float32' or 'bfloat16', got {self.comm_dtype!r}")
+        if self.replan_every is not None and not self.needs_profile:
+            raise ValueError(
+                f"replan_every must be None unless pipelining=True and fusion='dtf' (re-planning re-measures "
+                f"the factor ready times that only that combination uses), got replan_every={self.replan_every!r} "
+                f"with schedule={self.schedule!r}, pipelining={self.pipelining!r}, fusion={self.fusion!r}"
+            )
+        if self.small_factor is not None and self.placement != "lbp":
+            raise ValueError(
+                f"small_factor must be None unless placement='lbp' (only load-balanced placement replicates "
+                f"factors by size), got small_factor={self.small_factor!r} with placement={self.placement!r}"
+            )
 
     @property
     def needs_profile(self) -> bool:
@@ -124,6 +163,22 @@ class SPDOptions:
     @property
     def torch_comm_dtype(self) -> torch.dtype:
         return torch.bfloat16 if self.comm_dtype == "bfloat16" else torch.float32
+
+
+_CHECKED_OPTIONS = ("schedule", "pipelining", "fusion", "placement", "bucket_mb", "profile_steps", "replan_every",
+                    "small_factor", "comm_dtype", "comm_timeout_s")
+
+
+def _profile_steps(value: object) -> tuple[int, int]:
+    """``profile_steps`` as a tuple: a list or tuple of two integers ``start < end``, ``start >= 0``."""
+    what = "two integers [start, end) with 0 <= start < end, as a list or tuple"
+    if not isinstance(value, (tuple, list)):
+        raise TypeError(f"profile_steps must be {what}, got {hp.show(value)}")
+    if not all(hp.is_int(v) for v in value):
+        raise TypeError(f"profile_steps must be {what}, got {hp.show(value)}")
+    if len(value) != 2 or not 0 <= value[0] < value[1]:
+        raise ValueError(f"profile_steps must be {what}, got {value!r}")
+    return int(value[0]), int(value[1])
 
 
 @dataclass(frozen=True)
@@ -240,8 +295,10 @@ class SPDDistributor(Distributor):
         self._fused = FusedAllReduce(
             self.plan_groups, [self._side(k) for k in self.order], process_group=self.process_group,
             dtype=self.options.torch_comm_dtype, allow_missing=True, result_dtype=torch.float32,
-            device=self.device,
+            device=self.device, timeout=self.options.comm_timeout_s, names=[f"layer {i} {w}" for i, w in self.order],
         )
+        check_plan_consistency(self.order, self.plan_groups, self.placement_owners, self._fused.sides,
+                               self.process_group, self.options.comm_timeout_s)
 
     def _finish_profile(self) -> None:
         """Plan the fusion from the measured ready times (rank 0's, broadcast) on every rank."""
@@ -335,7 +392,8 @@ class SPDDistributor(Distributor):
         order = sorted((i for i, o in enumerate(owners) if o >= 0), key=lambda i: (rank_in_owner[i], owners[i], i))
         bc = InverseBroadcaster(owners, sides, process_group=self.process_group,
                                 dtype=self.options.torch_comm_dtype, result_dtype=self.inv_dtype,
-                                device=self.device, order=order)
+                                device=self.device, order=order, timeout=self.options.comm_timeout_s,
+                                names=[f"layer {t[0]} {t[1]}" for t in tasks])
         bc.begin_round()
         bc.exchange(lambda i: invert_fn([tasks[i]])[0])
         # Hand each inverse over as soon as it is here (replicated and own ones first), so the

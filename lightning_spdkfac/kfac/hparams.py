@@ -1,13 +1,45 @@
-"""Hyperparameters that are a number or a schedule (a callable of the step), validated by name."""
+"""Argument checks of the constructors (KFAC, the preconditioner, the strategies), validated by name.
+
+One rule for every constructor argument of the project:
+
+- a value of the wrong **type** (a string where a number is expected, a float or a bool where an
+  integer is, None where it is not allowed, a list or dict where a scalar is) raises ``TypeError``;
+- a value of the right type that is not accepted (out of range, NaN or infinite, an unknown name,
+  a combination of arguments that does not go together) raises ``ValueError``.
+
+Every message names the argument, shows the value and says what is accepted ("``X must be ...,
+got ...``"). Hyperparameters that are a number or a schedule (a callable of the step) are
+checked here too, as is a schedule's output at each step.
+"""
 
 from __future__ import annotations
 
+import collections.abc as cabc
+import inspect
 import math
 import numbers
-from collections.abc import Callable
+import reprlib
+import types
+import typing
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 Schedule = float | Callable[[int], float]
+
+_repr = reprlib.Repr()
+_repr.maxstring = _repr.maxother = 120
+_repr.maxlist = _repr.maxtuple = _repr.maxdict = _repr.maxset = 8
+
+
+def show(value: object) -> str:
+    """``type value`` for messages, e.g. ``str 'abc'``; long values are shortened."""
+    if value is None:
+        return "None"
+    text = _repr.repr(value) if isinstance(value, (list, tuple, dict, set, frozenset, str)) else repr(value)
+    if len(text) > 200:
+        text = text[:200] + "..."
+    return f"{type(value).__name__} {text}"
 
 
 @dataclass(frozen=True)
@@ -35,7 +67,9 @@ class Bound:
             return f"in {lo}, {hi}"
         if self.low is not None:
             return f"{'>' if self.low_open else '>='} {self.low:g}"
-        return f"{'<' if self.high_open else '<='} {self.high:g}"
+        if self.high is not None:
+            return f"{'<' if self.high_open else '<='} {self.high:g}"
+        return "finite"
 
 
 NONNEGATIVE = Bound(low=0.0)
@@ -43,33 +77,211 @@ POSITIVE = Bound(low=0.0, low_open=True)
 DECAY = Bound(low=0.0, high=1.0, high_open=True)
 
 
-def check_schedule(name: str, value: object, bound: Bound, fix: str = "") -> None:
-    """Validate a number-or-callable hyperparameter at construction."""
-    if callable(value):
+def is_real(value: object) -> bool:
+    """A real number that is not a bool (``True`` is an int in Python, never a hyperparameter)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def is_int(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+# ---------------------------------------------------------------------- numbers and schedules
+def check_schedule(name: str, value: object, bound: Bound, fix: str = "", probe: bool = False,
+                   optional: bool = False) -> None:
+    """Validate a number-or-callable hyperparameter at construction (None too with ``optional``).
+
+    With ``probe=True`` a callable is also called once with step 0 and its output checked, so
+    that a schedule which cannot be called with one argument, raises, or returns something that
+    is not a number in range fails at construction instead of at the first optimizer step.
+    """
+    if value is None and optional:
         return
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    if callable(value):
+        if probe:
+            _probe_schedule(name, value, bound)
+        return
+    if not is_real(value):
         raise TypeError(
-            f"{name} must be a number or a callable of the step, got {type(value).__name__} {value!r}"
+            f"{name} must be {'None, ' if optional else ''}a number or a callable of the step, with values "
+            f"{bound.describe()}; got {show(value)}{fix}"
         )
     if not bound.ok(float(value)):
         raise ValueError(f"{name} must be {bound.describe()}, got {value!r}{fix}")
+
+
+def _probe_schedule(name: str, fn: Callable, bound: Bound) -> None:
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # some builtins have none: calling is the only check
+        signature = None
+    if signature is not None:
+        try:
+            signature.bind(0)
+        except TypeError:
+            raise TypeError(
+                f"{name} must be a number or a callable of one argument (the step), got {fn!r} "
+                f"with signature {signature}"
+            ) from None
+    try:
+        out = fn(0)
+    except Exception as e:  # noqa: BLE001 - any failure of the user's schedule is reported by name
+        raise ValueError(
+            f"{name} must be a number or a schedule returning a number {bound.describe()} for every step, "
+            f"but {name}(step=0) raised {type(e).__name__}: {e}"
+        ) from e
+    schedule_value(name, out, 0, bound)
+
+
+def schedule_value(name: str, out: object, step: int, bound: Bound) -> float:
+    """Check what a schedule returned at ``step``: a number (not a bool or a string) in ``bound``."""
+    if isinstance(out, (bool, str, bytes)):
+        v = None
+    else:
+        try:
+            v = float(out)
+        except (TypeError, ValueError, RuntimeError):  # RuntimeError: a tensor of several elements
+            v = None
+    if v is None:
+        raise TypeError(f"{name}(step={step}) must return a number {bound.describe()}, got {show(out)}")
+    if not bound.ok(v):
+        raise ValueError(f"{name}(step={step}) returned {v!r}; {name} must be {bound.describe()}")
+    return v
 
 
 def resolve(name: str, value: Schedule, step: int, bound: Bound) -> float:
     """The value of a hyperparameter at ``step``; a schedule's output is validated too."""
     if not callable(value):
         return float(value)
-    out = value(step)
-    try:
-        v = float(out)
-    except (TypeError, ValueError):
-        raise TypeError(f"{name}(step={step}) must return a number, got {out!r}") from None
-    if not bound.ok(v):
-        raise ValueError(f"{name}(step={step}) returned {v!r}; {name} must be {bound.describe()}")
-    return v
+    return schedule_value(name, value(step), step, bound)
+
+
+# ---------------------------------------------------------------------- plain arguments
+def check_int(name: str, value: object, low: int | None = None, optional: bool = False,
+              accepted: str | None = None) -> int | None:
+    """An integer >= ``low`` (None too with ``optional``); bools and floats are type errors."""
+    what = accepted or ("an integer" + ("" if low is None else f" >= {low}"))
+    if optional:
+        what = f"None or {what}"
+    if value is None and optional:
+        return None
+    if not is_int(value):
+        raise TypeError(f"{name} must be {what}, got {show(value)}")
+    if low is not None and value < low:
+        raise ValueError(f"{name} must be {what}, got {value!r}")
+    return int(value)
 
 
 def check_positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return int(value)
+    return check_int(name, value, low=1, accepted="a positive integer")
+
+
+def check_real(name: str, value: object, bound: Bound = Bound(), optional: bool = False) -> float | None:
+    """A finite real number in ``bound`` (None too with ``optional``)."""
+    if value is None and optional:
+        return None
+    what = f"{'None or ' if optional else ''}a number {bound.describe()}"
+    if not is_real(value):
+        raise TypeError(f"{name} must be {what}, got {show(value)}")
+    if not bound.ok(float(value)):
+        raise ValueError(f"{name} must be {what}, got {value!r}")
+    return float(value)
+
+
+def check_bool(name: str, value: object, optional: bool = False) -> bool | None:
+    if value is None and optional:
+        return None
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False{' (or None)' if optional else ''}, got {show(value)}")
+    return value
+
+
+def check_choice(name: str, value: object, choices: Iterable[str], optional: bool = False) -> str | None:
+    """One of ``choices`` (strings); None too with ``optional``. A non-string is a type error."""
+    choices = tuple(choices)
+    if value is None and optional:
+        return None
+    what = f"one of {', '.join(repr(c) for c in choices)}{' (or None)' if optional else ''}"
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be {what}, got {show(value)}")
+    if value not in choices:
+        raise ValueError(f"{name} must be {what}, got {value!r}")
+    return value
+
+
+# ---------------------------------------------------------------------- by annotation
+def _matches(value: object, hint: Any) -> bool | None:
+    """Does ``value`` fit the annotation ``hint``? None: the annotation is beyond this check."""
+    if hint is Any or hint is object:
+        return True
+    if hint is None or hint is type(None):
+        return value is None
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        results = [_matches(value, h) for h in typing.get_args(hint)]
+        return True if True in results else (None if None in results else False)
+    if origin is typing.Literal:
+        return any(type(value) is type(c) and value == c for c in typing.get_args(hint))
+    if hint is float:
+        return is_real(value)
+    if hint is int:
+        return is_int(value)
+    if hint is bool:
+        return isinstance(value, bool)
+    if origin is cabc.Callable or hint is cabc.Callable:
+        return callable(value)
+    if origin in (tuple, list, cabc.Sequence):
+        return isinstance(value, (tuple, list)) if origin is not list else isinstance(value, list)
+    if origin in (dict, cabc.Mapping):
+        return isinstance(value, cabc.Mapping)
+    if origin is cabc.Iterable:
+        return isinstance(value, cabc.Iterable) and not isinstance(value, (str, bytes, cabc.Mapping))
+    if isinstance(hint, type):
+        return isinstance(value, hint)
+    return None
+
+
+def _literals(hint: Any) -> list:
+    origin = typing.get_origin(hint)
+    if origin is typing.Literal:
+        return list(typing.get_args(hint))
+    if origin in (typing.Union, types.UnionType):
+        return [c for h in typing.get_args(hint) for c in _literals(h)]
+    return []
+
+
+def _describe_hint(hint: Any) -> str:
+    text = getattr(hint, "__name__", None) if isinstance(hint, type) else None
+    return text or str(hint).replace("typing.", "").replace("collections.abc.", "")
+
+
+def check_annotation(name: str, value: object, hint: Any) -> None:
+    """TypeError (or ValueError for a string outside a ``Literal``) unless ``value`` fits ``hint``.
+
+    The fallback of the constructors for arguments without a check of their own: the type
+    annotation that LightningCLI reads is then also what the constructor enforces.
+    """
+    ok = _matches(value, hint)
+    if ok is None or ok:
+        if ok and is_real(value) and not is_int(value) and math.isnan(float(value)):
+            raise ValueError(f"{name} must be a number, not NaN, got {value!r}")
+        return
+    literals = _literals(hint)
+    if literals and any(type(value) is type(c) for c in literals):
+        raise ValueError(f"{name} must be one of {', '.join(repr(c) for c in literals)}, got {value!r}")
+    raise TypeError(f"{name} must be {_describe_hint(hint)}, got {show(value)}")
+
+
+def check_annotations(fn: Callable, arguments: dict[str, Any], skip: Iterable[str] = ()) -> None:
+    """:func:`check_annotation` for every parameter of ``fn`` in ``arguments`` except ``skip``."""
+    try:
+        hints = typing.get_type_hints(fn)
+    except Exception:  # noqa: BLE001 - an annotation that cannot be resolved is not checked
+        hints = {}
+    skip = set(skip)
+    for pname, param in inspect.signature(fn).parameters.items():
+        if pname in skip or pname not in arguments or pname not in hints:
+            continue
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            continue
+        check_annotation(pname, arguments[pname], hints[pname])

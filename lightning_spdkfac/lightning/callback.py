@@ -8,13 +8,15 @@ fp16 GradScaler unscaled the gradients, and before gradient clipping and ``optim
 
 from __future__ import annotations
 
+import os
 import time
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Literal
 
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import Callback
+from pytorch_lightning.utilities import rank_zero_warn
 
 from ..kfac import hparams as hp
 from ..kfac.preconditioner import KFACPreconditioner
@@ -26,15 +28,19 @@ class KFAC(Callback):
     Args:
         damping: added to each factor's diagonal before inversion (>= 0). This and the next three
             are numbers or schedules: callables of the optimizer step index (in YAML, the
-            import path of a function such as ``mypkg.schedules.damping``).
+            import path of a function such as ``mypkg.schedules.damping``). A schedule is called
+            once with step 0 at construction, and must accept one argument and return a number in
+            the argument's range there (and at every later step, where it is checked again).
         factor_decay: running-average decay of the factors, in [0, 1).
         kl_clip: KL-clip bound (> 0), or None to turn clipping off.
         lr: the learning rate the KL clip assumes; None (default) reads
             ``param_groups[0]["lr"]`` of the optimizer at every step, so LR schedulers are followed.
         factor_update_steps: factors are updated every this many optimizer steps.
         inv_update_steps: inverses are recomputed every this many optimizer steps.
-        skip_layers: regular expressions on module names or class names of layers to leave alone.
-        factor_dtype: dtype of the stored factors ("float32" default; "float64" allowed).
+        skip_layers: a regular expression, or a list of them, on module names or class names of
+            layers to leave alone.
+        factor_dtype: dtype of the stored factors ("float32" default; "float64", "bfloat16" and
+            "float16" allowed; a ``torch.dtype`` too).
         inv_dtype: dtype of inversions and preconditioning ("float32" or "float64").
         log_step_time: log, per optimizer step, ``kfac/step_ms`` (the K-FAC step), ``kfac/fwd_bwd_ms``
             (forward and backward of the step, hooks included) and ``kfac/<phase>_ms`` for every phase of
@@ -43,6 +49,28 @@ class KFAC(Callback):
             PyTorch profiler and write a Chrome trace per rank to
             ``trace_dir/kfac_step{trace_step}_rank{rank}.json`` (open it in chrome://tracing or Perfetto).
         trace_dir: folder of the trace (relative paths are relative to the working directory).
+        max_bad_steps: raise a RuntimeError naming the layers and what was non-finite after this many
+            consecutive factor steps skipped for non-finite activations, output gradients, received
+            factors or gradients (default 100: room for a fp16 loss scaler to back off, see
+            :class:`~lightning_spdkfac.kfac.KFACPreconditioner`); None never raises. The counters
+            ``kfac/skipped_factor_steps``, ``kfac/skipped_precondition_steps`` and
+            ``kfac/inverse_fallbacks`` (factor inversions Cholesky could not do) are logged every step.
+        load_state: what ``trainer.fit(ckpt_path=...)`` does with the checkpoint's K-FAC state.
+            ``"strict"`` (default) restores it, and refuses a state saved for another model (layers
+            missing or unexpected, other factor shapes) or a corrupt one (missing keys, wrong types,
+            tensors of the wrong shape or dtype, non-finite factors, a newer state version) with a
+            ValueError listing every problem, raised as soon as the file is read: before Lightning
+            restores the weights, the optimizer or anything else. ``"skip"`` ignores the K-FAC state:
+            K-FAC starts fresh (step 0, no factors) with a warning, and the rest of the checkpoint
+            loads normally. A checkpoint without K-FAC state (saved by a run without this callback)
+            starts K-FAC fresh, with a warning, in both modes.
+
+    Every argument is checked at construction, so that a bad value in a YAML config fails before
+    anything is built: a value of the wrong type (a string for a number, a float or bool for an
+    integer, None where None is not listed, a list for a number) raises ``TypeError``, a value of
+    the right type that is not accepted (out of range, NaN or infinite, an unknown dtype name, an
+    invalid regular expression, a schedule that fails at step 0) raises ``ValueError``; the
+    message names the argument, the value and what is accepted.
     """
 
     def __init__(
@@ -59,41 +87,55 @@ class KFAC(Callback):
         log_step_time: bool = True,
         trace_step: int | None = None,
         trace_dir: str = "kfac_traces",
+        max_bad_steps: int | None = 100,
+        load_state: Literal["strict", "skip"] = "strict",
     ):
         super().__init__()
+        # Every argument is checked here (TypeError: wrong type, ValueError: a value that is not
+        # accepted; the message names the argument), so that a bad YAML value fails at construction.
+        # Arguments without a check of their own below are held to their annotation.
+        hp.check_annotations(KFAC.__init__, locals(), skip=_CHECKED)
+        hp.check_schedule("damping", damping, hp.NONNEGATIVE, probe=True)
+        hp.check_schedule("factor_decay", factor_decay, hp.DECAY, probe=True)
+        hp.check_schedule("kl_clip", kl_clip, hp.POSITIVE, " (use kl_clip=None to turn clipping off)",
+                          probe=True, optional=True)
+        hp.check_schedule("lr", lr, hp.NONNEGATIVE, probe=True, optional=True)
         self.kwargs: dict[str, Any] = dict(
             damping=damping,
             factor_decay=factor_decay,
             kl_clip=kl_clip,
-            factor_update_steps=factor_update_steps,
-            inv_update_steps=inv_update_steps,
-            skip_layers=skip_layers,
-            factor_dtype=_dtype("factor_dtype", factor_dtype),
-            inv_dtype=_dtype("inv_dtype", inv_dtype),
+            factor_update_steps=hp.check_positive_int("factor_update_steps", factor_update_steps),
+            inv_update_steps=hp.check_positive_int("inv_update_steps", inv_update_steps),
+            skip_layers=_patterns("skip_layers", skip_layers),
+            factor_dtype=_dtype("factor_dtype", factor_dtype, _FACTOR_DTYPES),
+            inv_dtype=_dtype("inv_dtype", inv_dtype, _INV_DTYPES),
+            max_bad_steps=max_bad_steps,  # its range is checked by the preconditioner (_validate)
         )
-        if lr is not None:
-            hp.check_schedule("lr", lr, hp.NONNEGATIVE)
         self.lr = lr
-        self.log_step_time = log_step_time
-        if trace_step is not None and (isinstance(trace_step, bool) or not isinstance(trace_step, int) or trace_step < 0):
-            raise ValueError(f"trace_step must be None or a non-negative integer, got {trace_step!r}")
-        self.trace_step = trace_step
-        self.trace_dir = trace_dir
+        self.log_step_time = hp.check_bool("log_step_time", log_step_time)
+        self.trace_step = hp.check_int("trace_step", trace_step, low=0, optional=True)
+        self.trace_dir = _folder("trace_dir", trace_dir)
         self._profiler = None
         self._t_step_start: float | None = None
-        # Validate everything now (a bad YAML value fails at construction, not at fit start).
+        # The preconditioner's own checks, on a probe layer (arguments passed straight through to it).
         self._validate()
         self.preconditioner: KFACPreconditioner | None = None
         self._pending_state: dict | None = None  # loaded before setup built the preconditioner
         self._final_state: dict | None = None  # kept after teardown, for save_checkpoint after fit
         self._trainer: pl.Trainer | None = None
+        self.load_state = load_state
+        self._checkpoint_seen = False  # this fit's checkpoint was inspected (and any warning given)
+        self._start_fresh = False  # ... and its K-FAC state is not to be loaded
+        self._unguard: Callable[[], None] | None = None
 
     def _validate(self) -> None:
         # The probe layer must not draw from the global generator: LightningCLI builds callbacks
         # before the model, and the model's initial weights must not depend on KFAC being there.
         with torch.random.fork_rng(devices=[]):
             probe = torch.nn.Linear(1, 1)
-        KFACPreconditioner(probe, lr=0.0 if self.lr is None else self.lr, **self.kwargs).remove_hooks()
+        # skip_layers is checked by KFAC itself: a pattern may well match the probe ("Linear", ".*").
+        kwargs = {**self.kwargs, "skip_layers": ()}
+        KFACPreconditioner(probe, lr=0.0 if self.lr is None else self.lr, **kwargs).remove_hooks()
 
     @property
     def state_key(self) -> str:
@@ -117,9 +159,23 @@ class KFAC(Callback):
         if self._pending_state is not None:
             self.preconditioner.load_state_dict(self._pending_state)
             self._pending_state = None
+        self._checkpoint_seen = self._start_fresh = False
+        self._guard_checkpoint_loading(trainer)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage == "fit" and self.preconditioner is not None:
+        if stage == "fit":
+            self._release()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        # Lightning skips the teardown hooks when fit raises (a refused checkpoint, for one): detach
+        # the hooks from the model here, keeping the state for state_dict().
+        self._release()
+
+    def _release(self) -> None:
+        if self._unguard is not None:
+            self._unguard()
+        self._checkpoint_seen = self._start_fresh = False  # decisions about this fit's checkpoint
+        if self.preconditioner is not None:
             self._final_state = self.preconditioner.state_dict()
             self.preconditioner.remove_hooks()
             self.preconditioner = None
@@ -178,8 +234,6 @@ class KFAC(Callback):
         self._profiler.__enter__()
 
     def _stop_trace(self, trainer: pl.Trainer) -> None:
-        import os
-
         prof, self._profiler = self._profiler, None
         prof.__exit__(None, None, None)
         os.makedirs(self.trace_dir, exist_ok=True)
@@ -199,12 +253,18 @@ class KFAC(Callback):
             return
         t0 = time.perf_counter()
         pre.step()
+        step_ms = (time.perf_counter() - t0) * 1e3
+        metrics = {  # fault counters, logged whatever log_step_time says
+            "kfac/skipped_factor_steps": float(pre.skipped_factor_steps),
+            "kfac/skipped_precondition_steps": float(pre.skipped_precondition_steps),
+            "kfac/inverse_fallbacks": float(pre.inverse_fallbacks),
+        }
         if self.log_step_time:
-            metrics = {"kfac/step_ms": (time.perf_counter() - t0) * 1e3}
+            metrics["kfac/step_ms"] = step_ms
             if self._t_step_start is not None:
                 metrics["kfac/fwd_bwd_ms"] = (t0 - self._t_step_start) * 1e3
             metrics.update({f"kfac/{k}_ms": v * 1e3 for k, v in pre.timer.last.items()})
-            pl_module.log_dict(metrics, on_step=True, on_epoch=False)
+        pl_module.log_dict(metrics, on_step=True, on_epoch=False)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -215,16 +275,133 @@ class KFAC(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not state_dict:
             return
+        if self.load_state == "skip" or self._start_fresh:
+            if not self._checkpoint_seen:  # called directly, not from fit(ckpt_path=...)
+                rank_zero_warn("KFAC(load_state='skip') ignores the K-FAC state passed to load_state_dict; "
+                               "K-FAC starts fresh (step 0, no factors)")
+            return
         if self.preconditioner is None:
             self._pending_state = state_dict
         else:
             self.preconditioner.load_state_dict(state_dict)
 
+    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+        if not self._checkpoint_seen:  # the strategy's load_checkpoint was not the guarded one
+            self._inspect_checkpoint(trainer, checkpoint)
 
-def _dtype(name: str, value: str | torch.dtype) -> torch.dtype:
+    def _guard_checkpoint_loading(self, trainer: pl.Trainer) -> None:
+        """Inspect the checkpoint of ``fit(ckpt_path=...)`` the moment the strategy has read it.
+
+        Lightning restores the model weights before any callback hook sees the checkpoint, so a
+        refusal in ``on_load_checkpoint`` would leave the weights loaded and the rest not. This
+        wraps the strategy's ``load_checkpoint`` (on the instance, for one call; removed at the
+        call, at teardown or on an exception) so that a refused K-FAC state stops the fit before
+        anything is restored. (DeepSpeed's engine loads its weights inside that call; everything
+        else is still untouched there.)
+        """
+        strategy = trainer.strategy
+        own = vars(strategy)
+        had_own, previous = "load_checkpoint" in own, own.get("load_checkpoint")
+        inner = strategy.load_checkpoint
+
+        def load_checkpoint(*args: Any, **kwargs: Any) -> Any:
+            unguard()
+            try:
+                checkpoint = inner(*args, **kwargs)
+            except Exception as e:  # a truncated or corrupt file: torch.load's errors say little
+                if hasattr(e, "add_note"):  # Python >= 3.11
+                    e.add_note(f"lightning-spdkfac: reading {_where(trainer)} failed (a truncated or corrupt "
+                               "file?); the fit stopped before Lightning restored anything from it (weights, "
+                               "optimizer, loops, K-FAC state are as they were)")
+                raise
+            self._inspect_checkpoint(trainer, checkpoint)
+            return checkpoint
+
+        def unguard() -> None:
+            self._unguard = None
+            if vars(strategy).get("load_checkpoint") is load_checkpoint:
+                if had_own:
+                    strategy.load_checkpoint = previous
+                else:
+                    del strategy.load_checkpoint
+
+        strategy.load_checkpoint = load_checkpoint
+        self._unguard = unguard
+
+    def _inspect_checkpoint(self, trainer: pl.Trainer, checkpoint: Any) -> None:
+        """Decide, once per fit, what to do with the checkpoint's K-FAC state; refuse a bad one."""
+        self._checkpoint_seen = True
+        states = checkpoint.get("callbacks") if isinstance(checkpoint, Mapping) else None
+        state = states.get(self.state_key) if isinstance(states, Mapping) else None
+        where = _where(trainer)
+        fresh = "K-FAC starts fresh (step 0, no factors) while the rest of the checkpoint loads normally"
+        if not state:
+            self._start_fresh = True
+            rank_zero_warn(f"{where} has no K-FAC state (saved by a run without the KFAC callback, e.g. plain "
+                           f"SGD): {fresh}")
+        elif self.load_state == "skip":
+            self._start_fresh = True
+            steps = state.get("steps") if isinstance(state, Mapping) else None
+            saved = f" (saved at K-FAC step {steps})" if isinstance(steps, int) else ""
+            rank_zero_warn(f"KFAC(load_state='skip'): the K-FAC state of {where}{saved} is not loaded; {fresh}")
+        elif self.preconditioner is not None:
+            try:
+                self.preconditioner.check_state_dict(state)
+            except ValueError as e:
+                raise ValueError(f"{where}: {e}") from None
+
+
+def _where(trainer: pl.Trainer) -> str:
+    return f"checkpoint {trainer.ckpt_path}" if trainer.ckpt_path else "the checkpoint"
+
+
+# Arguments KFAC.__init__ checks itself; any other is held to its annotation (hp.check_annotations).
+_CHECKED = ("damping", "factor_decay", "kl_clip", "lr", "factor_update_steps", "inv_update_steps", "skip_layers",
+            "factor_dtype", "inv_dtype", "log_step_time", "trace_step", "trace_dir")
+_FACTOR_DTYPES = ("float32", "float64", "bfloat16", "float16")
+_INV_DTYPES = ("float32", "float64")
+
+
+def _dtype(name: str, value: object, accepted: tuple[str, ...]) -> torch.dtype:
+    """A torch dtype given as a dtype or a name ("float64", also "torch.float64") among ``accepted``."""
+    names = ", ".join(repr(a) for a in accepted)
+    what = f"a torch dtype name such as 'float32' or 'float64' (one of {names}) or that torch.dtype"
     if isinstance(value, torch.dtype):
-        return value
-    dt = getattr(torch, str(value), None)
-    if not isinstance(dt, torch.dtype):
-        raise ValueError(f"{name} must be a torch dtype name such as 'float32' or 'float64', got {value!r}")
+        dt = value
+    elif isinstance(value, str):
+        dt = getattr(torch, value.removeprefix("torch."), None)
+    else:
+        raise TypeError(f"{name} must be {what}, got {hp.show(value)}")
+    if not isinstance(dt, torch.dtype) or str(dt).removeprefix("torch.") not in accepted:
+        raise ValueError(f"{name} must be {what}, got {value!r}")
     return dt
+
+
+def _patterns(name: str, value: object) -> tuple[str, ...]:
+    """Regular expressions as a tuple of strings (a single string is one pattern)."""
+    import re
+
+    what = "a regular expression or a list of them (strings)"
+    if isinstance(value, str):
+        value = (value,)
+    elif isinstance(value, (bytes, Mapping)) or not isinstance(value, Iterable):
+        raise TypeError(f"{name} must be {what}, got {hp.show(value)}")
+    patterns = tuple(value)  # once: a generator would be empty the second time it is read
+    for i, p in enumerate(patterns):
+        if not isinstance(p, str):
+            raise TypeError(f"{name} must be {what}, got {hp.show(p)} at index {i} of {hp.show(value)}")
+        try:
+            re.compile(p)
+        except re.error as e:
+            raise ValueError(f"{name} must be {what}, got {p!r}, which is not a valid regular expression: {e}") \
+                from None
+    return patterns
+
+
+def _folder(name: str, value: object) -> str:
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"{name} must be a folder path (a non-empty string), got {hp.show(value)}")
+    path = os.fspath(value)
+    if not isinstance(path, str) or not path or "\x00" in path:
+        raise ValueError(f"{name} must be a folder path (a non-empty string without NUL), got {value!r}")
+    return path

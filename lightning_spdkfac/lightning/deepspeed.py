@@ -29,9 +29,11 @@ the engine device rank -1; the CUDA path is Lightning's own.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+import json
+import os
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -41,8 +43,18 @@ from pytorch_lightning.accelerators import CUDAAccelerator
 from pytorch_lightning.strategies import DDPStrategy, DeepSpeedStrategy, StrategyRegistry
 from torch.distributed.constants import default_pg_timeout
 
+from ..kfac import hparams as hp
 from ..kfac.gradients import GradAccess
-from .strategy import Fusion, Placement, Schedule, _spd_options, _SPDKFACStrategyMixin
+from .strategy import (
+    SPD_ARGUMENTS,
+    CommDtype,
+    Fusion,
+    Placement,
+    Schedule,
+    _check_timeout,
+    _spd_options,
+    _SPDKFACStrategyMixin,
+)
 
 
 class DeepSpeedGradAccess(GradAccess):
@@ -184,15 +196,21 @@ class SPDKFACDeepSpeedStrategy(_SPDKFACStrategyMixin, DeepSpeedStrategy):
 
     Args:
         schedule, pipelining, fusion, placement, bucket_mb, profile_steps, replan_every,
-        small_factor, comm_dtype: the K-FAC communication schedule, exactly as for
+        small_factor, comm_dtype, comm_timeout_s: the K-FAC communication schedule, exactly as for
             :class:`~lightning_spdkfac.SPDKFACStrategy`.
         stage: ZeRO stage: 0 (plain data parallel), 1 (optimizer states partitioned) or 2
             (gradients too). Stage 3 is refused: K-FAC preconditions whole layers.
         config: a DeepSpeed config dict or the path of a JSON file; it overrides ``stage`` and
-            the other ZeRO arguments, as in Lightning's ``DeepSpeedStrategy``.
+            the other ZeRO arguments, as in Lightning's ``DeepSpeedStrategy``. Read and checked at
+            construction (a missing or non-JSON file, or ``zero_optimization.stage`` 3, is refused).
         fused_grad_gather: assemble the full gradients of the K-FAC layers at ZeRO 1/2 with one
             all-reduce (True) or with ``deepspeed.utils.safe_get_full_grad`` per parameter.
+        timeout: timeout of the process groups, a positive ``datetime.timedelta``.
         **kwargs: everything Lightning's ``DeepSpeedStrategy`` accepts.
+
+    Every argument above is checked at construction, without a process group, under the rules of
+    :class:`~lightning_spdkfac.SPDKFACStrategy`: ``TypeError`` for a wrong type, ``ValueError`` for a
+    value or a combination that is not accepted, the message naming the argument.
     """
 
     strategy_name = "spdkfac_deepspeed"
@@ -207,19 +225,30 @@ class SPDKFACDeepSpeedStrategy(_SPDKFACStrategyMixin, DeepSpeedStrategy):
         profile_steps: tuple[int, int] = (3, 8),
         replan_every: int | None = None,
         small_factor: int | None = None,
-        comm_dtype: Literal["float32", "bfloat16"] = "float32",
+        comm_dtype: CommDtype = "float32",
+        comm_timeout_s: float = 600.0,
         stage: int = 2,
         config: str | dict[str, Any] | None = None,
         fused_grad_gather: bool = True,
         timeout: timedelta | None = default_pg_timeout,
         **kwargs: Any,
     ):
-        self.spd_options = _spd_options(locals())
-        if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
-            raise ValueError(f"stage must be the ZeRO stage 0, 1 or 2, got {stage!r}")
+        arguments = dict(locals())
+        # Each argument alone first, then the K-FAC options with their combination rules.
+        hp.check_int("stage", stage, low=0, accepted="the ZeRO stage 0, 1 or 2")
+        if stage not in _ZERO_STAGES:
+            raise ValueError(f"stage must be the ZeRO stage 0, 1 or 2, got {stage!r}: SPDKFACDeepSpeedStrategy "
+                             f"supports ZeRO stages 0, 1 and 2, not stage {stage!r}{_STAGE_3 if stage == 3 else ''}")
+        config, origin = _load_config(config)
+        if config is not None:
+            _check_zero_stage(config, origin)
+        self.fused_grad_gather = hp.check_bool("fused_grad_gather", fused_grad_gather)
+        _check_timeout(timeout)
+        hp.check_annotations(SPDKFACDeepSpeedStrategy.__init__, arguments,
+                             skip=("schedule", *SPD_ARGUMENTS, "stage", "config", "fused_grad_gather", "timeout"))
+        self.spd_options = _spd_options(arguments)
         super().__init__(stage=stage, config=config, timeout=timeout, **kwargs)
         _check_zero_stage(self.config)
-        self.fused_grad_gather = bool(fused_grad_gather)
 
     # -------------------------------------------------------------- CPU (gloo) support
     def _on_cuda(self) -> bool:
@@ -299,12 +328,59 @@ class SPDKFACDeepSpeedStrategy(_SPDKFACStrategyMixin, DeepSpeedStrategy):
             )
 
 
-def _check_zero_stage(config: dict | None) -> None:
-    stage = ((config or {}).get("zero_optimization") or {}).get("stage", 0)
-    if stage not in (0, 1, 2):
+_ZERO_STAGES = (0, 1, 2)
+_STAGE_3 = " (K-FAC preconditions whole layers, which stage 3 partitions; use stage 2)"
+
+
+def _load_config(config: object) -> tuple[dict | None, str]:
+    """``config`` (or the file named by PL_DEEPSPEED_CONFIG_PATH when it is None) as a dict, and where it
+    came from for messages; checked here instead of in Lightning's ``DeepSpeedStrategy``, whose errors
+    do not say which argument is wrong."""
+    what = "None, a DeepSpeed config dict or the path of a JSON file holding one"
+    source = "config"
+    if config is None:
+        env = os.environ.get(DeepSpeedStrategy.DEEPSPEED_ENV_VAR)
+        if not env:
+            return None, ""
+        config, source = env, f"config (None, so the file named by ${DeepSpeedStrategy.DEEPSPEED_ENV_VAR})"
+    if isinstance(config, Mapping):
+        if not all(isinstance(k, str) for k in config):
+            raise TypeError(f"{source} must be {what}; its keys must be strings, got {hp.show(config)}")
+        return dict(config), ""
+    if not isinstance(config, (str, os.PathLike)):
+        raise TypeError(f"{source} must be {what}, got {hp.show(config)}")
+    path = os.fspath(config)
+    if not isinstance(path, str) or not path or "\x00" in path or not os.path.isfile(path):
+        raise ValueError(f"{source} must be {what}, got {config!r}, which is not a file")
+    try:
+        with open(path) as f:
+            loaded = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{source} must be {what}, got {config!r}, which cannot be read as JSON: {e}") from None
+    if not isinstance(loaded, dict):
+        raise ValueError(f"{source} must be {what}, got {config!r}, which holds {hp.show(loaded)}, not an object")
+    return loaded, f" (in config={config!r})"
+
+
+def _check_zero_stage(config: dict | None, origin: str = "") -> None:
+    """ZeRO stage 0, 1 or 2 in a DeepSpeed config; ``origin`` names the file it was read from."""
+    zero = (config or {}).get("zero_optimization")
+    if zero is None:
+        return
+    if not isinstance(zero, Mapping):
+        raise TypeError(
+            f"config['zero_optimization'] must be a dict such as {{'stage': 2}}, got {hp.show(zero)}{origin}"
+        )
+    stage = zero.get("stage", 0)
+    if not hp.is_int(stage):
+        raise TypeError(
+            f"config['zero_optimization']['stage'] must be the ZeRO stage 0, 1 or 2, got {hp.show(stage)}{origin}"
+        )
+    if stage not in _ZERO_STAGES:
         raise ValueError(
-            f"SPDKFACDeepSpeedStrategy supports ZeRO stages 0, 1 and 2, but the DeepSpeed config asks for "
-            f"stage {stage!r}: K-FAC preconditions whole layers, which stage 3 partitions; use stage 2"
+            f"config['zero_optimization']['stage'] must be 0, 1 or 2: SPDKFACDeepSpeedStrategy supports ZeRO stages "
+            f"0, 1 and 2, but the DeepSpeed config asks for stage {stage!r}{origin}"
+            + (_STAGE_3 if stage == 3 else "")
         )
 
 

@@ -25,24 +25,36 @@ import torch.distributed as dist
 from pytorch_lightning.strategies import DDPStrategy, StrategyRegistry
 from torch.distributed.constants import default_pg_timeout
 
-from ..comm.scheduler import SCHEDULES, SPDDistributor, SPDOptions
+from ..comm.scheduler import COMM_DTYPES, FUSIONS, PLACEMENTS, SCHEDULES, SPDDistributor, SPDOptions
+from ..kfac import hparams as hp
 from ..kfac.gradients import GradAccess
 
-Schedule = Literal["spd", "mpd", "dkfac"]
-Fusion = Literal["dtf", "layerwise", "all", "bucket"]
-Placement = Literal["lbp", "round_robin", "replicated"]
+# The choices LightningCLI offers, from the scheduler's tuples (a new choice there shows up here).
+Schedule = Literal[SCHEDULES]
+Fusion = Literal[FUSIONS]
+Placement = Literal[PLACEMENTS]
+CommDtype = Literal[COMM_DTYPES]
 
 
 # The K-FAC schedule arguments, spelled out in each strategy's signature (LightningCLI reads them there).
 SPD_ARGUMENTS = ("pipelining", "fusion", "placement", "bucket_mb", "profile_steps", "replan_every",
-                 "small_factor", "comm_dtype")
+                 "small_factor", "comm_dtype", "comm_timeout_s")
 
 
 def _spd_options(arguments: dict[str, Any]) -> SPDOptions:
     """SPDOptions from a strategy's ``locals()`` (validated there, with errors naming the argument)."""
     options = {k: arguments[k] for k in SPD_ARGUMENTS}
-    options["profile_steps"] = tuple(options["profile_steps"])
     return SPDOptions.from_schedule(arguments["schedule"], **options)
+
+
+def _check_timeout(timeout: object) -> None:
+    """The process groups' timeout: a positive ``datetime.timedelta`` or None (torch's default)."""
+    if timeout is None:
+        return
+    if not isinstance(timeout, timedelta):
+        raise TypeError(f"timeout must be None or a datetime.timedelta > 0, got {hp.show(timeout)}")
+    if timeout <= timedelta(0):
+        raise ValueError(f"timeout must be None or a datetime.timedelta > 0, got {timeout!r}")
 
 
 class _SPDKFACStrategyMixin:
@@ -94,7 +106,19 @@ class SPDKFACStrategy(_SPDKFACStrategyMixin, DDPStrategy):
         small_factor: factors with a side below this are inverted on every rank; None lets
             the cost model decide (inverting is cheaper than broadcasting the inverse).
         comm_dtype: dtype of factor and inverse messages ("float32" or "bfloat16").
+        comm_timeout_s: seconds any rank waits for one K-FAC factor all-reduce or inverse broadcast
+            before raising ``KFACCommError`` (naming the collective and phase) instead of hanging
+            when a peer crashed or stalls; keep it below ``timeout``.
+        timeout: timeout of the process groups (DDP's and the K-FAC factor group), a positive
+            ``datetime.timedelta``.
         **kwargs: everything ``DDPStrategy`` accepts.
+
+    The K-FAC arguments are checked at construction (no process group is needed for that), by
+    :class:`~lightning_spdkfac.comm.scheduler.SPDOptions`: a wrong type raises ``TypeError``, a value
+    that is not accepted ``ValueError``, naming the argument. The schedule only picks the defaults of
+    ``pipelining``, ``fusion`` and ``placement``; options the resulting combination would ignore are
+    refused: ``bucket_mb`` without ``fusion="bucket"``, ``replan_every`` without ``pipelining=True``
+    and ``fusion="dtf"``, ``small_factor`` without ``placement="lbp"``.
     """
 
     strategy_name = "spdkfac"
@@ -109,11 +133,16 @@ class SPDKFACStrategy(_SPDKFACStrategyMixin, DDPStrategy):
         profile_steps: tuple[int, int] = (3, 8),
         replan_every: int | None = None,
         small_factor: int | None = None,
-        comm_dtype: Literal["float32", "bfloat16"] = "float32",
+        comm_dtype: CommDtype = "float32",
+        comm_timeout_s: float = 600.0,
         timeout: timedelta | None = default_pg_timeout,
         **kwargs: Any,
     ):
-        self.spd_options = _spd_options(locals())
+        arguments = dict(locals())
+        # Each argument alone first, then the K-FAC options with their combination rules.
+        _check_timeout(timeout)
+        hp.check_annotations(SPDKFACStrategy.__init__, arguments, skip=("schedule", *SPD_ARGUMENTS, "timeout"))
+        self.spd_options = _spd_options(arguments)
         super().__init__(timeout=timeout, **kwargs)
 
     def setup_distributed(self) -> None:
