@@ -48,9 +48,9 @@ from .triangle import triu_size
 
 SCHEDULES = ("spd", "mpd", "dkfac")
 FUSIONS = ("dtf", "layerwise", "all", "bucket")
-PLACEMENTS = ("lbp", "round_robin", "replicated")
+PLACEMENTS = ("lbp", "lbp_channel", "round_robin", "replicated")
 _DEFAULTS = {
-    "spd": dict(pipelining=True, fusion="dtf", placement="lbp"),
+    "spd": dict(pipelining=True, fusion="dtf", placement="lbp_channel"),
     "mpd": dict(pipelining=False, fusion="layerwise", placement="round_robin"),
     "dkfac": dict(pipelining=False, fusion="layerwise", placement="replicated"),
 }
@@ -63,12 +63,13 @@ class SPDOptions:
     schedule: Literal["spd", "mpd", "dkfac"] = "spd"
     pipelining: bool = True
     fusion: Literal["dtf", "layerwise", "all", "bucket"] = "dtf"
-    placement: Literal["lbp", "round_robin", "replicated"] = "lbp"
+    placement: Literal["lbp", "lbp_channel", "round_robin", "replicated"] = "lbp_channel"
     bucket_mb: float = 4.0
     profile_steps: tuple[int, int] = (3, 8)
     replan_every: int | None = None
     small_factor: int | None = None
     comm_dtype: Literal["float32", "bfloat16"] = "float32"
+    fuse_g: bool = True
 
     @classmethod
     def from_schedule(cls, schedule: str = "spd", **overrides) -> SPDOptions:
@@ -111,6 +112,8 @@ class SPDOptions:
             raise ValueError(f"small_factor must be None or a non-negative integer, got {self.small_factor!r}")
         if self.comm_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"comm_dtype must be 'float32' or 'bfloat16', got {self.comm_dtype!r}")
+        if not isinstance(self.fuse_g, bool):
+            raise TypeError(f"fuse_g must be True or False, got {self.fuse_g!r}")
 
     @property
     def needs_profile(self) -> bool:
@@ -195,7 +198,7 @@ class SPDDistributor(Distributor):
     def _measure_models(self) -> None:
         opts = self.options
         need_allreduce = opts.fusion == "dtf"
-        need_placement = opts.placement == "lbp"
+        need_placement = opts.placement in ("lbp", "lbp_channel")
         zero = AlphaBeta(0.0, 0.0)
         tri_bytes = [triu_size(self._side(k)) * opts.bytes_per_element for k in self.keys]
         allreduce = broadcast = zero
@@ -218,9 +221,25 @@ class SPDDistributor(Distributor):
     def _plan_groups(self, order: list[FactorKey], ready: list[float]) -> list[tuple[int, ...]]:
         opts = self.options
         elements = [triu_size(self._side(k)) for k in order]
-        plan = plan_fusion(elements, ready, self.models.allreduce, policy=opts.fusion,
-                           bucket_bytes=int(opts.bucket_mb * 2**20), bytes_per_element=opts.bytes_per_element)
-        return [tuple(g) for g in plan.groups]
+
+        def plan(lo: int, hi: int) -> list[tuple[int, ...]]:
+            p = plan_fusion(elements[lo:hi], ready[lo:hi], self.models.allreduce, policy=opts.fusion,
+                            bucket_bytes=int(opts.bucket_mb * 2**20), bytes_per_element=opts.bytes_per_element)
+            return [tuple(lo + i for i in g) for g in p.groups]
+
+        if opts.fuse_g:
+            return plan(0, len(order))
+        # The original SPD-KFAC code: G factors each on their own, runs of A factors fused.
+        groups: list[tuple[int, ...]] = []
+        lo = 0
+        for pos, key in enumerate(order + [(None, "G")]):
+            if key[1] == "G":
+                if pos > lo:
+                    groups += plan(lo, pos)
+                if pos < len(order):
+                    groups.append((pos,))
+                lo = pos + 1
+        return groups
 
     def _plan_placement(self) -> tuple[int, ...]:
         opts = self.options
