@@ -194,3 +194,17 @@ def test_resnet50_paper_row_within_ten_percent():
         total = simulate(case.workload, case.cluster, sim_name).total
         paper = PAPER_BREAKDOWN["resnet50"][paper_name][-1]
         assert abs(total / paper - 1) <= band, (sim_name, total, paper)
+
+
+def test_rank_events_and_chrome_trace():
+    s = SimSchedule("t", pipelining=True, fusion="layerwise", placement="replicated")
+    full = simulate(WORK, cluster(1.0), s, rank_events=None)
+    one = simulate(WORK, cluster(1.0), s, rank_events=1)
+    assert {e.resource for e in full.events} == {"compute", "comm", "rank 0", "rank 1"}
+    assert {e.resource for e in one.events} == {"compute", "comm", "rank 0"}
+    assert one.breakdown == full.breakdown
+    trace = full.chrome_trace()["traceEvents"]
+    spans = [t for t in trace if t["ph"] == "X"]
+    assert len(spans) == len(full.events)
+    g0 = next(t for t in spans if t["name"] == "factor group 0 (1 factors)")
+    assert (g0["ts"], g0["dur"]) == (1.5e6, 1.0e6)

@@ -27,6 +27,7 @@ from ..schedule import (
     REPLICATED,
     AlphaBeta,
     InverseCost,
+    _check,
     inverted_by,
     plan_fusion,
     plan_placement,
@@ -142,6 +143,16 @@ class Timeline:
     def total(self) -> float:
         return sum(self.breakdown.values())
 
+    def chrome_trace(self) -> dict:
+        """The events as a Chrome trace (open in https://ui.perfetto.dev or chrome://tracing): one row
+        per resource, microseconds."""
+        rows = sorted({e.resource for e in self.events}, key=lambda r: (r != "compute", r != "comm", r))
+        tid = {r: k for k, r in enumerate(rows)}
+        trace = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": tid[r], "args": {"name": r}} for r in rows]
+        trace += [{"name": e.label, "cat": e.category, "ph": "X", "pid": 0, "tid": tid[e.resource],
+                   "ts": e.start * 1e6, "dur": (e.end - e.start) * 1e6} for e in self.events]
+        return {"traceEvents": trace, "displayTimeUnit": "ms"}
+
 
 def _tri(n: int) -> int:
     return n * (n + 1) // 2
@@ -178,8 +189,14 @@ def _placement(schedule: SimSchedule, cluster: Cluster, ns: list[int]):
                           bytes_per_element=bpe, small_threshold=schedule.small_factor)
 
 
-def simulate(workload: Workload, cluster: Cluster, schedule: SimSchedule | str) -> Timeline:
-    """Simulate one iteration of ``workload`` on ``cluster`` under ``schedule`` (an object or a name)."""
+def simulate(workload: Workload, cluster: Cluster, schedule: SimSchedule | str, *,
+             rank_events: int | None = 8) -> Timeline:
+    """Simulate one iteration of ``workload`` on ``cluster`` under ``schedule`` (an object or a name).
+
+    ``rank_events``: the inversion events of ranks ``0 .. rank_events - 1`` are recorded (None: every
+    rank); the breakdown always accounts for every rank.
+    """
+    shown = cluster.world_size if rank_events is None else _check.integer("rank_events", rank_events, low=0)
     if isinstance(schedule, str):
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {sorted(SCHEDULES)} or a SimSchedule, got {schedule!r}")
@@ -282,7 +299,7 @@ def simulate(workload: Workload, cluster: Cluster, schedule: SimSchedule | str) 
             for i in sorted(tasks, key=lambda i: (done[i], tasks.index(i))) if schedule.early_inverse else tasks:
                 begin = max(tr, done[i] if schedule.early_inverse else start_all)
                 tr = begin + inv.time(sides[i])
-                if r < 4 or world <= 8:
+                if r < shown:
                     events.append(Event(f"rank {r}", "InvComp", f"invert {order[i]}", begin, tr))
                 if owners[i] == r:
                     bcast_ready[i] = tr
@@ -301,13 +318,11 @@ def simulate(workload: Workload, cluster: Cluster, schedule: SimSchedule | str) 
         for i, s, e in zip(pt.broadcast_order, pt.broadcast_start, pt.broadcast_end):
             events.append(Event("comm", "InvComm", f"broadcast {order[i]}", start_all + s, start_all + e))
             bcast_end = start_all + e
-        tr_by_rank = []
-        for r in range(min(world, 4) if world > 8 else world):
+        for r in range(min(world, shown)):
             tr = start_all
             for i in inverted_by(placement, r):
                 events.append(Event(f"rank {r}", "InvComp", f"invert {order[i]}", tr, tr + inv.time(sides[i])))
                 tr += inv.time(sides[i])
-            tr_by_rank.append(tr)
     t_inv = max(rank_end) if rank_end else t_comm
     t_end = max(t_inv, bcast_end, t_comm)
 
