@@ -52,7 +52,7 @@ class SimSchedule:
         fuse_g: ``False`` reduces every G factor on its own whatever ``fusion`` says (the original
             SPD-KFAC code fused only A factors).
         bucket_mb: bucket size for ``fusion="bucket"`` (64 MiB: Horovod's default fusion buffer).
-        placement: ``lbp``, ``round_robin`` or ``replicated``.
+        placement: ``lbp_channel`` (the runtime's ``spd`` default), ``lbp``, ``round_robin`` or ``replicated``.
         lbp_metric: ``"model"`` plans with the cluster's inversion and broadcast models (this project);
             ``"linear"`` with a load linear in ``n`` and no broadcast term (the original code).
         small_factor: factors with ``n`` below it are replicated (the original code: 1024).
