@@ -5,6 +5,7 @@ Examples::
     spdkfac fit --config configs/digits.yaml
     spdkfac fit --config configs/digits.yaml --trainer.max_epochs=3 --trainer.default_root_dir=/tmp/run
     spdkfac fit --print_config --config configs/digits_sgd.yaml
+    spdkfac plan --paper resnet50
 
 ``fit``, ``validate``, ``test`` and ``predict`` are Lightning's subcommands; the model and data
 module are named by ``class_path`` in the config (subclass mode), and K-FAC is added as a
@@ -23,6 +24,16 @@ from pytorch_lightning.cli import LightningCLI
 # Our own subcommands: name -> function(argv after the name) -> exit code. Checked before
 # Lightning's (fit, validate, test, predict).
 COMMANDS: dict[str, Callable[[list[str]], int | None]] = {}
+
+
+def _plan(argv: list[str]) -> int:
+    """``spdkfac plan``: the recommended K-FAC schedule for a model on a cluster (the simulator)."""
+    from .simulate.plan import main as plan_main  # imported on use: the simulator is not needed to train
+
+    return plan_main(argv)
+
+
+COMMANDS["plan"] = _plan
 
 
 def lightning_cli(args: Sequence[str] | None = None, run: bool = True) -> LightningCLI:

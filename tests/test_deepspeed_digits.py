@@ -28,7 +28,7 @@ def test_config_builds_the_deepspeed_strategy_with_its_inline_config(isolated):
     assert isinstance(s, SPDKFACDeepSpeedStrategy)
     assert s.config["zero_optimization"]["stage"] == 2 and s.config["zero_optimization"]["overlap_comm"]
     o = s.spd_options
-    assert (o.schedule, o.pipelining, o.fusion, o.placement) == ("spd", True, "dtf", "lbp")
+    assert (o.schedule, o.pipelining, o.fusion, o.placement) == ("spd", True, "dtf", "lbp_channel")
     assert s.fused_grad_gather and s.num_processes == 2
     assert cli.trainer.precision == "bf16-mixed"
     assert any(isinstance(c, KFAC) for c in cli.trainer.callbacks)

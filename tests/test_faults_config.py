@@ -251,7 +251,7 @@ KFAC_INVALID = {
 }
 
 SCHEDULE_DEFAULTS = {  # the schedules' documented defaults (README, strategy docstring)
-    "spd": dict(pipelining=True, fusion="dtf", placement="lbp"),
+    "spd": dict(pipelining=True, fusion="dtf", placement="lbp_channel"),
     "mpd": dict(pipelining=False, fusion="layerwise", placement="round_robin"),
     "dkfac": dict(pipelining=False, fusion="layerwise", placement="replicated"),
 }
@@ -275,7 +275,7 @@ STRATEGY_ORACLE = {  # name -> oracle(value, all arguments)
     "schedule": lambda v, a: choice(v, ("spd", "mpd", "dkfac")),
     "pipelining": lambda v, a: boolean(v, optional=True),
     "fusion": lambda v, a: choice(v, ("dtf", "layerwise", "all", "bucket"), optional=True),
-    "placement": lambda v, a: choice(v, ("lbp", "round_robin", "replicated"), optional=True),
+    "placement": lambda v, a: choice(v, ("lbp", "lbp_channel", "round_robin", "replicated"), optional=True),
     "bucket_mb": lambda v, a: number(v, low=0.0, low_open=True),
     "profile_steps": lambda v, a: profile_steps(v),
     "replan_every": _replan_every,
@@ -288,7 +288,7 @@ STRATEGY_VALID = {
     "schedule": st.sampled_from(["spd", "mpd", "dkfac"]),
     "pipelining": st.sampled_from([None, True, False]),
     "fusion": st.sampled_from([None, "dtf", "layerwise", "all", "bucket"]),
-    "placement": st.sampled_from([None, "lbp", "round_robin", "replicated"]),
+    "placement": st.sampled_from([None, "lbp", "lbp_channel", "round_robin", "replicated"]),
     # Mostly the defaults for the three that must stay unset unless fusion/placement use them (the
     # combination rules), so that a fair share of the examples is accepted.
     "bucket_mb": st.one_of(st.just(4.0), st.just(4.0), st.just(4.0), st.floats(0.01, 64)),
@@ -324,7 +324,7 @@ def strategy_combinations(args):
         bad["bucket_mb"] = VALUE
     if args.get("replan_every") is not None and not (resolved["pipelining"] and resolved["fusion"] == "dtf"):
         bad["replan_every"] = VALUE
-    if args.get("small_factor") is not None and resolved["placement"] != "lbp":
+    if args.get("small_factor") is not None and resolved["placement"] not in ("lbp", "lbp_channel"):
         bad["small_factor"] = VALUE
     return bad, resolved
 
@@ -474,7 +474,7 @@ def test_combinations_the_scheduler_would_ignore_are_refused():
         SPDKFACStrategy(schedule="dkfac", replan_every=50)
     with pytest.raises(ValueError, match=r"replan_every must be None unless.*fusion='layerwise'"):
         SPDKFACStrategy(fusion="layerwise", replan_every=50)
-    with pytest.raises(ValueError, match=r"small_factor must be None unless placement='lbp'"):
+    with pytest.raises(ValueError, match=r"small_factor must be None unless placement is 'lbp' or 'lbp_channel'"):
         SPDKFACStrategy(schedule="mpd", small_factor=64)
     with pytest.raises(ValueError, match=r"bucket_mb must be left at its default.*fusion='dtf'"):
         SPDKFACStrategy(bucket_mb=8.0)
@@ -663,7 +663,7 @@ def test_yaml_with_an_invalid_kfac_and_an_invalid_strategy_argument(tmp_path, ca
     path = _yaml(tmp_path, "schedule: mpd\nsmall_factor: 64", "inv_update_steps: 0")
     first = _what_the_user_sees(path, tmp_path, capsys)
     bad = {"inv_update_steps": r"inv_update_steps must be a positive integer, got 0",
-           "small_factor": r"small_factor must be None unless placement='lbp'.*small_factor=64 "
+           "small_factor": r"small_factor must be None unless placement is 'lbp' or 'lbp_channel'.*small_factor=64 "
                            r"with placement='round_robin'"}
     hit = [name for name, pattern in bad.items() if re.search(pattern, first, re.S)]
     assert len(hit) == 1, first

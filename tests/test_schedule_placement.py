@@ -116,7 +116,7 @@ def test_world_size_one() -> None:
         ({"world_size": 0}, "world_size"),
         ({"ns": [4, 0]}, r"ns\[1\]"),
         ({"ns": [4, 2.5]}, r"ns\[1\]"),
-        ({"policy": "random"}, "'lbp', 'round_robin', 'replicated'"),
+        ({"policy": "random"}, "'lbp', 'lbp_channel', 'round_robin', 'replicated'"),
         ({"small_threshold": -1}, "small_threshold"),
         ({"bytes_per_element": 0}, "bytes_per_element"),
         ({"inv": 3.0}, "inv"),
@@ -228,3 +228,61 @@ def test_lbp_is_not_always_better_than_round_robin() -> None:
     assert rr.load == (18.0, 18.0)  # {6, 6, 6} | {9, 9}: optimal
     lbp = plan_placement(ns, 2, inv, FREE)
     assert lbp.load == (21.0, 15.0)  # LPT: 9 | 9, then 6 -> r0, 6 -> r1, 6 -> r0
+
+
+# ---------------------------------------------------------------- channel-aware LBP ("lbp_channel")
+_sizes = st.lists(st.integers(min_value=1, max_value=3000), min_size=1, max_size=40)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ns=_sizes, world=st.integers(min_value=2, max_value=9),
+       c0=st.floats(min_value=0.0, max_value=2e-3), alpha=st.floats(min_value=0.0, max_value=2e-3))
+def test_lbp_channel_never_ends_later_than_lbp(ns, world, c0, alpha):
+    """Its candidates include LBP's own placement, so the modelled phase never ends later."""
+    inv = InverseCost(c0=c0, c3=PAPER_INV.c3)
+    comm = AlphaBeta(alpha, PAPER_COMM.beta)
+    lbp = plan_placement(ns, world, inv, comm, policy="lbp")
+    ch = plan_placement(ns, world, inv, comm, policy="lbp_channel")
+    end_lbp = simulate_placement(lbp, ns, inv, comm).end
+    end_ch = simulate_placement(ch, ns, inv, comm).end
+    assert end_ch <= end_lbp * (1 + 1e-12)
+
+
+def test_lbp_channel_phase_end_matches_simulate_placement():
+    """The fast evaluator the policy searches with is simulate_placement's end, exactly."""
+    from lightning_spdkfac.schedule.placement import _phase_end, _triangle_bytes
+
+    ns = [n for a, g in resnet50_factor_sides() for n in (a, g)]
+    for policy in ("lbp", "lbp_channel", "round_robin", "replicated"):
+        p = plan_placement(ns, 8, PAPER_INV, PAPER_COMM, policy=policy)
+        fast = _phase_end(list(p.owners), ns, [PAPER_INV.time(n) for n in ns],
+                          [PAPER_COMM.time(_triangle_bytes(n, 4)) for n in ns])
+        assert fast == pytest.approx(simulate_placement(p, ns, PAPER_INV, PAPER_COMM).end, rel=1e-12)
+
+
+def test_lbp_channel_replicates_when_the_channel_is_the_bottleneck():
+    """Hand case: 4 ranks, 8 equal factors, inversion 1 s, broadcast 0.9 s. LBP owns all 8 (sending is
+    cheaper than inverting), two per rank: the 8 broadcasts share one channel, four ready at 1 s and four
+    at 2 s, so the phase ends at 1 + 8 * 0.9 = 8.2 s. Owning fewer and replicating the rest trades
+    channel time for compute on every rank; the reference enumerates every k."""
+    inv = InverseCost(c0=1.0)
+    comm = AlphaBeta(0.9, 0.0)
+    ns = [10] * 8
+    lbp = plan_placement(ns, 4, inv, comm, policy="lbp")
+    assert sum(o != REPLICATED for o in lbp.owners) == 8
+    assert simulate_placement(lbp, ns, inv, comm).end == pytest.approx(8.2)
+    ch = plan_placement(ns, 4, inv, comm, policy="lbp_channel")
+
+    def end_for(k):  # own k factors, spread one per rank first; the rest replicated (8 - k s each rank)
+        per_rank = [len(range(r, k, 4)) for r in range(4)]
+        compute = max(per_rank) + (8 - k)
+        free = 0.0
+        for t in sorted(j + 1 for r in range(4) for j in range(per_rank[r])):
+            free = max(free, t) + 0.9
+        return max(compute, free)
+
+    best = min(end_for(k) for k in range(9))
+    # k=4: compute 1 + 4 = 5, broadcasts 1 -> 4.6: 5 s; k=5: compute 2 + 3 = 5, channel 5.5: 5.5 s
+    assert best == pytest.approx(5.0)
+    assert simulate_placement(ch, ns, inv, comm).end == pytest.approx(best)
+    assert sum(o != REPLICATED for o in ch.owners) == 4

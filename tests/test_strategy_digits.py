@@ -192,7 +192,7 @@ def test_config_parses_and_instantiates_the_strategy(isolated, capsys):
     s = cli.trainer.strategy
     assert isinstance(s, SPDKFACStrategy)
     o = s.spd_options
-    assert (o.schedule, o.pipelining, o.fusion, o.placement) == ("spd", True, "dtf", "lbp")
+    assert (o.schedule, o.pipelining, o.fusion, o.placement) == ("spd", True, "dtf", "lbp_channel")
     assert (o.profile_steps, o.replan_every, o.small_factor, o.comm_dtype) == ((3, 8), None, None, "float32")
     assert s.num_processes == 2 and s.num_nodes == 1 and s.root_device.type == "cpu"
     assert cli.trainer.num_devices == 2 and cli.trainer.max_epochs == 8

@@ -52,10 +52,10 @@ from .triangle import triu_size
 
 SCHEDULES = ("spd", "mpd", "dkfac")
 FUSIONS = ("dtf", "layerwise", "all", "bucket")
-PLACEMENTS = ("lbp", "round_robin", "replicated")
+PLACEMENTS = ("lbp", "lbp_channel", "round_robin", "replicated")
 COMM_DTYPES = ("float32", "bfloat16")
 _DEFAULTS = {
-    "spd": dict(pipelining=True, fusion="dtf", placement="lbp"),
+    "spd": dict(pipelining=True, fusion="dtf", placement="lbp_channel"),
     "mpd": dict(pipelining=False, fusion="layerwise", placement="round_robin"),
     "dkfac": dict(pipelining=False, fusion="layerwise", placement="replicated"),
 }
@@ -76,7 +76,7 @@ class SPDOptions:
     - ``bucket_mb`` (other than its default 4.0) only with ``fusion="bucket"``;
     - ``replan_every`` only with ``pipelining=True`` and ``fusion="dtf"`` (the only combination that
       measures factor ready times: re-planning re-measures them);
-    - ``small_factor`` only with ``placement="lbp"`` (the other placements do not replicate by size).
+    - ``small_factor`` only with ``placement="lbp"`` or ``"lbp_channel"`` (the others do not replicate by size).
 
     ``profile_steps`` is validated but inert without ``pipelining=True, fusion="dtf"``: it has a
     non-null default that every strategy passes on, so a composed YAML could not unset it.
@@ -86,13 +86,14 @@ class SPDOptions:
     schedule: Literal["spd", "mpd", "dkfac"] = "spd"
     pipelining: bool = True
     fusion: Literal["dtf", "layerwise", "all", "bucket"] = "dtf"
-    placement: Literal["lbp", "round_robin", "replicated"] = "lbp"
+    placement: Literal["lbp", "lbp_channel", "round_robin", "replicated"] = "lbp_channel"
     bucket_mb: float = _DEFAULT_BUCKET_MB
     profile_steps: tuple[int, int] = _DEFAULT_PROFILE_STEPS
     replan_every: int | None = None
     small_factor: int | None = None
     comm_dtype: Literal["float32", "bfloat16"] = "float32"
     comm_timeout_s: float = 600.0  # bound on each wait for a K-FAC collective (comm/faults.py)
+    fuse_g: bool = True  # False: G factors each reduced alone (the original SPD-KFAC code; for ablations)
 
     @classmethod
     def from_schedule(cls, schedule: str = "spd", **overrides) -> SPDOptions:
@@ -128,6 +129,7 @@ class SPDOptions:
         hp.check_int("small_factor", self.small_factor, low=0, optional=True)
         hp.check_choice("comm_dtype", self.comm_dtype, COMM_DTYPES)
         hp.check_real("comm_timeout_s", self.comm_timeout_s, hp.POSITIVE)
+        hp.check_bool("fuse_g", self.fuse_g)
         hints = typing.get_type_hints(type(self))
         for f in dataclasses.fields(self):  # options added later, until they have checks of their own
             if f.name not in _CHECKED_OPTIONS:
@@ -145,9 +147,10 @@ class SPDOptions:
                 f"the factor ready times that only that combination uses), got replan_every={self.replan_every!r} "
                 f"with schedule={self.schedule!r}, pipelining={self.pipelining!r}, fusion={self.fusion!r}"
             )
-        if self.small_factor is not None and self.placement != "lbp":
+        if self.small_factor is not None and self.placement not in ("lbp", "lbp_channel"):
             raise ValueError(
-                f"small_factor must be None unless placement='lbp' (only load-balanced placement replicates "
+                f"small_factor must be None unless placement is 'lbp' or 'lbp_channel' (only load-balanced "
+                f"placement replicates "
                 f"factors by size), got small_factor={self.small_factor!r} with placement={self.placement!r}"
             )
 
@@ -166,7 +169,7 @@ class SPDOptions:
 
 
 _CHECKED_OPTIONS = ("schedule", "pipelining", "fusion", "placement", "bucket_mb", "profile_steps", "replan_every",
-                    "small_factor", "comm_dtype", "comm_timeout_s")
+                    "small_factor", "comm_dtype", "comm_timeout_s", "fuse_g")
 
 
 def _profile_steps(value: object) -> tuple[int, int]:
@@ -250,7 +253,7 @@ class SPDDistributor(Distributor):
     def _measure_models(self) -> None:
         opts = self.options
         need_allreduce = opts.fusion == "dtf"
-        need_placement = opts.placement == "lbp"
+        need_placement = opts.placement in ("lbp", "lbp_channel")
         zero = AlphaBeta(0.0, 0.0)
         tri_bytes = [triu_size(self._side(k)) * opts.bytes_per_element for k in self.keys]
         allreduce = broadcast = zero
@@ -273,9 +276,25 @@ class SPDDistributor(Distributor):
     def _plan_groups(self, order: list[FactorKey], ready: list[float]) -> list[tuple[int, ...]]:
         opts = self.options
         elements = [triu_size(self._side(k)) for k in order]
-        plan = plan_fusion(elements, ready, self.models.allreduce, policy=opts.fusion,
-                           bucket_bytes=int(opts.bucket_mb * 2**20), bytes_per_element=opts.bytes_per_element)
-        return [tuple(g) for g in plan.groups]
+
+        def plan(lo: int, hi: int) -> list[tuple[int, ...]]:
+            p = plan_fusion(elements[lo:hi], ready[lo:hi], self.models.allreduce, policy=opts.fusion,
+                            bucket_bytes=int(opts.bucket_mb * 2**20), bytes_per_element=opts.bytes_per_element)
+            return [tuple(lo + i for i in g) for g in p.groups]
+
+        if opts.fuse_g:
+            return plan(0, len(order))
+        # The original SPD-KFAC code: G factors each on their own, runs of A factors fused.
+        groups: list[tuple[int, ...]] = []
+        lo = 0
+        for pos, key in enumerate(order + [(None, "G")]):
+            if key[1] == "G":
+                if pos > lo:
+                    groups += plan(lo, pos)
+                if pos < len(order):
+                    groups.append((pos,))
+                lo = pos + 1
+        return groups
 
     def _plan_placement(self) -> tuple[int, ...]:
         opts = self.options

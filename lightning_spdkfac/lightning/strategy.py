@@ -97,8 +97,10 @@ class SPDKFACStrategy(_SPDKFACStrategyMixin, DDPStrategy):
         fusion: how factor reductions are grouped: ``"dtf"`` (planned from the cost model; the
             default for ``spd``), ``"layerwise"`` (one per factor; the default otherwise),
             ``"all"`` (one for all) or ``"bucket"`` (consecutive factors up to ``bucket_mb``).
-        placement: who inverts what: ``"lbp"`` (default for ``spd``), ``"round_robin"``
-            (``mpd``) or ``"replicated"`` (every rank inverts everything; ``dkfac``).
+        placement: who inverts what: ``"lbp_channel"`` (default for ``spd``: the paper's
+            load-balanced placement that also weighs the broadcast channel all ranks share, chosen
+            from the cluster simulator, see docs/simulator.md), ``"lbp"`` (the paper's),
+            ``"round_robin"`` (``mpd``) or ``"replicated"`` (every rank inverts everything; ``dkfac``).
         bucket_mb: bucket size of ``fusion="bucket"``, in MiB.
         profile_steps: optimizer steps whose factor ready times are measured before the plan is
             made (the steps before it are warm-up); the plan is then fixed until a re-plan.

@@ -80,7 +80,7 @@ def fit_alpha_beta(nbytes: Sequence[float], seconds: Sequence[float]) -> AlphaBe
 
 @dataclass(frozen=True)
 class InverseCost:
-    """Seconds to invert one damped ``n x n`` factor: ``c0 + c2 * n**2 + c3 * n**3``.
+    """Seconds to invert one damped ``n x n`` factor: ``c0 + c1 * n + c2 * n**2 + c3 * n**3``.
 
     Why a polynomial with non-negative coefficients rather than interpolating the measurements:
 
@@ -90,14 +90,18 @@ class InverseCost:
       flops), whereas a piecewise interpolation has no principled answer outside the profiled sizes;
     * ``c0`` absorbs fixed per-call overhead (kernel launches, allocator), which dominates small factors
       on a GPU, and ``c2`` absorbs the memory-bound middle range where time grows roughly like ``n^2``.
+
+    ``c1`` is not fitted by :func:`fit_inverse_cost`; it exists so that the simulator can plan with the
+    original SPD-KFAC code's load metric, which was linear in ``n`` (``InverseCost(c1=1.0)``).
     """
 
     c0: float = 0.0
     c2: float = 0.0
     c3: float = 0.0
+    c1: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("c0", "c2", "c3"):
+        for name in ("c0", "c1", "c2", "c3"):
             _check.real(name, getattr(self, name), low=0.0)
 
     @classmethod
@@ -113,7 +117,7 @@ class InverseCost:
     def time(self, n: int) -> float:
         """Modelled seconds to invert one ``n x n`` damped factor (Cholesky + inverse)."""
         v = float(_check.integer("n", n, low=0))
-        return self.c0 + self.c2 * v * v + self.c3 * v * v * v
+        return self.c0 + self.c1 * v + self.c2 * v * v + self.c3 * v * v * v
 
 
 def _solve(mat: list[list[float]], rhs: list[float]) -> list[float] | None:

@@ -1,0 +1,156 @@
+"""The SPD-KFAC paper's setup and measured breakdowns, and the calibration of a simulation to them.
+
+Numbers are from Shi, Zhang, Li, "Accelerating Distributed K-FAC with Smart Parallelism of Computing and
+Communication Tasks" (ICDCS 2021, arXiv 2107.06533), as summarised in the project's shared notes. What the
+calibration takes from the paper, and what it must not:
+
+* taken: the cluster (64 GPUs, 16 nodes x 4), the fitted all-reduce model, the small-factor threshold
+  (n < 1024, chosen where an inversion costs as much as broadcasting its inverse), and, per model, the
+  single-phase totals that do not depend on the schedule: FF&BP, FactorComp, GradComm (the same for every
+  algorithm) and the D-KFAC InvComp (every GPU inverts every factor: the sum of all inversion times);
+* never taken: any FactorComm, InvComm, MPD or SPD InvComp, or total - those are what the simulation must
+  reproduce.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..schedule import AlphaBeta, InverseCost, _check
+from ..schedule.cost import _nnls_small
+from .cluster import Cluster
+from .models import PAPER_MODELS
+from .workload import LayerSpec, Workload, profile_layers
+
+__all__ = ["PAPER_ALLREDUCE", "PAPER_BREAKDOWN", "PAPER_SPEEDUPS", "PAPER_WORLD", "SMALL_FACTOR",
+           "PaperCase", "paper_case"]
+
+PAPER_WORLD = 64
+PAPER_GPUS_PER_NODE = 4
+# alpha = 9.29e-4 s, beta = 1.4335e-9 s per fp32 element -> per byte
+PAPER_ALLREDUCE = AlphaBeta(9.29e-4, 1.4335e-9 / 4)
+SMALL_FACTOR = 1024
+
+# (FF&BP, GradComm, FactorComp, FactorComm, InvComp, InvComm, total), seconds
+PAPER_BREAKDOWN: dict[str, dict[str, tuple[float, ...]]] = {
+    "resnet50": {
+        "dkfac": (.132, .065, .212, .170, .274, 0.0, .8525),
+        "mpd": (.132, .065, .212, .170, .051, .134, .7635),
+        "spd": (.132, .065, .212, .098, .105, .064, .6755),
+    },
+    "resnet152": {
+        "dkfac": (.114, .159, .193, .439, .676, 0.0, 1.5807),
+        "mpd": (.114, .159, .193, .436, .054, .438, 1.3933),
+        "spd": (.114, .159, .193, .276, .281, .146, 1.1689),
+    },
+    "densenet201": {
+        "dkfac": (.178, .186, .319, .332, .482, 0.0, 1.4964),
+        "mpd": (.178, .186, .316, .350, .035, .468, 1.5340),
+        "spd": (.178, .186, .316, .244, .402, .035, 1.3615),
+    },
+    "inception_v4": {
+        "dkfac": (.134, .133, .198, .290, .431, 0.0, 1.1857),
+        "mpd": (.134, .133, .193, .295, .049, .344, 1.1473),
+        "spd": (.134, .133, .193, .204, .254, .073, .9907),
+    },
+}
+PAPER_COLUMNS = ("FF&BP", "GradComm", "FactorComp", "FactorComm", "InvComp", "InvComm", "total")
+# SPD-KFAC speedup over D-KFAC and over MPD-KFAC, as the paper states them
+PAPER_SPEEDUPS = {
+    "resnet50": (1.26, 1.13), "resnet152": (1.35, 1.19), "densenet201": (1.10, 1.13), "inception_v4": (1.20, 1.16),
+}
+
+
+def calibrate_inverse(sides_per_model: dict[str, list[int]], threshold: int = SMALL_FACTOR,
+                      broadcast: AlphaBeta = PAPER_ALLREDUCE) -> InverseCost:
+    """One ``c0 + c2 n^2 + c3 n^3`` for the paper's GPU, fitted (non-negative least squares, relative
+    errors) to: per model, the D-KFAC InvComp total, which is the sum of the inversion times of all its
+    factors (every GPU inverts every factor); and the threshold, where an inversion takes as long as
+    sending its inverse's upper triangle (how the paper chose n = 1024, with its planner's fp32 model).
+    One model for the four networks, as they ran on the same GPUs."""
+    rows, target = [], []
+    for name, sides in sides_per_model.items():
+        total = PAPER_BREAKDOWN[name]["dkfac"][4]
+        rows.append([float(len(sides)), float(sum(n**2 for n in sides)), float(sum(n**3 for n in sides))])
+        target.append(total)
+    t_thr = broadcast.time(threshold * (threshold + 1) // 2 * 4)
+    rows.append([1.0, float(threshold**2), float(threshold**3)])
+    target.append(t_thr)
+    scale = [max(r[j] for r in rows) for j in range(3)]
+    columns = [[r[j] / scale[j] / t for r, t in zip(rows, target)] for j in range(3)]
+    coef = _nnls_small(columns, [1.0] * len(target))
+    return InverseCost(c0=coef[0] / scale[0], c2=coef[1] / scale[1], c3=coef[2] / scale[2])
+
+
+_INVERSE: list[InverseCost] = []
+
+
+def paper_inverse() -> InverseCost:
+    """:func:`calibrate_inverse` over the four models (cached)."""
+    if not _INVERSE:
+        _INVERSE.append(calibrate_inverse(
+            {name: [n for s in model_specs(name) for n in (s.a_side, s.g_side)] for name in PAPER_BREAKDOWN}))
+    return _INVERSE[0]
+
+
+@dataclass(frozen=True)
+class PaperCase:
+    """One of the paper's four models, calibrated: its workload and its 64-GPU cluster."""
+
+    name: str
+    specs: tuple[LayerSpec, ...]
+    workload: Workload
+    cluster: Cluster
+
+    def at_world(self, world_size: int) -> tuple[Workload, Cluster]:
+        """The same GPUs and network at another scale: per-link numbers from the 64-GPU fit, ring
+        all-reduce at ``world_size`` (broadcasts costed like it, as in the 64-GPU calibration), and the
+        measured gradient all-reduce scaled by the model's ratio between the two sizes."""
+        p = _check.integer("world_size", world_size, low=1)
+        ring = Cluster.from_fit(PAPER_ALLREDUCE, PAPER_WORLD, p, self.cluster.inverse)
+        cluster = Cluster(p, ring.allreduce, ring.allreduce, ring.allreduce, self.cluster.inverse,
+                          gpus_per_node=min(PAPER_GPUS_PER_NODE, p), name=f"{p} GPUs")
+        model_grad = Workload(**{**self.workload.__dict__, "grad_comm": None})
+        ratio = _grad_model(model_grad, cluster) / _grad_model(model_grad, self.cluster)
+        return Workload(**{**self.workload.__dict__, "grad_comm": self.workload.grad_comm * ratio}), cluster
+
+
+def _grad_model(workload: Workload, cluster: Cluster) -> float:
+    from .timeline import _grad_comm
+
+    return _grad_comm(workload, cluster)
+
+
+_SPECS: dict[str, tuple[LayerSpec, ...]] = {}
+
+
+def model_specs(name: str) -> tuple[LayerSpec, ...]:
+    """K-FAC layer specs of one of the paper's models (built on the meta device; cached)."""
+    if name not in PAPER_MODELS:
+        raise ValueError(f"name must be one of {sorted(PAPER_MODELS)}, got {name!r}")
+    if name not in _SPECS:
+        import torch
+
+        ctor, shape, _ = PAPER_MODELS[name]
+        with torch.device("meta"):
+            model = ctor()
+        _SPECS[name] = tuple(profile_layers(model, shape))
+    return _SPECS[name]
+
+
+def paper_case(name: str, grad_comm: str = "paper") -> PaperCase:
+    """The calibrated 64-GPU case of one model. ``grad_comm="paper"`` takes the measured gradient
+    all-reduce time (identical for every algorithm); ``"model"`` derives it from the all-reduce model."""
+    if grad_comm not in ("paper", "model"):
+        raise ValueError(f"grad_comm must be 'paper' or 'model', got {grad_comm!r}")
+    specs = model_specs(name)
+    _, _, batch = PAPER_MODELS[name]
+    ffbp, gcomm, fcomp, _, _, _, _ = PAPER_BREAKDOWN[name]["dkfac"]
+    workload = Workload.calibrated(name, specs, batch, ff_bp=ffbp, factor_comp=fcomp,
+                                   grad_comm=gcomm if grad_comm == "paper" else None)
+    inverse = paper_inverse()
+    # The paper fitted only the all-reduce; its planner used that model for broadcasts too (the
+    # threshold above), so every collective of the 64-GPU cluster takes it.
+    cluster = Cluster(PAPER_WORLD, PAPER_ALLREDUCE, PAPER_ALLREDUCE, PAPER_ALLREDUCE, inverse,
+                      gpus_per_node=PAPER_GPUS_PER_NODE, name="paper: 64 GPUs, 16 x 4")
+    return PaperCase(name=name, specs=specs, workload=workload, cluster=cluster)

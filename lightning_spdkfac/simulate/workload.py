@@ -1,0 +1,214 @@
+"""What one iteration of a model asks of each GPU: K-FAC layers, their factor sizes and compute times.
+
+:func:`profile_layers` reads a real ``nn.Module``: it runs one forward pass (on the meta device when the
+model lives there, so no memory is allocated) with hooks on the layers that K-FAC handles, found by the
+runtime's own :func:`~lightning_spdkfac.kfac.layers.make_helper`, and records per layer the factor sides,
+the number of factor rows one sample contributes and the forward FLOPs.
+
+:class:`Workload` turns those counts into seconds, either from device rates (:meth:`Workload.from_rates`)
+or by spreading measured single-phase totals over the layers (:meth:`Workload.calibrated`): forward and
+backward time by forward FLOPs (backward twice forward), factor computation by ``rows * n**2`` of each
+factor. Inversion times are a property of the device and live in the cluster's ``InverseCost``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+
+from ..kfac.layers import make_helper
+from ..schedule import _check
+
+__all__ = ["LayerSpec", "LayerTimes", "Workload", "profile_layers"]
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One K-FAC layer as the simulator sees it (per sample of the batch).
+
+    Attributes:
+        name: module name in the model.
+        a_side, g_side: sides of the A and G factors.
+        rows: factor rows one sample contributes (output positions of a conv, tokens of a linear).
+        forward_flops: forward FLOPs of the layer for one sample (2 per multiply-add).
+        params: number of parameters (weight and bias).
+    """
+
+    name: str
+    a_side: int
+    g_side: int
+    rows: int
+    forward_flops: float
+    params: int
+
+    @property
+    def a_flops(self) -> float:
+        """FLOPs to form this layer's A factor contribution of one sample (``rows * a**2`` multiply-adds)."""
+        return 2.0 * self.rows * self.a_side**2
+
+    @property
+    def g_flops(self) -> float:
+        return 2.0 * self.rows * self.g_side**2
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    for t in model.parameters():
+        return t.device
+    return torch.device("cpu")
+
+
+def profile_layers(model: nn.Module, input_shape: Sequence[int], *, dtype: torch.dtype = torch.float32
+                   ) -> list[LayerSpec]:
+    """K-FAC layers of ``model`` in forward (first-call) order, from one forward pass of one sample.
+
+    ``input_shape`` is the shape of one sample without the batch dimension (e.g. ``(3, 224, 224)``).
+    The pass runs where the model's parameters are: on ``meta`` it costs no memory or FLOPs; otherwise it
+    runs one real sample under ``torch.no_grad()``. A layer called several times per forward (weight
+    sharing) adds up its rows and FLOPs over the calls.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    shape = tuple(_check.integer(f"input_shape[{i}]", v, low=1) for i, v in enumerate(input_shape))
+    if not shape:
+        raise ValueError("input_shape must hold at least one dimension (the sample's shape, without the batch)")
+    found: dict[str, dict] = {}
+    order: list[str] = []
+    handles = []
+
+    def hook_for(name: str, module: nn.Module, helper):
+        def hook(mod, inputs, output):
+            x = inputs[0]
+            if isinstance(mod, nn.Conv2d):
+                rows = output.shape[-1] * output.shape[-2]
+                flops = 2.0 * rows * helper.out_features * helper.in_features
+            else:
+                rows = x.numel() // x.shape[-1]
+                flops = 2.0 * rows * helper.in_features * helper.out_features
+            if name not in found:
+                order.append(name)
+                found[name] = {"rows": 0, "flops": 0.0}
+            found[name]["rows"] += rows
+            found[name]["flops"] += flops
+        return hook
+
+    helpers = {}
+    for name, module in model.named_modules():
+        helper, _ = make_helper(module)
+        if helper is None:
+            continue
+        helpers[name] = helper
+        handles.append(module.register_forward_hook(hook_for(name, module, helper)))
+    was_training = model.training
+    try:
+        model.eval()  # one sample: batch norm in training mode would refuse a batch of 1
+        with torch.no_grad():
+            model(torch.zeros((1, *shape), device=_model_device(model), dtype=dtype))
+    finally:
+        model.train(was_training)
+        for h in handles:
+            h.remove()
+    out = []
+    for name in order:
+        h = helpers[name]
+        params = sum(p.numel() for p in h.params())
+        out.append(LayerSpec(name=name, a_side=h.a_dim, g_side=h.g_dim, rows=found[name]["rows"],
+                             forward_flops=found[name]["flops"], params=params))
+    return out
+
+
+@dataclass(frozen=True)
+class LayerTimes:
+    """Seconds one GPU spends on one layer in one iteration (per-GPU batch included)."""
+
+    forward: float
+    backward: float
+    a_factor: float
+    g_factor: float
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A model's K-FAC layers with the per-GPU seconds of every piece of work of one iteration.
+
+    Attributes:
+        name: label for tables.
+        layers: the layer specs, forward order.
+        times: per-layer seconds, aligned with ``layers``.
+        batch_size: per-GPU batch the times are for.
+        grad_comm: if set, the seconds of the gradient all-reduce (a measured total); otherwise the
+            simulator models it from the parameter count and the cluster's all-reduce model.
+        precondition: seconds of preconditioning every layer's gradient (0 where it is not measured).
+        other_params: parameters outside K-FAC layers (batch-norm etc.), all-reduced with the gradients.
+    """
+
+    name: str
+    layers: tuple[LayerSpec, ...]
+    times: tuple[LayerTimes, ...]
+    batch_size: int
+    grad_comm: float | None = None
+    precondition: float = 0.0
+    other_params: int = 0
+
+    def __post_init__(self) -> None:
+        if len(self.layers) != len(self.times):
+            raise ValueError(f"times has {len(self.times)} entries but layers has {len(self.layers)}")
+        _check.integer("batch_size", self.batch_size, low=1)
+        if self.grad_comm is not None:
+            _check.real("grad_comm", self.grad_comm, low=0.0)
+        _check.real("precondition", self.precondition, low=0.0)
+
+    @property
+    def params(self) -> int:
+        return sum(s.params for s in self.layers) + self.other_params
+
+    @property
+    def ff_bp(self) -> float:
+        return sum(t.forward + t.backward for t in self.times)
+
+    @property
+    def factor_comp(self) -> float:
+        return sum(t.a_factor + t.g_factor for t in self.times)
+
+    def with_batch(self, batch_size: int) -> Workload:
+        """The same model at another per-GPU batch: compute times scale linearly with the batch."""
+        b = _check.integer("batch_size", batch_size, low=1)
+        f = b / self.batch_size
+        times = tuple(LayerTimes(t.forward * f, t.backward * f, t.a_factor * f, t.g_factor * f) for t in self.times)
+        return replace(self, times=times, batch_size=b)
+
+    @classmethod
+    def from_rates(cls, name: str, layers: Sequence[LayerSpec], batch_size: int, *, flops_per_s: float,
+                   factor_flops_per_s: float | None = None, other_params: int = 0) -> Workload:
+        """Times from device rates: forward ``forward_flops / flops_per_s`` per sample, backward twice
+        that, factors ``flops / factor_flops_per_s`` (defaults to ``flops_per_s``)."""
+        rate = _check.real("flops_per_s", flops_per_s, low=0.0, low_open=True)
+        frate = rate if factor_flops_per_s is None else _check.real(
+            "factor_flops_per_s", factor_flops_per_s, low=0.0, low_open=True)
+        b = _check.integer("batch_size", batch_size, low=1)
+        times = tuple(LayerTimes(b * s.forward_flops / rate, 2 * b * s.forward_flops / rate,
+                                 b * s.a_flops / frate, b * s.g_flops / frate) for s in layers)
+        return cls(name=name, layers=tuple(layers), times=times, batch_size=b, other_params=other_params)
+
+    @classmethod
+    def calibrated(cls, name: str, layers: Sequence[LayerSpec], batch_size: int, *, ff_bp: float,
+                   factor_comp: float, grad_comm: float | None = None, other_params: int = 0) -> Workload:
+        """Times that add up to measured totals: ``ff_bp`` (forward + backward) spread over layers by
+        forward FLOPs, one third forward and two thirds backward; ``factor_comp`` spread over the
+        factors by ``rows * n**2``."""
+        ls = tuple(layers)
+        if not ls:
+            raise ValueError("layers is empty: the model has no K-FAC layer to simulate")
+        ffbp = _check.real("ff_bp", ff_bp, low=0.0)
+        fcomp = _check.real("factor_comp", factor_comp, low=0.0)
+        fl = sum(s.forward_flops for s in ls)
+        ff = sum(s.a_flops + s.g_flops for s in ls)
+        times = tuple(
+            LayerTimes(ffbp * s.forward_flops / fl / 3, 2 * ffbp * s.forward_flops / fl / 3,
+                       fcomp * s.a_flops / ff, fcomp * s.g_flops / ff)
+            for s in ls
+        )
+        return cls(name=name, layers=ls, times=times, batch_size=_check.integer("batch_size", batch_size, low=1),
+                   grad_comm=grad_comm, other_params=other_params)
