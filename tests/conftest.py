@@ -34,3 +34,15 @@ def isolated(monkeypatch):
     torch.set_rng_state(rng)
     random.setstate(py_rng)
     np.random.set_state(np_rng)
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_left_behind():
+    """A fit with a DDP-based strategy in this process leaves Lightning's 1-rank default process group
+    initialized (its teardown does not destroy it); later tests that check "no process group" or that
+    start one of their own would see it. Destroy it after every test."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
