@@ -526,3 +526,33 @@ def test_callback_logs_the_counters_and_passes_max_bad_steps(tmp_path):
         fit({1, 2, 3}, max_bad_steps=2)
     with pytest.raises(ValueError, match="max_bad_steps must be"):
         KFAC(max_bad_steps=0)
+
+
+def test_decayed_factor_entries_are_flushed_before_they_turn_subnormal():
+    """A unit that stops firing leaves its factor entries decaying by factor_decay every step; below
+    the smallest normal float they would become subnormal (slow on CPUs, see benchmarks/soak.py). The
+    running factors hold zeros there instead, and everything else is the plain running average."""
+    torch.manual_seed(0)
+    layer = nn.Linear(3, 2, bias=False)
+    pre = KFACPreconditioner(layer, factor_decay=0.5, kl_clip=None, inv_update_steps=1)
+    tiny = torch.finfo(torch.float32).tiny
+    x = torch.randn(4, 3)
+    layer(x).sum().backward()
+    pre.step()
+    kfl = next(iter(pre.layers.values()))
+    A_before = kfl.A.clone()
+    kfl.A[0, 1] = kfl.A[1, 0] = 1.5 * tiny  # about to decay below tiny
+    kfl.A[0, 2] = kfl.A[2, 0] = 1.0  # a normal entry
+    a_start = kfl.A.clone()
+    x2 = x.clone()
+    x2[:, 0] = 0.0  # input 0 stops firing: rows/cols 0 of the step's A are zero
+    layer.zero_grad()
+    layer(x2).sum().backward()
+    pre.step()
+    step_a = x2.T @ x2 / 4
+    expected = 0.5 * a_start + 0.5 * step_a
+    assert 0 < expected[0, 1].abs() < tiny  # what the plain average would hold: a subnormal
+    assert kfl.A[0, 1] == 0.0 and kfl.A[1, 0] == 0.0
+    mask = expected.abs() >= tiny
+    torch.testing.assert_close(kfl.A[mask], expected[mask], rtol=1e-6, atol=0.0)
+    assert not torch.equal(A_before, kfl.A)
