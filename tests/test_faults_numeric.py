@@ -556,3 +556,19 @@ def test_decayed_factor_entries_are_flushed_before_they_turn_subnormal():
     mask = expected.abs() >= tiny
     torch.testing.assert_close(kfl.A[mask], expected[mask], rtol=1e-6, atol=0.0)
     assert not torch.equal(A_before, kfl.A)
+
+
+def test_inverses_hold_no_subnormal_entries():
+    """An inverse whose exact entries fall below the smallest normal float gets zeros there (the
+    preconditioning matmuls would otherwise run on subnormals every step until the next inversion)."""
+    from lightning_spdkfac.kfac.inverse import robust_inverses
+
+    tiny = torch.finfo(torch.float32).tiny
+    # [[1, e], [e, 1]]^-1 = [[1, -e], [-e, 1]] / (1 - e^2): off-diagonal -e, subnormal for e = tiny / 4
+    e = tiny / 4
+    f = torch.tensor([[1.0, e], [e, 1.0]], dtype=torch.float32)
+    assert 0 < f[0, 1] < tiny
+    (inv,), fallbacks = robust_inverses([f], 0.0, torch.float32)
+    assert fallbacks == []
+    assert inv[0, 1] == 0.0 and inv[1, 0] == 0.0
+    torch.testing.assert_close(inv.diagonal(), torch.ones(2))

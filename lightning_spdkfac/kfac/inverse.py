@@ -179,6 +179,11 @@ def robust_inverses(
         if code:
             inverses[i], level, used, reason = robust_inverse(factors[i], damping, dtype, why[code])
             fallbacks.append(Fallback(i, level, used, reason))
+    for inv in inverses:
+        # Entries below the smallest normal float: zero to the inverse's precision, and subnormal
+        # arithmetic in every later preconditioning matmul is many times slower on CPUs
+        # (benchmarks/soak.py; the running factors are flushed the same way).
+        inv.masked_fill_(inv.abs() < torch.finfo(inv.dtype).tiny, 0.0)
     return inverses, fallbacks
 
 
