@@ -106,7 +106,7 @@ CONFIGS = ("sgd", "dkfac", "mpd", "spd", "spd-no-pipe", "spd-no-dtf", "spd-no-lb
 # default set when deepspeed is installed.
 DEEPSPEED_CONFIGS = ("ds0-sgd", "ds0-spd", "ds2-sgd", "ds2-spd")
 # Opt-in variants (--configs) for investigation: other fusion policies under pipelining, bf16 messages.
-EXTRA_CONFIGS = ("spd-bucket", "spd-all", "spd-bf16")
+EXTRA_CONFIGS = ("spd-bucket", "spd-all", "spd-bf16", "spd-lbp", "spd-g-unfused")
 _SPD_OVERRIDES = {
     "spd": {},
     "spd-no-pipe": {"pipelining": False},
@@ -115,6 +115,9 @@ _SPD_OVERRIDES = {
     "spd-bucket": {"fusion": "bucket"},
     "spd-all": {"fusion": "all"},
     "spd-bf16": {"comm_dtype": "bfloat16"},
+    # the improvements the cluster simulator asked for, one at a time (benchmarks/paper_table.py):
+    "spd-lbp": {"placement": "lbp"},  # the paper's placement rule instead of the channel-aware one
+    "spd-g-unfused": {"placement": "lbp", "fuse_g": False},  # and G factors unfused, as the paper's code
 }
 FIELDS = ("iter", "fwd_bwd", "pre_step", "opt") + PHASES  # one per-step record per rank
 # The paper's categories (stacked-bar segments), then the extra columns.
