@@ -452,3 +452,27 @@ def test_load_state_argument_is_checked_and_skip_ignores_direct_loads():
     with pytest.warns(UserWarning, match="ignores the K-FAC state passed to load_state_dict"):
         cb.load_state_dict({"version": STATE_VERSION, "steps": 3, "layers": {}, "layer_dims": {}})
     assert cb.state_dict() == {}
+
+
+def test_fault_counters_survive_a_state_round_trip():
+    """skipped/fallback counters and the current bad streak are saved, so max_bad_steps counts a streak
+    that spans a checkpoint; states without them (older ones) load as zeros; a bad counter is refused."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    pre = KFACPreconditioner(model, kl_clip=None)
+    model(torch.randn(4, 3)).sum().backward()
+    pre.step()
+    pre.skipped_factor_steps, pre.skipped_precondition_steps = 3, 2
+    pre.consecutive_bad_steps, pre.inverse_fallbacks = 2, 5
+    state = pre.state_dict()
+    other = KFACPreconditioner(nn.Linear(3, 2), kl_clip=None)
+    other.load_state_dict(state)
+    assert (other.skipped_factor_steps, other.skipped_precondition_steps,
+            other.consecutive_bad_steps, other.inverse_fallbacks) == (3, 2, 2, 5)
+    old = {k: v for k, v in state.items() if k not in ("skipped_precondition_steps", "consecutive_bad_steps",
+                                                       "inverse_fallbacks")}
+    fresh = KFACPreconditioner(nn.Linear(3, 2), kl_clip=None)
+    fresh.load_state_dict(old)
+    assert (fresh.consecutive_bad_steps, fresh.inverse_fallbacks) == (0, 0)
+    with pytest.raises(ValueError, match="consecutive_bad_steps"):
+        fresh.load_state_dict({**state, "consecutive_bad_steps": -1})

@@ -173,6 +173,9 @@ def _describe_bad(bad: dict[str, list[str]]) -> str:
 
 
 # What the preconditioner did instead of Cholesky, per fallback level of kfac.inverse.
+# Counters saved with the state (each optional when loading: older states lack some).
+_COUNTERS = ("skipped_factor_steps", "skipped_precondition_steps", "consecutive_bad_steps", "inverse_fallbacks")
+
 _FALLBACK_ACTION = {
     "eigh": "using a clamped eigendecomposition (consider a larger damping)",
     "damping": "the clamped eigendecomposition failed too, so this factor was inverted with damping "
@@ -771,6 +774,11 @@ class KFACPreconditioner:
             "version": STATE_VERSION,
             "steps": self.steps,
             "skipped_factor_steps": self.skipped_factor_steps,
+            # optional counters (older states lack them): a resumed run continues the same counts, and
+            # max_bad_steps sees a bad streak that spans the checkpoint
+            "skipped_precondition_steps": self.skipped_precondition_steps,
+            "consecutive_bad_steps": self.consecutive_bad_steps,
+            "inverse_fallbacks": self.inverse_fallbacks,
             "layer_dims": {name: [ly.helper.a_dim, ly.helper.g_dim] for name, ly in self.layers.items()},
             "layers": layers,
         }
@@ -801,7 +809,8 @@ class KFACPreconditioner:
         for name, layer in self.layers.items():
             layer.A, layer.G, layer.A_inv, layer.G_inv = loaded.get(name, (None, None, None, None))
         self.steps = int(state["steps"])
-        self.skipped_factor_steps = int(state.get("skipped_factor_steps", 0))
+        for key in _COUNTERS:
+            setattr(self, key, int(state.get(key, 0)))
 
     def _verify_state(self, state: Mapping) -> dict[str, tuple]:
         """The factors of ``state`` by layer name, or a ValueError listing every problem found."""
@@ -823,7 +832,7 @@ class KFACPreconditioner:
                 f"K-FAC state version {version} was written by a newer lightning-spdkfac; this one reads "
                 f"versions up to {STATE_VERSION}: upgrade lightning-spdkfac. " + _SKIP_HINT
             )
-        for key in ("steps", "skipped_factor_steps"):
+        for key in ("steps",) + _COUNTERS:
             if key in state and not _is_count(state[key]):
                 corrupt.append(f"{key!r} must be a non-negative integer, got {state[key]!r}")
 
