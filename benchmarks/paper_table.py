@@ -130,6 +130,7 @@ def main(argv=None) -> int:
     Path(args.out).write_text(json.dumps(out, indent=1, default=float))
     if not args.no_plot:
         _plot(scaling, Path(args.out).with_name("scaling_resnet50.png"))
+        _plot_timelines(Path(__file__).resolve().parents[1] / "docs" / "simulated_timeline.png")
     print(f"\nwrote {args.out} ({time.perf_counter() - t0:.1f} s)")
     return 0
 
@@ -152,6 +153,41 @@ def _plot(scaling: dict, path: Path) -> None:
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+COLORS = {"FF&BP": "#4C72B0", "FactorComp": "#55A868", "FactorComm": "#C44E52", "GradComm": "#8172B2",
+          "InvComp": "#CCB974", "InvComm": "#64B5CD", "Precondition": "#8C8C8C"}
+
+
+def _plot_timelines(path: Path) -> None:
+    """ResNet-50 on 64 GPUs: the paper's SPD-KFAC and this project's spd, resource by resource."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    case = paper_case("resnet50")
+    runs = [("paper's SPD-KFAC (spd-paper)", "spd-paper"), ("this project's spd (lbp_channel)", "spd")]
+    fig, axes = plt.subplots(len(runs), 1, figsize=(11, 5.2), sharex=True)
+    for ax, (title, name) in zip(axes, runs):
+        tl = simulate(case.workload, case.cluster, name, rank_events=3)
+        rows = ["compute", "comm", "rank 0", "rank 1", "rank 2"]
+        for y, res in enumerate(rows):
+            for e in tl.events:
+                if e.resource == res and e.end > e.start:
+                    ax.broken_barh([(e.start * 1e3, (e.end - e.start) * 1e3)], (y - 0.4, 0.8),
+                                   facecolors=COLORS.get(e.category, "k"), edgecolor="none")
+        ax.set_yticks(range(len(rows)), rows)
+        ax.invert_yaxis()
+        ax.set_title(f"{title}: {tl.total * 1e3:.0f} ms", fontsize=10)
+        ax.grid(axis="x", alpha=0.3)
+    axes[-1].set_xlabel("ms from the start of the iteration (ResNet-50, 64 GPUs, simulated)")
+    fig.legend(handles=[Patch(color=c, label=k) for k, c in COLORS.items() if k != "Precondition"],
+               loc="upper center", ncol=6, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0, 1, 0.94))
     fig.savefig(path, dpi=110)
     print(f"wrote {path}")
 
