@@ -15,6 +15,7 @@ that are not Trainer methods go into :data:`COMMANDS`.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable, Sequence
 
@@ -36,9 +37,53 @@ def _plan(argv: list[str]) -> int:
 COMMANDS["plan"] = _plan
 
 
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _our_error(err: BaseException) -> BaseException | None:
+    """The TypeError/ValueError raised by this package among the exceptions ``err`` was raised from
+    (its ``__cause__``/``__context__`` graph), or None: jsonargparse tries every member of a Union and
+    chains each attempt's failure, so the innermost exception is not necessarily ours."""
+    stack, seen = [err], set()
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        tb = e.__traceback__
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        if isinstance(e, (TypeError, ValueError)) and tb is not None and \
+                os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(_PACKAGE_DIR):
+            return e
+        stack += [e.__context__, e.__cause__]
+    return None
+
+
+class _CLI(LightningCLI):
+    """LightningCLI whose construction errors read as one line.
+
+    jsonargparse reports a constructor's ValueError/TypeError (our "damping must be >= 0, got -1.0") inside
+    its own "Does not validate against any of the Union subtypes" error and a traceback; the user then has
+    to dig for the one line that matters. Here the root cause is printed alone and the command exits 2,
+    as for any other invalid argument. Other errors, and errors raised later (during fit), keep their
+    traceback.
+    """
+
+    def instantiate_classes(self) -> None:
+        try:
+            super().instantiate_classes()
+        except (TypeError, ValueError) as err:
+            ours = _our_error(err)
+            if ours is None:
+                raise
+            sys.stderr.write(f"spdkfac: invalid configuration: {type(ours).__name__}: {ours}\n")
+            raise SystemExit(2) from err
+
+
 def lightning_cli(args: Sequence[str] | None = None, run: bool = True) -> LightningCLI:
     """Build (and with ``run=True`` run) the LightningCLI behind ``spdkfac fit|validate|test|predict``."""
-    return LightningCLI(
+    return _CLI(
         pl.LightningModule,
         pl.LightningDataModule,
         subclass_mode_model=True,

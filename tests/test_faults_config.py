@@ -678,3 +678,15 @@ def test_yaml_deepspeed_stage_3_is_refused_by_name(tmp_path, capsys, isolated, d
     path = _yaml(tmp_path, "stage: 3", "damping: 0.1", strategy="lightning_spdkfac.SPDKFACDeepSpeedStrategy")
     seen = _what_the_user_sees(path, tmp_path, capsys)
     assert re.search(r"stage must be the ZeRO stage 0, 1 or 2, got 3.*use stage 2", seen, re.S), seen
+
+
+def test_a_constructor_error_in_yaml_reads_as_one_line(tmp_path, capsys, isolated):
+    """jsonargparse wraps a constructor's ValueError in its Union error and a traceback; the CLI prints
+    the root cause alone and exits 2."""
+    path = _yaml(tmp_path, "schedule: spd", "damping: -1.0")
+    with pytest.raises(SystemExit) as exc:
+        main(["fit", "--config", str(path), f"--trainer.default_root_dir={tmp_path / 'run'}"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "spdkfac: invalid configuration: ValueError: damping must be >= 0, got -1.0" in err
+    assert "Traceback" not in err and "Union subtypes" not in err
