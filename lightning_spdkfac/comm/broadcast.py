@@ -49,7 +49,7 @@ from ._common import (
     distributed_ready,
     global_rank,
 )
-from .faults import INVERSE_BROADCAST, KFACCommError, check_timeout, comm_error, wait_work
+from .faults import INVERSE_BROADCAST, KFACCommError, check_timeout, comm_error, refuse_if_failed, wait_work
 from .triangle import pack_triu, triu_size, unpack_triu
 
 __all__ = ["InverseBroadcaster", "RoundTimings"]
@@ -181,13 +181,7 @@ class InverseBroadcaster:
 
     def _check_usable(self, call: str) -> None:
         """Raise if a failed round was not acknowledged by :meth:`reset` (called with the lock held)."""
-        if self._failure is not None:
-            raise RuntimeError(
-                f"InverseBroadcaster.{call}: this broadcaster abandoned a round after a failed collective ("
-                f"{self._failure.phase}, {self._failure.what}); its receive buffers were dropped and the "
-                "process group may still have broadcasts pending. Restart the job (or re-create the process "
-                "group); call reset() on every rank only if you know all ranks are back in step"
-            ) from self._failure
+        refuse_if_failed(self._failure, f"InverseBroadcaster.{call}", "round")
 
     def _describe(self, index: int) -> str:
         owner = self.owners[index]

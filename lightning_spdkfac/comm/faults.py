@@ -114,3 +114,15 @@ def wait_work(work: object, timeout_s: float, *, collective: str, phase: str, wh
     except Exception as exc:  # noqa: BLE001 - every backend error becomes one that names the collective
         raise comm_error(exc, collective=collective, phase=phase, what=what, rank=rank, world_size=world_size,
                          timeout_s=timeout_s) from exc
+
+
+def refuse_if_failed(failure: KFACCommError | None, where: str, unit: str) -> None:
+    """Raise if an executor abandoned a ``unit`` ("step", "round") after ``failure`` and was not
+    ``reset()``: its buffers were dropped and the process group may still hold that collective."""
+    if failure is not None:
+        raise RuntimeError(
+            f"{where}: this executor abandoned a {unit} after a failed collective ({failure.phase}, "
+            f"{failure.what}); its buffers were dropped and the process group may still have that collective "
+            "pending. Restart the job (or re-create the process group); call reset() on every rank only if "
+            "you know all ranks are back in step"
+        ) from failure

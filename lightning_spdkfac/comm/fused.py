@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from ._common import NAN, check_comm_dtype, check_index, check_sides, default_device, distributed_ready
-from .faults import FACTOR_ALLREDUCE, KFACCommError, check_timeout, comm_error, wait_work
+from .faults import FACTOR_ALLREDUCE, KFACCommError, check_timeout, comm_error, refuse_if_failed, wait_work
 from .triangle import pack_triu, triu_size, unpack_triu
 
 __all__ = ["FusedAllReduce", "StepTimings"]
@@ -196,13 +196,7 @@ class FusedAllReduce:
 
     def _check_usable(self, call: str) -> None:
         """Raise if a failed step was not acknowledged by :meth:`reset` (called with the lock held)."""
-        if self._failure is not None:
-            raise RuntimeError(
-                f"FusedAllReduce.{call}: this executor abandoned a step after a failed collective ("
-                f"{self._failure.phase}, {self._failure.what}); its buffers were dropped and the process "
-                "group may still have that collective pending. Restart the job (or re-create the process "
-                "group); call reset() on every rank only if you know all ranks are back in step"
-            ) from self._failure
+        refuse_if_failed(self._failure, f"FusedAllReduce.{call}", "step")
 
     def _describe(self, g: int) -> str:
         labels = ", ".join(self.names[i] for i in self.groups[g])
