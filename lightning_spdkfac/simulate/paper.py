@@ -23,7 +23,7 @@ from .models import PAPER_MODELS
 from .workload import LayerSpec, Workload, profile_layers
 
 __all__ = ["PAPER_ALLREDUCE", "PAPER_BREAKDOWN", "PAPER_SPEEDUPS", "PAPER_WORLD", "SMALL_FACTOR",
-           "PaperCase", "paper_case"]
+           "PaperCase", "paper_case", "paper_cluster", "paper_inverse"]
 
 PAPER_WORLD = 64
 PAPER_GPUS_PER_NODE = 4
@@ -107,12 +107,22 @@ class PaperCase:
         all-reduce at ``world_size`` (broadcasts costed like it, as in the 64-GPU calibration), and the
         measured gradient all-reduce scaled by the model's ratio between the two sizes."""
         p = _check.integer("world_size", world_size, low=1)
-        ring = Cluster.from_fit(PAPER_ALLREDUCE, PAPER_WORLD, p, self.cluster.inverse)
-        cluster = Cluster(p, ring.allreduce, ring.allreduce, ring.allreduce, self.cluster.inverse,
-                          gpus_per_node=min(PAPER_GPUS_PER_NODE, p), name=f"{p} GPUs")
+        cluster = paper_cluster(p, self.cluster.inverse)
         model_grad = Workload(**{**self.workload.__dict__, "grad_comm": None})
         ratio = _grad_model(model_grad, cluster) / _grad_model(model_grad, self.cluster)
         return Workload(**{**self.workload.__dict__, "grad_comm": self.workload.grad_comm * ratio}), cluster
+
+
+def paper_cluster(world_size: int, inverse: InverseCost | None = None) -> Cluster:
+    """The paper's network at ``world_size`` GPUs: per-link numbers from its 64-GPU all-reduce fit, a
+    ring all-reduce at ``world_size``, and broadcasts and reduces costed like that all-reduce (the
+    64-GPU calibration's convention: the paper fitted only the all-reduce and planned broadcasts with
+    it). At 64 GPUs this is exactly the calibrated cluster. ``inverse`` defaults to :func:`paper_inverse`."""
+    p = _check.integer("world_size", world_size, low=1)
+    inv = paper_inverse() if inverse is None else inverse
+    ring = Cluster.from_fit(PAPER_ALLREDUCE, PAPER_WORLD, p, inv)
+    return Cluster(p, ring.allreduce, ring.allreduce, ring.allreduce, inv,
+                   gpus_per_node=min(PAPER_GPUS_PER_NODE, p), name=f"{p} GPUs")
 
 
 def _grad_model(workload: Workload, cluster: Cluster) -> float:

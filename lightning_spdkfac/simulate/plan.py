@@ -883,10 +883,13 @@ def _inputs(args: argparse.Namespace) -> tuple[PlanInputs | None, Callable[[], N
                     csource = (f"all-reduce fit at {p0} GPUs" + (f" scaled to {p}" if p0 != p else "")
                                + " (per-link numbers of a ring; broadcasts as a pipelined chain)")
                 else:
-                    from .paper import PAPER_ALLREDUCE
+                    from .paper import paper_cluster
 
-                    cluster = Cluster.from_fit(PAPER_ALLREDUCE, PAPER_WORLD, p, inv, gpus_per_node=g or 1)
-                    csource = f"the paper's network (all-reduce fitted at {PAPER_WORLD}) scaled to {p} (ring)"
+                    base = paper_cluster(p, inv)
+                    cluster = Cluster(p, base.allreduce, base.broadcast, base.reduce, inv,
+                                      gpus_per_node=g or base.gpus_per_node)
+                    csource = (f"the paper's network (all-reduce fitted at {PAPER_WORLD}) scaled to {p} (ring; "
+                               "broadcasts costed like the all-reduce, as in the paper's calibration)")
             except ValueError as e:
                 raise PlanError("--gpus-per-node" if "gpus_per_node" in str(e) else "--world-size", str(e)) from None
         if inverse is None:
