@@ -176,7 +176,8 @@ def test_config(configs, schedule, batch, tmp_path, capsys):
         with torch.device("meta"):
             specs = profile_layers(DigitsCNN(), (1, 8, 8))
         workload = Workload.from_rates("digits", specs, batch, flops_per_s=20e12)
-        cluster = Cluster.from_fit(PAPER_ALLREDUCE, 64, 8, InverseCost(3e-4, 1e-9, 1.4e-13))
+        ring = Cluster.from_fit(PAPER_ALLREDUCE, 64, 8, InverseCost(3e-4, 1e-9, 1.4e-13))
+        cluster = Cluster(8, ring.allreduce, ring.allreduce, ring.allreduce, ring.inverse)
         ref = simulate(workload, cluster, sim_schedule_from_options(options))
         assert rows["config"]["total_s"] == ref.total
         assert f"config: the config's strategy: schedule {schedule}" in out
