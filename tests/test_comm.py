@@ -392,3 +392,11 @@ def test_groups_launch_in_plan_order_even_when_factors_arrive_out_of_order():
     assert fused.launched_groups == (0, 1, 2)
     out = fused.wait()
     assert torch.equal(out[2], 2 * eye(2)) and torch.equal(out[3], eye(4))
+
+
+def test_probe_sizes_span_4kib_to_the_largest_message_within_the_cap():
+    from lightning_spdkfac.comm.profile import probe_sizes
+
+    assert probe_sizes(2**20) == [4096, 16384, 65536, 262144, 1048576]
+    assert probe_sizes(100) == [4096, 5792, 8192, 11585, 16384]  # at least 16 KiB
+    assert probe_sizes(2**20, cap=65536) == [4096, 8192, 16384, 32768, 65536]

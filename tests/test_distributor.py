@@ -94,3 +94,17 @@ def test_changed_call_count_under_pipelining_fails_loudly():
     lin(lin(x)).sum().backward()  # now two calls: the first already sent its A
     with pytest.raises(RuntimeError, match=r"layer '': its A factor was sent after 1 call\(s\).*ended after 2"):
         pre.step()
+
+
+def test_fuse_g_false_reduces_every_g_factor_alone():
+    """SPDOptions.fuse_g=False (the original SPD-KFAC code): runs of A factors are fused by the policy,
+    each G factor is reduced by itself; the default fuses across A and G."""
+    from lightning_spdkfac.comm.scheduler import SPDDistributor, SPDOptions
+
+    def groups(fuse_g: bool):
+        d = SPDDistributor(SPDOptions.from_schedule("spd", fusion="all", fuse_g=fuse_g))
+        d.setup([(4, 3), (5, 2)])  # canonical order: A0, A1, G1, G0
+        return d._plan_groups(d.keys, [0.0] * len(d.keys))
+
+    assert groups(False) == [(0, 1), (2,), (3,)]
+    assert groups(True) == [(0, 1, 2, 3)]

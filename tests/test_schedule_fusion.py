@@ -144,3 +144,19 @@ def test_dtf_never_ends_later_than_layerwise_or_all(case: tuple) -> None:
     tol = 1e-9 * max(end.values(), default=0.0) + 1e-12
     assert end["dtf"] <= end["layerwise"] + tol
     assert end["dtf"] <= end["all"] + tol
+
+
+def test_alone_factors_split_the_runs_planned_between_them():
+    """alone=[2]: factor 2 is reduced by itself and the runs [0, 1] and [3, 4] are planned on their own,
+    exactly as plan_fusion plans each run alone (DTF with a large alpha merges a whole run)."""
+    comm = AlphaBeta(alpha=1.0, beta=0.0)
+    elements, ready = [10, 20, 30, 40, 50], [0.0, 0.1, 0.2, 0.3, 0.4]
+    plan = plan_fusion(elements, ready, comm, policy="dtf", alone=[2])
+    first = plan_fusion(elements[:2], ready[:2], comm, policy="dtf")
+    last = plan_fusion(elements[3:], ready[3:], comm, policy="dtf")
+    assert first.groups == ((0, 1),) and last.groups == ((0, 1),)
+    assert plan.groups == ((0, 1), (2,), (3, 4))
+    assert plan_fusion(elements, ready, comm, policy="all", alone=[0, 4]).groups == ((0,), (1, 2, 3), (4,))
+    assert plan_fusion(elements, ready, comm, policy="dtf").groups == ((0, 1, 2, 3, 4),)
+    with pytest.raises(ValueError, match="alone"):
+        plan_fusion(elements, ready, comm, alone=[5])

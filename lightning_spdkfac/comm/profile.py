@@ -18,7 +18,17 @@ import torch.distributed as dist
 
 from ._common import check_comm_dtype, default_device, distributed_ready, global_rank
 
-__all__ = ["broadcast_object", "measure_allreduce", "measure_broadcast"]
+__all__ = ["broadcast_object", "measure_allreduce", "measure_broadcast", "probe_sizes"]
+
+
+def probe_sizes(largest: int, cap: int | None = None, points: int = 5) -> list[int]:
+    """Message sizes (bytes) to fit an alpha-beta model on: ``points`` geometric steps from 4 KiB (or a
+    quarter of the top, if smaller) to ``largest`` (at least 16 KiB), the top bounded by ``cap``."""
+    high = max(largest, 4 * 4096)
+    if cap is not None:
+        high = int(min(high, cap))
+    low = min(4096, high // 4)
+    return sorted({int(low * (high / low) ** (i / (points - 1))) for i in range(points)})
 
 
 def _sync(device: torch.device) -> None:

@@ -47,7 +47,7 @@ from ._common import distributed_ready
 from .broadcast import InverseBroadcaster
 from .consistency import check_plan_consistency
 from .fused import FusedAllReduce
-from .profile import broadcast_object, measure_allreduce, measure_broadcast
+from .profile import broadcast_object, measure_allreduce, measure_broadcast, probe_sizes
 from .triangle import triu_size
 
 SCHEDULES = ("spd", "mpd", "dkfac")
@@ -193,12 +193,6 @@ class Models:
     inverse: InverseCost
 
 
-def _probe_sizes(largest: int, points: int = 5) -> list[int]:
-    """Message sizes (bytes) to fit the alpha-beta model on: geometric from 4 KiB to ``largest``."""
-    low, high = 4096, max(largest, 4096 * 4)
-    return sorted({int(low * (high / low) ** (i / (points - 1))) for i in range(points)})
-
-
 class SPDDistributor(Distributor):
     """K-FAC's cross-rank work under one of the schedules of :class:`SPDOptions`."""
 
@@ -259,7 +253,7 @@ class SPDDistributor(Distributor):
         allreduce = broadcast = zero
         inverse = InverseCost()
         if self._dist and tri_bytes and (need_allreduce or need_placement):
-            sizes = _probe_sizes(max(tri_bytes))
+            sizes = probe_sizes(max(tri_bytes))
             if need_allreduce:
                 allreduce = fit_alpha_beta(sizes, measure_allreduce(sizes, self.process_group, repeats=5))
             if need_placement:
@@ -276,25 +270,12 @@ class SPDDistributor(Distributor):
     def _plan_groups(self, order: list[FactorKey], ready: list[float]) -> list[tuple[int, ...]]:
         opts = self.options
         elements = [triu_size(self._side(k)) for k in order]
-
-        def plan(lo: int, hi: int) -> list[tuple[int, ...]]:
-            p = plan_fusion(elements[lo:hi], ready[lo:hi], self.models.allreduce, policy=opts.fusion,
-                            bucket_bytes=int(opts.bucket_mb * 2**20), bytes_per_element=opts.bytes_per_element)
-            return [tuple(lo + i for i in g) for g in p.groups]
-
-        if opts.fuse_g:
-            return plan(0, len(order))
-        # The original SPD-KFAC code: G factors each on their own, runs of A factors fused.
-        groups: list[tuple[int, ...]] = []
-        lo = 0
-        for pos, key in enumerate(order + [(None, "G")]):
-            if key[1] == "G":
-                if pos > lo:
-                    groups += plan(lo, pos)
-                if pos < len(order):
-                    groups.append((pos,))
-                lo = pos + 1
-        return groups
+        # fuse_g=False: the original SPD-KFAC code, G factors each on their own, runs of A factors fused.
+        alone = () if opts.fuse_g else [pos for pos, key in enumerate(order) if key[1] == "G"]
+        plan = plan_fusion(elements, ready, self.models.allreduce, policy=opts.fusion,
+                           bucket_bytes=int(opts.bucket_mb * 2**20), bytes_per_element=opts.bytes_per_element,
+                           alone=alone)
+        return [tuple(g) for g in plan.groups]
 
     def _plan_placement(self) -> tuple[int, ...]:
         opts = self.options

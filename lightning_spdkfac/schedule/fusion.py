@@ -12,7 +12,7 @@ timed full ``n*n`` factors but merged triangles.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -152,6 +152,17 @@ def _bucket_groups(nbytes: list[int], bucket_bytes: int) -> list[list[int]]:
     return groups
 
 
+def _run_groups(nbytes: list[int], ready: list[float], comm: AlphaBeta, policy: str, bucket: int) -> list[list[int]]:
+    n = len(nbytes)
+    if policy == "layerwise":
+        return [[i] for i in range(n)]
+    if policy == "all":
+        return [list(range(n))] if n else []
+    if policy == "bucket":
+        return _bucket_groups(nbytes, bucket)
+    return _dtf_groups(nbytes, ready, comm)
+
+
 def plan_fusion(
     elements: Sequence[int],
     ready: Sequence[float],
@@ -159,6 +170,7 @@ def plan_fusion(
     policy: FusionPolicy = "dtf",
     bucket_bytes: int = 4 * 2**20,
     bytes_per_element: int = 4,
+    alone: Collection[int] = (),
 ) -> FusionPlan:
     """Group the factor all-reduces of one iteration.
 
@@ -171,21 +183,25 @@ def plan_fusion(
             once they hold at least ``bucket_bytes`` (like DDP's gradient buckets).
         bucket_bytes: bucket size for ``"bucket"`` (ignored otherwise, but still validated).
         bytes_per_element: 4 for fp32 factors, 2 for bf16/fp16.
+        alone: positions of factors that are always reduced on their own (the original SPD-KFAC code
+            did so with every G factor); the runs between them are grouped by ``policy``, each planned
+            as if the channel were free when the run starts.
     """
     nbytes, rd = _validated(elements, ready, bytes_per_element)
     if not isinstance(comm, AlphaBeta):
         raise ValueError(f"comm must be an AlphaBeta, got {type(comm).__name__}")
     _check.choice("policy", policy, _POLICIES)
     bucket = _check.integer("bucket_bytes", bucket_bytes, low=1)
-    n = len(nbytes)
-    if policy == "layerwise":
-        groups = [[i] for i in range(n)]
-    elif policy == "all":
-        groups = [list(range(n))] if n else []
-    elif policy == "bucket":
-        groups = _bucket_groups(nbytes, bucket)
-    else:
-        groups = _dtf_groups(nbytes, rd, comm)
+    single = set(_check.integers("alone", list(alone), low=0))
+    if any(i >= len(nbytes) for i in single):
+        raise ValueError(f"alone must hold factor positions < {len(nbytes)}, got {sorted(single)!r}")
+    groups: list[list[int]] = []
+    lo = 0
+    for pos in sorted(single) + [len(nbytes)]:
+        groups += [[lo + i for i in g] for g in _run_groups(nbytes[lo:pos], rd[lo:pos], comm, policy, bucket)]
+        if pos < len(nbytes):
+            groups.append([pos])
+        lo = pos + 1
     return FusionPlan(groups=tuple(tuple(g) for g in groups), policy=policy)
 
 

@@ -14,12 +14,14 @@ calibration takes from the paper, and what it must not:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from ..comm.triangle import triu_size
 from ..schedule import AlphaBeta, InverseCost, _check
 from ..schedule.cost import _nnls_small
 from .cluster import Cluster
 from .models import PAPER_MODELS
+from .timeline import _grad_comm
 from .workload import LayerSpec, Workload, profile_layers
 
 __all__ = ["PAPER_ALLREDUCE", "PAPER_BREAKDOWN", "PAPER_SPEEDUPS", "PAPER_WORLD", "SMALL_FACTOR",
@@ -73,7 +75,7 @@ def calibrate_inverse(sides_per_model: dict[str, list[int]], threshold: int = SM
         total = PAPER_BREAKDOWN[name]["dkfac"][4]
         rows.append([float(len(sides)), float(sum(n**2 for n in sides)), float(sum(n**3 for n in sides))])
         target.append(total)
-    t_thr = broadcast.time(threshold * (threshold + 1) // 2 * 4)
+    t_thr = broadcast.time(triu_size(threshold) * 4)
     rows.append([1.0, float(threshold**2), float(threshold**3)])
     target.append(t_thr)
     scale = [max(r[j] for r in rows) for j in range(3)]
@@ -108,27 +110,21 @@ class PaperCase:
         measured gradient all-reduce scaled by the model's ratio between the two sizes."""
         p = _check.integer("world_size", world_size, low=1)
         cluster = paper_cluster(p, self.cluster.inverse)
-        model_grad = Workload(**{**self.workload.__dict__, "grad_comm": None})
-        ratio = _grad_model(model_grad, cluster) / _grad_model(model_grad, self.cluster)
-        return Workload(**{**self.workload.__dict__, "grad_comm": self.workload.grad_comm * ratio}), cluster
+        modelled = replace(self.workload, grad_comm=None)
+        ratio = _grad_comm(modelled, cluster) / _grad_comm(modelled, self.cluster)
+        return replace(self.workload, grad_comm=self.workload.grad_comm * ratio), cluster
 
 
-def paper_cluster(world_size: int, inverse: InverseCost | None = None) -> Cluster:
-    """The paper's network at ``world_size`` GPUs: per-link numbers from its 64-GPU all-reduce fit, a
-    ring all-reduce at ``world_size``, and broadcasts and reduces costed like that all-reduce (the
-    64-GPU calibration's convention: the paper fitted only the all-reduce and planned broadcasts with
-    it). At 64 GPUs this is exactly the calibrated cluster. ``inverse`` defaults to :func:`paper_inverse`."""
+def paper_cluster(world_size: int, inverse: InverseCost | None = None, name: str | None = None) -> Cluster:
+    """The paper's network at ``world_size`` GPUs: at 64 its fitted all-reduce itself, elsewhere a ring
+    all-reduce from that fit's per-link numbers; broadcasts and reduces are costed like the all-reduce
+    (the paper fitted only the all-reduce, and its planner used that model for broadcasts too: the
+    n = 1024 threshold). ``inverse`` defaults to :func:`paper_inverse`."""
     p = _check.integer("world_size", world_size, low=1)
     inv = paper_inverse() if inverse is None else inverse
-    ring = Cluster.from_fit(PAPER_ALLREDUCE, PAPER_WORLD, p, inv)
-    return Cluster(p, ring.allreduce, ring.allreduce, ring.allreduce, inv,
-                   gpus_per_node=min(PAPER_GPUS_PER_NODE, p), name=f"{p} GPUs")
-
-
-def _grad_model(workload: Workload, cluster: Cluster) -> float:
-    from .timeline import _grad_comm
-
-    return _grad_comm(workload, cluster)
+    ar = PAPER_ALLREDUCE if p == PAPER_WORLD else Cluster.from_fit(PAPER_ALLREDUCE, PAPER_WORLD, p, inv).allreduce
+    return Cluster(p, ar, ar, ar, inv, gpus_per_node=min(PAPER_GPUS_PER_NODE, p),
+                   name=f"{p} GPUs" if name is None else name)
 
 
 _SPECS: dict[str, tuple[LayerSpec, ...]] = {}
@@ -158,9 +154,5 @@ def paper_case(name: str, grad_comm: str = "paper") -> PaperCase:
     ffbp, gcomm, fcomp, _, _, _, _ = PAPER_BREAKDOWN[name]["dkfac"]
     workload = Workload.calibrated(name, specs, batch, ff_bp=ffbp, factor_comp=fcomp,
                                    grad_comm=gcomm if grad_comm == "paper" else None)
-    inverse = paper_inverse()
-    # The paper fitted only the all-reduce; its planner used that model for broadcasts too (the
-    # threshold above), so every collective of the 64-GPU cluster takes it.
-    cluster = Cluster(PAPER_WORLD, PAPER_ALLREDUCE, PAPER_ALLREDUCE, PAPER_ALLREDUCE, inverse,
-                      gpus_per_node=PAPER_GPUS_PER_NODE, name="paper: 64 GPUs, 16 x 4")
+    cluster = paper_cluster(PAPER_WORLD, name="paper: 64 GPUs, 16 x 4")
     return PaperCase(name=name, specs=specs, workload=workload, cluster=cluster)

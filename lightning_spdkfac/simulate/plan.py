@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from ..comm.triangle import triu_size
 from ..schedule import REPLICATED, AlphaBeta, InverseCost, fit_alpha_beta, measure_inverse_cost
 from .cluster import Cluster
 from .timeline import CATEGORIES, SCHEDULES, SimSchedule, Timeline, simulate
@@ -166,10 +167,6 @@ class PlanInputs:
     strategy_class: str = STRATEGY_CLASS
 
 
-def _tri(n: int) -> int:
-    return n * (n + 1) // 2
-
-
 def _label(workload: Workload, key: tuple[int, str]) -> str:
     return f"{workload.layers[key[0]].name}:{key[1]}"
 
@@ -179,7 +176,7 @@ def _fusion_groups(workload: Workload, tl: Timeline) -> list[dict[str, Any]]:
     bpe = tl.extra["schedule"].bytes_per_element
     out = []
     for k, g in enumerate(tl.groups):
-        nbytes = sum(_tri(sides[i]) for i in g) * bpe
+        nbytes = sum(triu_size(sides[i]) for i in g) * bpe
         out.append({"index": k, "factors": [_label(workload, tl.order[i]) for i in g], "bytes": nbytes})
     return out
 
@@ -197,7 +194,7 @@ def _placement(workload: Workload, cluster: Cluster, tl: Timeline) -> dict[str, 
             "rank": r,
             "factors": [_label(workload, tl.order[i]) for i in own],
             "inverse_s": repl_s + sum(inv.time(sides[i]) for i in own),
-            "broadcast_s": sum(cluster.broadcast.time(_tri(sides[i]) * bpe) for i in own),
+            "broadcast_s": sum(cluster.broadcast.time(triu_size(sides[i]) * bpe) for i in own),
         })
     return {"policy": tl.extra["schedule"].placement if cluster.world_size > 1 else "replicated",
             "replicated": [_label(workload, tl.order[i]) for i in repl], "replicated_inverse_s": repl_s,
@@ -684,7 +681,7 @@ def _measure(args: argparse.Namespace, sides: list[int], inverse: InverseCost | 
     (rank 0 only, unless given), details, whether we initialised torch.distributed)."""
     import torch.distributed as dist
 
-    from ..comm.profile import measure_allreduce, measure_broadcast
+    from ..comm.profile import measure_allreduce, measure_broadcast, probe_sizes
 
     created = False
     if not dist.is_available():
@@ -705,10 +702,7 @@ def _measure(args: argparse.Namespace, sides: list[int], inverse: InverseCost | 
         raise PlanError("--measure", "the process group has 1 rank: nothing to measure (launch 2 or more)")
     backend = dist.get_backend()
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    largest = max(_tri(n) for n in sides) * 4
-    high = int(min(max(largest, 4 * 4096), args.measure_max_mb * 2**20))
-    low = min(4096, high // 4)
-    sizes = sorted({int(low * (high / low) ** (i / 4)) for i in range(5)})
+    sizes = probe_sizes(max(triu_size(n) for n in sides) * 4, cap=args.measure_max_mb * 2**20)
     ar = measure_allreduce(sizes, repeats=args.measure_repeats)
     bc = measure_broadcast(sizes, repeats=args.measure_repeats)
     fit_ar, fit_bc = fit_alpha_beta(sizes, ar), fit_alpha_beta(sizes, bc)

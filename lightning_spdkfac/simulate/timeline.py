@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
+from ..comm.triangle import triu_size
 from ..schedule import (
     REPLICATED,
     AlphaBeta,
@@ -154,10 +155,6 @@ class Timeline:
         return {"traceEvents": trace, "displayTimeUnit": "ms"}
 
 
-def _tri(n: int) -> int:
-    return n * (n + 1) // 2
-
-
 def _grad_comm(workload: Workload, cluster: Cluster) -> float:
     if workload.grad_comm is not None:
         return workload.grad_comm
@@ -170,14 +167,10 @@ def _grad_comm(workload: Workload, cluster: Cluster) -> float:
 
 
 def _fusion(schedule: SimSchedule, order, sides, ready, comm: AlphaBeta) -> FusionPlan:
-    elems = [s * s if schedule.plan_full_sizes else _tri(s) for s in sides]
-    kw = dict(bucket_bytes=int(schedule.bucket_mb * 2**20), bytes_per_element=schedule.bytes_per_element)
-    if schedule.fuse_g or schedule.fusion in ("layerwise",):
-        return plan_fusion(elems, ready, comm, policy=schedule.fusion, **kw)
-    n_a = sum(1 for k in order if k[1] == "A")
-    a_plan = plan_fusion(elems[:n_a], ready[:n_a], comm, policy=schedule.fusion, **kw)
-    g_groups = tuple((i,) for i in range(n_a, len(order)))
-    return FusionPlan(groups=a_plan.groups + g_groups, policy=schedule.fusion)
+    elems = [s * s if schedule.plan_full_sizes else triu_size(s) for s in sides]
+    alone = () if schedule.fuse_g else [pos for pos, key in enumerate(order) if key[1] == "G"]
+    return plan_fusion(elems, ready, comm, policy=schedule.fusion, bucket_bytes=int(schedule.bucket_mb * 2**20),
+                       bytes_per_element=schedule.bytes_per_element, alone=alone)
 
 
 def _placement(schedule: SimSchedule, cluster: Cluster, ns: list[int]):
@@ -236,11 +229,11 @@ def simulate(workload: Workload, cluster: Cluster, schedule: SimSchedule | str, 
 
     def group_seconds(g) -> float:
         if schedule.reduce_to_owner:
-            owned = sum(_tri(sides[i]) for i in g if owners[i] != REPLICATED) * bpe
-            repl = sum(_tri(sides[i]) for i in g if owners[i] == REPLICATED) * bpe
+            owned = sum(triu_size(sides[i]) for i in g if owners[i] != REPLICATED) * bpe
+            repl = sum(triu_size(sides[i]) for i in g if owners[i] == REPLICATED) * bpe
             alpha = max(cluster.reduce.alpha if owned else 0.0, cluster.allreduce.alpha if repl else 0.0)
             return alpha + cluster.reduce.beta * owned + cluster.allreduce.beta * repl
-        return cluster.allreduce.time(sum(_tri(sides[i]) for i in g) * bpe)
+        return cluster.allreduce.time(sum(triu_size(sides[i]) for i in g) * bpe)
 
     # -- the run: compute and the channel together. Pipelined groups launch when their last member is
     # ready; a synchronize before a launch stalls compute until the channel is free.
@@ -248,17 +241,15 @@ def simulate(workload: Workload, cluster: Cluster, schedule: SimSchedule | str, 
     closing = {g[-1]: k for k, g in enumerate(plan.groups)}
     free = 0.0
     done: dict[int, float] = {}  # factor position -> its reduction is complete
-    t_factor_comm = 0.0
 
     def run_group(k: int, launch: float) -> None:
-        nonlocal free, t_factor_comm
+        nonlocal free
         g = plan.groups[k]
         start = max(free, launch)
         free = start + group_seconds(g)
         events.append(Event("comm", "FactorComm", f"factor group {k} ({len(g)} factors)", start, free))
         for i in g:
             done[i] = free
-        t_factor_comm = max(t_factor_comm, free)
 
     t = 0.0
     for cat, label, sec, key in pieces:
@@ -308,7 +299,7 @@ def simulate(workload: Workload, cluster: Cluster, schedule: SimSchedule | str, 
         bcast_end = t_comm
         for i in sorted(bcast_ready, key=lambda i: (bcast_ready[i], i)):
             b0 = max(bfree, bcast_ready[i])
-            bfree = b0 + cluster.broadcast.time(_tri(sides[i]) * bpe)
+            bfree = b0 + cluster.broadcast.time(triu_size(sides[i]) * bpe)
             events.append(Event("comm", "InvComm", f"broadcast {order[i]}", b0, bfree))
             bcast_end = bfree
     else:
@@ -340,7 +331,7 @@ def simulate(workload: Workload, cluster: Cluster, schedule: SimSchedule | str, 
         events.append(Event("compute", "Precondition", "precondition", t_end, t_end + workload.precondition))
     return Timeline(
         events=events, breakdown=breakdown, groups=plan.groups, order=order, owners=tuple(owners),
-        extra={"t_compute": t_compute, "t_comm": t_comm, "t_factor_comm": t_factor_comm, "t_inv": t_inv,
+        extra={"t_compute": t_compute, "t_comm": t_comm, "t_inv": t_inv,
                "sides": sides, "schedule": schedule},
     )
 
