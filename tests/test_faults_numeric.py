@@ -42,6 +42,16 @@ def backward(model, x, y):
     F.cross_entropy(model(x), y).backward()
 
 
+def run_without_the_bad_batch(data):
+    """The reference of the skip tests: a fresh model and preconditioner that only ever saw batches 0 and 2."""
+    ref_model = mlp()
+    ref = KFACPreconditioner(ref_model, kl_clip=None, inv_update_steps=10)
+    for x, y in (data[0], data[2]):
+        backward(ref_model, x, y)
+        ref.step()
+    return ref_model, ref
+
+
 def factors(pre):
     return {n: (ly.A.clone(), ly.G.clone()) for n, ly in pre.layers.items()}
 
@@ -130,11 +140,7 @@ def test_nonfinite_factor_input_skips_the_update_and_the_next_good_step_resumes(
     pre.step()
     assert pre.consecutive_bad_steps == 0 and pre.skipped_factor_steps == 1
     # Reference: a run that never saw the bad batch has the same factors and gradients.
-    ref_model = mlp()
-    ref = KFACPreconditioner(ref_model, kl_clip=None, inv_update_steps=10)
-    for x, y in (data[0], data[2]):
-        backward(ref_model, x, y)
-        ref.step()
+    ref_model, ref = run_without_the_bad_batch(data)
     for n, layer in pre.layers.items():
         assert not torch.equal(layer.A, saved[n][0]) or not torch.equal(layer.G, saved[n][1])
         torch.testing.assert_close(layer.A, ref.layers[n].A, rtol=0, atol=0)
@@ -236,11 +242,7 @@ def test_nonfinite_received_factor_skips_the_update_but_preconditions():
 
     backward(model, *data[2])
     pre.step()
-    ref_model = mlp()
-    ref = KFACPreconditioner(ref_model, kl_clip=None, inv_update_steps=10)
-    for x, y in (data[0], data[2]):
-        backward(ref_model, x, y)
-        ref.step()
+    _, ref = run_without_the_bad_batch(data)
     for n, layer in pre.layers.items():
         torch.testing.assert_close(layer.A, ref.layers[n].A, rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(layer.G, ref.layers[n].G, rtol=1e-6, atol=1e-7)
