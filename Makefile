@@ -11,7 +11,7 @@ CONSTRAINTS := $(VENV)/torch-constraint.txt
 STAMP := $(VENV)/.installed-$(TORCH_VERSION)
 PYTEST_ARGS ?=
 
-.PHONY: install demo test lint bench clean
+.PHONY: install demo test test-no-cpu-fp16 lint bench clean
 
 install: $(STAMP)
 
@@ -29,6 +29,10 @@ demo: install
 
 test: install
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# The whole suite as a CPU without DeepSpeed fp16 support sees it (AMD EPYC, Intel before AVX512-FP16/AMX).
+test-no-cpu-fp16: install
+	$(PY) -m pytest -q --cpu-fp16=off $(PYTEST_ARGS)
 
 lint: install
 	$(PY) -m ruff check lightning_spdkfac tests examples benchmarks

@@ -9,9 +9,27 @@ import sys
 import numpy as np
 import pytest
 import torch
+from helpers import hardware
 
 # Variables that would make Lightning believe it runs under torchrun / a launcher, or pin its rank or port.
 LAUNCH_VARS = ("LOCAL_RANK", "NODE_RANK", "GLOBAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--cpu-fp16", choices=hardware.MODES, default=None,
+        help="'off': DeepSpeed's CPU accelerator reports no fp16, as on a CPU without AVX512-FP16/AMX "
+             f"(default: ${hardware.ENV} or 'auto', the machine's own answer)",
+    )
+
+
+def pytest_configure(config):
+    # Set before any rank process is started: ranks read it and apply the same override.
+    choice = config.getoption("--cpu-fp16")
+    if choice is not None:
+        os.environ[hardware.ENV] = choice
+    hardware.mode()  # a bad value in the environment fails here, once, naming the variable
+    hardware.apply_overrides()
 
 
 @pytest.fixture

@@ -8,6 +8,7 @@ one, and DeepSpeed's own per-parameter gradient accessor instead of the fused ga
 from __future__ import annotations
 
 import os
+import re
 import warnings
 
 import pytest
@@ -16,6 +17,7 @@ import torch
 
 pytest.importorskip("deepspeed")
 
+from helpers import hardware  # noqa: E402
 from test_callback import KW, trainer  # noqa: E402
 from test_strategy import TinyInterleaved, fit_on_ranks  # noqa: E402
 
@@ -94,6 +96,7 @@ class GatherCheck(pl.Callback):
 def ds_fit(rank, world, steps, *, stage=2, precision="32-true", accumulate=1, kfac=True, fused=True,
            check_gather=False, inf_at=None, ckpt_dir=None, resume=None, **strategy_kw):
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world))
+    hardware.apply_overrides()  # --cpu-fp16=off reaches the ranks too
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     model = TinyInf(inf_at=inf_at, batch_size=4 // accumulate)
@@ -202,6 +205,10 @@ def test_accumulation_equals_the_larger_batch(ddp_reference):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
+needs_cpu_fp16 = pytest.mark.skipif(not hardware.deepspeed_cpu_fp16(), reason=hardware.no_fp16_reason())
+
+
+@needs_cpu_fp16
 def test_fp16_loss_scale_is_taken_out_of_the_factors():
     fp32 = run_distributed(ds_fit, 2, 4, stage=2, timeout=240)[0]["steps"]
     fp16 = run_distributed(ds_fit, 2, 4, stage=2, precision="16-mixed", loss_scale=1024, timeout=240)[0]["steps"]
@@ -213,6 +220,7 @@ def test_fp16_loss_scale_is_taken_out_of_the_factors():
         torch.testing.assert_close(A16, A, rtol=2e-2, atol=2e-2 * float(A.abs().max()))
 
 
+@needs_cpu_fp16
 def test_fp16_overflow_step_leaves_factors_untouched_and_training_continues():
     inf_at = 3
     r = run_distributed(ds_fit, 2, 6, stage=2, precision="16-mixed", inf_at=inf_at, initial_scale_power=8,
@@ -274,3 +282,40 @@ def test_registry_names_and_stage_validation(tmp_path):
         SPDKFACDeepSpeedStrategy(stage="two")
     with pytest.raises(ValueError, match="schedule must be one of"):
         SPDKFACDeepSpeedStrategy(schedule="fast")
+
+
+@pytest.mark.parametrize("precision,config", [
+    ("16-mixed", None),
+    ("16-true", None),
+    ("32-true", {"fp16": {"enabled": True}, "zero_optimization": {"stage": 2}}),
+], ids=["16-mixed", "16-true", "config-fp16"])
+def test_fp16_on_a_cpu_without_fp16_is_refused_before_any_process_group(precision, config, monkeypatch):
+    """Forces DeepSpeed's CPU accelerator to answer "no fp16" (as on CPUs without AVX512-FP16/AMX), so this
+    runs on every machine: the Trainer refuses in the launching process, naming the precision, the cause and
+    the fix, with no process group and no engine; precisions DeepSpeed can run are accepted."""
+    import torch.distributed as dist
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+    monkeypatch.setattr(CPU_Accelerator, "is_fp16_supported", lambda self: False)
+    named = f"precision={precision!r}" if config is None else "config['fp16']['enabled']=True"
+    with pytest.raises(ValueError) as info:
+        pl.Trainer(strategy=SPDKFACDeepSpeedStrategy(config=config), accelerator="cpu", devices=2,
+                   precision=precision, logger=False)
+    message = str(info.value)
+    assert message.startswith(f"{named} cannot run under SPDKFACDeepSpeedStrategy"), message
+    assert "CPU accelerator runs fp16 only on CPUs with oneDNN fp16 kernels" in message, message
+    assert "precision='bf16-mixed'" in message and "precision='32-true'" in message, message
+    assert ("remove the 'fp16' section" in message) == (config is not None), message
+    assert not dist.is_initialized()
+    for ok in ("bf16-mixed", "32-true"):  # what the message recommends is accepted on the same CPU
+        t = pl.Trainer(strategy=SPDKFACDeepSpeedStrategy(), accelerator="cpu", devices=2, precision=ok, logger=False)
+        assert isinstance(t.strategy, SPDKFACDeepSpeedStrategy)
+    # With fp16 support the same Trainer is built; a strategy whose launcher was configured then is still
+    # refused at setup_environment, the first thing a rank runs, before it starts the process group.
+    monkeypatch.setattr(CPU_Accelerator, "is_fp16_supported", lambda self: True)
+    t = pl.Trainer(strategy=SPDKFACDeepSpeedStrategy(config=config), accelerator="cpu", devices=2,
+                   precision=precision, logger=False)
+    monkeypatch.setattr(CPU_Accelerator, "is_fp16_supported", lambda self: False)
+    with pytest.raises(ValueError, match=f"^{re.escape(named)} cannot run"):
+        t.strategy.setup_environment()
+    assert not dist.is_initialized()

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_spdkfac import KFACPreconditioner
+from lightning_spdkfac.kfac.gradients import GradAccess
 
 
 def mlp(seed: int = 0, bias: bool = True) -> nn.Module:
@@ -305,6 +306,73 @@ def test_grad_scaler_unscales_g_and_overflow_skips_factor_update():
         assert torch.equal(layer.A, before[n][0]) and torch.equal(layer.G, before[n][1])
     for p, q in zip(m_sc.parameters(), params_before):
         assert torch.equal(p, q)
+
+
+class _StillScaledGrads(GradAccess):
+    """Gradients that still carry a dynamic loss scale when K-FAC steps, as DeepSpeed's fp16 engine hands
+    them over (it unscales inside its own optimizer step)."""
+
+    def __init__(self, scale: float):
+        self.scale = scale
+
+    def loss_scale(self) -> float:
+        return self.scale
+
+
+def test_loss_scale_still_in_the_gradients_is_taken_out_of_g_and_the_kl_clip_and_overflow_skips():
+    """The fp16 behaviour of the DeepSpeed path, on any CPU: the loss is multiplied by S before backward,
+    the preconditioned gradients (which keep S) are unscaled by the "engine" after K-FAC, an overflow
+    step halves S and is skipped. Reference: the same training without any scale. S is a power of two,
+    so scaling is exact and the runs agree to round-off."""
+    data = [batch(16, seed=s) for s in range(6)]
+    kw = dict(kl_clip=1e-4, lr=0.1, inv_update_steps=1)
+    m_ref, m_sc = mlp(), mlp()
+    p_ref = KFACPreconditioner(m_ref, **kw)
+    access = _StillScaledGrads(2.0**10)
+    p_sc = KFACPreconditioner(m_sc, grad_access=access, **kw)
+    o_ref = torch.optim.SGD(m_ref.parameters(), lr=0.1)
+    o_sc = torch.optim.SGD(m_sc.parameters(), lr=0.1)
+    overflow_at = 3
+    clipped = []
+    for i, (x, y) in enumerate(data):
+        m_sc.zero_grad(set_to_none=True)
+        (F.cross_entropy(m_sc(x), y) * access.scale).backward()
+        if i == overflow_at:
+            m_sc[2].bias.grad[1] = float("inf")
+            saved = {n: (ly.A.clone(), ly.G.clone()) for n, ly in p_sc.layers.items()}
+            params = [p.detach().clone() for p in m_sc.parameters()]
+        p_sc.step()
+        grads_sc = [p.grad / access.scale for p in m_sc.parameters()]  # the engine unscales in its step
+        if not all(torch.isfinite(g).all() for g in grads_sc):  # the engine skips the step, halves S
+            assert i == overflow_at
+            assert (p_sc.skipped_factor_steps, p_sc.skipped_precondition_steps) == (1, 1)
+            for n, ly in p_sc.layers.items():
+                assert torch.equal(ly.A, saved[n][0]) and torch.equal(ly.G, saved[n][1])
+            assert all(torch.equal(p, q) for p, q in zip(m_sc.parameters(), params))
+            access.scale /= 2
+            continue
+        for p, g in zip(m_sc.parameters(), grads_sc):
+            p.grad = g
+        o_sc.step()
+        raw = one_step_grads(m_ref, x, y)
+        p_ref.step()
+        # The clip bites in this run (otherwise a wrong S in it would go unnoticed).
+        clipped.append(max(float((g - r).abs().max()) for g, r in zip(grads(m_ref), raw)) > 0)
+        for a, b in zip(grads_sc, grads(m_ref)):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+        o_ref.step()
+        for n in p_ref.layers:
+            torch.testing.assert_close(p_sc.layers[n].G, p_ref.layers[n].G, rtol=1e-5, atol=1e-9)
+            torch.testing.assert_close(p_sc.layers[n].A, p_ref.layers[n].A, rtol=1e-6, atol=1e-9)
+    assert access.scale == 2.0**9 and all(clipped) and len(clipped) == len(data) - 1
+    for a, b in zip(m_sc.parameters(), m_ref.parameters()):  # trained on past the overflow, like the reference
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def one_step_grads(model, x, y):
+    model.zero_grad(set_to_none=True)
+    F.cross_entropy(model(x), y).backward()
+    return grads(model)
 
 
 def test_nonfinite_activation_skips_factor_update():

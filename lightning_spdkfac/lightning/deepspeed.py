@@ -254,7 +254,42 @@ class SPDKFACDeepSpeedStrategy(_SPDKFACStrategyMixin, DeepSpeedStrategy):
     def _on_cuda(self) -> bool:
         return isinstance(self.accelerator, CUDAAccelerator)
 
+    def _configure_launcher(self) -> None:
+        # The Trainer calls this once the accelerator and the precision are known, in the launching
+        # process and before any process is started: the earliest point a precision can be refused.
+        self._check_fp16_supported()
+        super()._configure_launcher()
+
+    def _check_fp16_supported(self) -> None:
+        """Refuse fp16 where DeepSpeed's accelerator cannot run it, before any process group or engine.
+
+        DeepSpeed's engine raises "Type fp16 is not supported on your device." inside
+        ``deepspeed.initialize`` on every rank; its CPU accelerator accepts fp16 only where oneDNN
+        has fp16 kernels (CPUs with AVX512-FP16 or AMX-FP16), so the same script would run on one
+        x86 machine and die on another.
+        """
+        if self._on_cuda() or self.accelerator is None:
+            return
+        precision = getattr(self._precision_plugin, "precision", None)
+        if not _fp16_requested(self.config, precision):
+            return
+        supported, device = _deepspeed_fp16_support()
+        if supported:
+            return
+        asked = f"precision={precision!r}" if precision in _FP16_PRECISIONS else "config['fp16']['enabled']=True"
+        why = (
+            "DeepSpeed's CPU accelerator runs fp16 only on CPUs with oneDNN fp16 kernels (AVX512-FP16 or "
+            "AMX-FP16), and torch.ops.mkldnn._is_mkldnn_fp16_supported() is False on this one"
+            if device == "cpu" else f"DeepSpeed's {device!r} accelerator reports no fp16 support"
+        )
+        raise ValueError(
+            f"{asked} cannot run under SPDKFACDeepSpeedStrategy on this machine: {why}. Use "
+            "precision='bf16-mixed' (DeepSpeed's CPU accelerator supports bf16) or precision='32-true'"
+            + ("" if precision in _FP16_PRECISIONS else ", and remove the 'fp16' section from the DeepSpeed config")
+        )
+
     def setup_environment(self) -> None:
+        self._check_fp16_supported()  # again, for a strategy whose launcher was configured elsewhere
         if self._on_cuda():
             super().setup_environment()
         else:  # DeepSpeedStrategy refuses non-CUDA accelerators; DDP's setup is what it needs
@@ -329,6 +364,24 @@ class SPDKFACDeepSpeedStrategy(_SPDKFACStrategyMixin, DeepSpeedStrategy):
 
 
 _ZERO_STAGES = (0, 1, 2)
+_FP16_PRECISIONS = ("16-mixed", "16-true")
+
+
+def _fp16_requested(config: Mapping | None, precision: str | None) -> bool:
+    """Will the engine run in fp16? An ``fp16`` section in the DeepSpeed config decides (Lightning adds
+    one from the precision only where the config has none), else the Trainer's precision."""
+    section = (config or {}).get("fp16")
+    if isinstance(section, Mapping):
+        return bool(section.get("enabled", False))  # DeepSpeed's default for a section without "enabled"
+    return precision in _FP16_PRECISIONS
+
+
+def _deepspeed_fp16_support() -> tuple[bool, str]:
+    """DeepSpeed's own answer (the one its engine checks in ``deepspeed.initialize``) and its device name."""
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    return bool(accelerator.is_fp16_supported()), str(accelerator.device_name())
 _STAGE_3 = " (K-FAC preconditions whole layers, which stage 3 partitions; use stage 2)"
 
 
