@@ -46,7 +46,21 @@ def env_info() -> dict:
         "machine": platform.machine(),
         "cpu_count": os.cpu_count(),
         "processor": platform.processor() or "unknown",
+        "cpu_model": cpu_model(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),  # the SIMD level torch's kernels use
     }
+
+
+def cpu_model() -> str:
+    """The CPU's model name (figures move across CPU vendors and generations: record which one)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
 
 
 # ------------------------------------------------------------------------------ shapes

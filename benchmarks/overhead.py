@@ -378,7 +378,8 @@ def main(argv=None) -> int:
     env = env_info()
     results = [bench_model(m, args) for m in args.models]
 
-    print(f"torch {env['torch']}  threads {env['threads']}  cpus {env['cpu_count']}  "
+    print(f"{env['cpu_model']} ({env['cpu_capability']})  torch {env['torch']}  threads {env['threads']}  "
+          f"cpus {env['cpu_count']}  "
           f"blocks {args.blocks} x {args.inv_update_steps} steps per optimizer (interleaved)  "
           f"warm-up {args.warmup} steps  batch {args.batch}")
     cols = [

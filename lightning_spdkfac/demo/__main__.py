@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import statistics
 import sys
 import time
 import warnings
@@ -84,11 +85,60 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="torch CPU threads (default 1: for this tiny model more threads only add overhead, "
                         "and single-threaded timings stay comparable on a busy machine)")
     p.add_argument("--epochs", type=int, default=None, help="override trainer.max_epochs (for a quick look)")
+    p.add_argument("--seeds", type=_seed_list, default=None, metavar="S[,S...]",
+                   help="run both configs once per seed (seed_everything and the data split's seed), interleaved, "
+                        "and print the median and range over seeds (default: the configs' seed only)")
     p.add_argument("-v", "--verbose", action="store_true", help="keep Lightning's own messages")
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> dict[str, dict]:
+def _seed_list(text: str) -> list[int]:
+    try:
+        seeds = [int(s) for s in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--seeds must be comma-separated integers such as 0,1,2, got {text!r}") from None
+    if len(set(seeds)) != len(seeds) or any(s < 0 for s in seeds):
+        raise argparse.ArgumentTypeError(f"--seeds must be distinct non-negative integers, got {text!r}")
+    return seeds
+
+
+def _spread(values: list[float], fmt: str) -> str:
+    """median [min-max] of the values, or the one value."""
+    if len(values) == 1:
+        return fmt.format(values[0])
+    return f"{fmt.format(statistics.median(values))} [{fmt.format(min(values))}-{fmt.format(max(values))}]"
+
+
+def format_seed_table(per_seed: dict[int, dict[str, dict]]) -> str:
+    """One row per optimizer: median [min-max] over seeds; epochs and time to target over the seeds
+    that reached it (how many did is shown)."""
+    first = next(iter(per_seed.values()))
+    pct = f"{next(iter(first.values()))['target']:.0%}"
+    header = ("", "final val acc", f"reached {pct}", f"epochs to {pct}", f"time to {pct}", "total time")
+    rows = [header]
+    for name in first:
+        runs = [seed_results[name] for seed_results in per_seed.values()]
+        reached = [r for r in runs if r["epoch"] is not None]
+        rows.append((
+            name,
+            _spread([100 * r["final_val_acc"] for r in runs], "{:.1f}%"),
+            f"{len(reached)} of {len(runs)}",
+            _spread([r["epoch"] for r in reached], "{:g}") if reached else "-",
+            _spread([r["seconds"] for r in reached], "{:.1f} s") if reached else "-",
+            _spread([r["total_seconds"] for r in runs], "{:.1f} s"),
+        ))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+             for row in rows]
+    lines.insert(1, "-" * len(lines[0]))
+    per = "; ".join(
+        f"seed {seed}: " + ", ".join(f"{name} {r['epoch'] if r['epoch'] is not None else '-'}" for name, r in res.items())
+        for seed, res in per_seed.items()
+    )
+    return "\n".join(lines) + f"\nepochs to {pct} per seed: {per}"
+
+
+def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     if not args.verbose:
@@ -98,18 +148,34 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
         warnings.filterwarnings("ignore", message=".*LeafSpec.*")
     extra = [] if args.epochs is None else [f"--trainer.max_epochs={args.epochs}"]
     t0 = time.perf_counter()
-    results = {}
-    for name, sub, config in RUNS:
-        print(f"training {name:5s} ({config}) ...", flush=True)
-        results[name] = run_config(args.configs / config, args.out / sub, extra)
+    if args.seeds is None:
+        results = {}
+        for name, sub, config in RUNS:
+            print(f"training {name:5s} ({config}) ...", flush=True)
+            results[name] = run_config(args.configs / config, args.out / sub, extra)
+    else:
+        # Seed by seed, both optimizers back to back: a slow spell of a shared machine hits both alike.
+        results = {}
+        for seed in args.seeds:
+            seeded = [*extra, f"--seed_everything={seed}", f"--data.init_args.seed={seed}"]
+            results[seed] = {}
+            for name, sub, config in RUNS:
+                print(f"seed {seed}: training {name:5s} ({config}) ...", flush=True)
+                results[seed][name] = run_config(args.configs / config, args.out / f"seed{seed}" / sub, seeded)
     total = time.perf_counter() - t0
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "summary.json").write_text(json.dumps(results, indent=2))
     print()
-    print(describe(args.out / "kfac" / "config.yaml") + f"; torch threads: {args.threads}")
-    print(format_table(results))
+    if args.seeds is None:
+        print(describe(args.out / "kfac" / "config.yaml") + f"; torch threads: {args.threads}")
+        print(format_table(results))
+    else:
+        first = args.out / f"seed{args.seeds[0]}" / "kfac" / "config.yaml"
+        print(describe(first).replace(f"seed {args.seeds[0]}", f"seeds {','.join(map(str, args.seeds))}")
+              + f"; torch threads: {args.threads}; median [min-max] over seeds")
+        print(format_seed_table(results))
     print(f"\ntotal time: fit wall time (setup excluded). Demo wall time {total:.1f} s; "
-          f"per-epoch history in {args.out}/*/time_to_accuracy.json")
+          f"per-epoch history in {args.out}/**/time_to_accuracy.json")
     return results
 
 
