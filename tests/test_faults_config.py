@@ -1,6 +1,6 @@
 """Bad configuration fails at construction, with one clear message naming the argument.
 
-The rule (lightning_spdkfac/kfac/hparams.py): a value of the wrong type raises ``TypeError``, a value of
+The rule (lightning_spdkfac/validation.py): a value of the wrong type raises ``TypeError``, a value of
 the right type that is not accepted (range, NaN/inf, unknown name, a combination the scheduler would
 ignore) raises ``ValueError``; the message names the argument and shows the value.
 

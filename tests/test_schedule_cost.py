@@ -133,17 +133,17 @@ def test_fit_inverse_cost_never_goes_negative() -> None:
 
 
 @pytest.mark.parametrize(
-    "ns, seconds, match",
+    "ns, seconds, error, match",
     [
-        ([1, 2], [1.0], "same length"),
-        ([8, 8], [1.0, 1.0], "2 distinct"),
-        ([0, 8], [1.0, 1.0], r"ns\[0\]"),
-        ([4, 8], [1.0, 0.0], r"seconds\[1\]"),
-        ([4.5, 8], [1.0, 2.0], r"ns\[0\]"),
+        ([1, 2], [1.0], ValueError, "same length"),
+        ([8, 8], [1.0, 1.0], ValueError, "2 distinct"),
+        ([0, 8], [1.0, 1.0], ValueError, r"ns\[0\]"),
+        ([4, 8], [1.0, 0.0], ValueError, r"seconds\[1\]"),
+        ([4.5, 8], [1.0, 2.0], TypeError, r"ns\[0\] must be an integer"),  # a wrong type: TypeError
     ],
 )
-def test_fit_inverse_cost_rejects_bad_input(ns: list, seconds: list, match: str) -> None:
-    with pytest.raises(ValueError, match=match):
+def test_fit_inverse_cost_rejects_bad_input(ns: list, seconds: list, error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
         fit_inverse_cost(ns, seconds)
 
 

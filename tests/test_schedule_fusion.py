@@ -74,21 +74,21 @@ def test_layerwise_all_bucket_basics() -> None:
 
 
 @pytest.mark.parametrize(
-    "kwargs, match",
+    "kwargs, error, match",
     [
-        ({"elements": [1, 2], "ready": [0.0]}, "same length"),
-        ({"ready": [0.0, 2.0, 1.0]}, r"non-decreasing.*ready\[1\]"),
-        ({"elements": [1, -2, 3]}, r"elements\[1\]"),
-        ({"ready": [0.0, float("nan"), 1.0]}, r"ready\[1\]"),
-        ({"policy": "greedy"}, "'dtf', 'layerwise', 'all', 'bucket'"),
-        ({"bucket_bytes": 0}, "bucket_bytes"),
-        ({"bytes_per_element": 0}, "bytes_per_element"),
-        ({"comm": (1.0, 2.0)}, "comm"),
+        ({"elements": [1, 2], "ready": [0.0]}, ValueError, "same length"),
+        ({"ready": [0.0, 2.0, 1.0]}, ValueError, r"non-decreasing.*ready\[1\]"),
+        ({"elements": [1, -2, 3]}, ValueError, r"elements\[1\]"),
+        ({"ready": [0.0, float("nan"), 1.0]}, ValueError, r"ready\[1\]"),
+        ({"policy": "greedy"}, ValueError, "'dtf', 'layerwise', 'all', 'bucket'"),
+        ({"bucket_bytes": 0}, ValueError, "bucket_bytes"),
+        ({"bytes_per_element": 0}, ValueError, "bytes_per_element"),
+        ({"comm": (1.0, 2.0)}, TypeError, "comm"),  # a wrong type: TypeError
     ],
 )
-def test_plan_fusion_rejects_bad_input(kwargs: dict, match: str) -> None:
+def test_plan_fusion_rejects_bad_input(kwargs: dict, error: type, match: str) -> None:
     args = {"elements": [1, 2, 3], "ready": [0.0, 1.0, 2.0], "comm": UNIT} | kwargs
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(error, match=match):
         plan_fusion(**args)
 
 

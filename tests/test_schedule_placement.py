@@ -111,21 +111,21 @@ def test_world_size_one() -> None:
 
 
 @pytest.mark.parametrize(
-    "kwargs, match",
+    "kwargs, error, match",
     [
-        ({"world_size": 0}, "world_size"),
-        ({"ns": [4, 0]}, r"ns\[1\]"),
-        ({"ns": [4, 2.5]}, r"ns\[1\]"),
-        ({"policy": "random"}, "'lbp', 'lbp_channel', 'round_robin', 'replicated'"),
-        ({"small_threshold": -1}, "small_threshold"),
-        ({"bytes_per_element": 0}, "bytes_per_element"),
-        ({"inv": 3.0}, "inv"),
-        ({"bcast": InverseCost()}, "bcast"),
+        ({"world_size": 0}, ValueError, "world_size"),
+        ({"ns": [4, 0]}, ValueError, r"ns\[1\]"),
+        ({"ns": [4, 2.5]}, TypeError, r"ns\[1\]"),
+        ({"policy": "random"}, ValueError, "'lbp', 'lbp_channel', 'round_robin', 'replicated'"),
+        ({"small_threshold": -1}, ValueError, "small_threshold"),
+        ({"bytes_per_element": 0}, ValueError, "bytes_per_element"),
+        ({"inv": 3.0}, TypeError, "inv"),
+        ({"bcast": InverseCost()}, TypeError, "bcast"),
     ],
 )
-def test_plan_placement_rejects_bad_input(kwargs: dict, match: str) -> None:
+def test_plan_placement_rejects_bad_input(kwargs: dict, error: type, match: str) -> None:
     args = {"ns": [4, 8], "world_size": 2, "inv": InverseCost(c3=1.0), "bcast": FREE} | kwargs
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(error, match=match):
         plan_placement(**args)
 
 

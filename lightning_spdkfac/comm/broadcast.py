@@ -40,16 +40,22 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .. import validation as val
 from ._common import (
     NAN,
-    check_comm_dtype,
-    check_index,
-    check_sides,
+    check_wire_dtype,
     default_device,
     distributed_ready,
     global_rank,
 )
-from .faults import INVERSE_BROADCAST, KFACCommError, check_timeout, comm_error, refuse_if_failed, wait_work
+from .faults import (
+    INVERSE_BROADCAST,
+    TIMEOUT_ACCEPTED,
+    KFACCommError,
+    comm_error,
+    refuse_if_failed,
+    wait_work,
+)
 from .triangle import pack_triu, triu_size, unpack_triu
 
 __all__ = ["InverseBroadcaster", "RoundTimings"]
@@ -107,8 +113,8 @@ class InverseBroadcaster:
         timeout: float = 600.0,
         names: Sequence[str] | None = None,
     ) -> None:
-        self.sides = check_sides(sides)
-        self.timeout = check_timeout("timeout", timeout)
+        self.sides = val.check_ints("sides", sides, low=1)
+        self.timeout = val.check_seconds("timeout", timeout, TIMEOUT_ACCEPTED)
         if names is not None and (isinstance(names, str) or len(names) != len(self.sides)):
             raise ValueError(f"names must give one label per factor ({len(self.sides)}), got {names!r}")
         self.names = (tuple(str(x) for x in names) if names is not None
@@ -123,8 +129,8 @@ class InverseBroadcaster:
         for i, o in enumerate(self.owners):
             if not -1 <= o < self.world_size:
                 raise ValueError(f"owners[{i}] must be -1 or a rank in [0, {self.world_size}), got {o}")
-        self.dtype = check_comm_dtype("dtype", dtype)
-        self.result_dtype = check_comm_dtype("result_dtype", result_dtype)
+        self.dtype = check_wire_dtype("dtype", dtype)
+        self.result_dtype = check_wire_dtype("result_dtype", result_dtype)
         self.device = torch.device(device) if device is not None else default_device(process_group)
         sent = [i for i, o in enumerate(self.owners) if o >= 0]
         if order is None:
@@ -157,7 +163,7 @@ class InverseBroadcaster:
 
     def is_owner(self, index: int) -> bool:
         """True when this rank computes factor ``index``'s inverse (owned here, or replicated)."""
-        o = self.owners[check_index(index, len(self.sides))]
+        o = self.owners[val.check_index("index", index, len(self.sides))]
         return o == -1 or o == self.rank
 
     @property
@@ -243,7 +249,7 @@ class InverseBroadcaster:
         A non-replicated inverse is packed (upper triangle, comm dtype) and its broadcast launched at
         once; ``inverse`` itself is not kept. A replicated one is kept as given (no communication).
         """
-        index = check_index(index, len(self.sides))
+        index = val.check_index("index", index, len(self.sides))
         n = self.sides[index]
         if tuple(inverse.shape) != (n, n):
             raise ValueError(f"inverse {index} must have shape ({n}, {n}), got {tuple(inverse.shape)}")
@@ -269,7 +275,7 @@ class InverseBroadcaster:
 
     def expect(self, index: int, device: torch.device | str | None = None) -> None:
         """On every rank but the owner: post the receive for factor ``index``'s inverse (returns at once)."""
-        index = check_index(index, len(self.sides))
+        index = val.check_index("index", index, len(self.sides))
         owner = self.owners[index]
         with self._lock:
             if owner == -1:
@@ -316,7 +322,7 @@ class InverseBroadcaster:
 
         Each factor is returned once per round; the broadcaster keeps no reference to it afterwards.
         """
-        index = check_index(index, len(self.sides))
+        index = val.check_index("index", index, len(self.sides))
         with self._lock:
             self._check_usable(f"wait({index})")
             entry = self._entries.get(index)

@@ -17,8 +17,6 @@ path is the same.
 
 from __future__ import annotations
 
-import math
-import numbers
 from datetime import timedelta
 
 FACTOR_ALLREDUCE = "K-FAC factor all-reduce"
@@ -30,7 +28,7 @@ __all__ = [
     "INVERSE_BROADCAST",
     "PLAN_CHECK",
     "KFACCommError",
-    "check_timeout",
+    "TIMEOUT_ACCEPTED",
     "comm_error",
     "wait_work",
 ]
@@ -57,15 +55,8 @@ class KFACCommError(RuntimeError):
         self.timed_out = timed_out
 
 
-def check_timeout(name: str, value: object) -> float:
-    """``value`` as float seconds: TypeError unless a real number, ValueError unless finite and > 0."""
-    what = ("a positive, finite number of seconds (the longest any rank waits for one K-FAC collective "
-            "before failing)")
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be {what}, got {value!r} of type {type(value).__name__}")
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be {what}, got {value!r}")
-    return float(value)
+TIMEOUT_ACCEPTED = ("a positive, finite number of seconds (the longest any rank waits for one K-FAC collective "
+                    "before failing)")
 
 
 def _first_line(exc: BaseException) -> str:

@@ -42,8 +42,9 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from ._common import NAN, check_comm_dtype, check_index, check_sides, default_device, distributed_ready
-from .faults import FACTOR_ALLREDUCE, KFACCommError, check_timeout, comm_error, refuse_if_failed, wait_work
+from .. import validation as val
+from ._common import NAN, check_wire_dtype, default_device, distributed_ready
+from .faults import FACTOR_ALLREDUCE, TIMEOUT_ACCEPTED, KFACCommError, comm_error, refuse_if_failed, wait_work
 from .triangle import pack_triu, triu_size, unpack_triu
 
 __all__ = ["FusedAllReduce", "StepTimings"]
@@ -113,9 +114,9 @@ class FusedAllReduce:
         timeout: float = 600.0,
         names: Sequence[str] | None = None,
     ) -> None:
-        self.sides = check_sides(sides)
+        self.sides = val.check_ints("sides", sides, low=1)
         n = len(self.sides)
-        self.timeout = check_timeout("timeout", timeout)
+        self.timeout = val.check_seconds("timeout", timeout, TIMEOUT_ACCEPTED)
         if names is not None and (isinstance(names, str) or len(names) != n):
             raise ValueError(f"names must give one label per factor ({n}), got {names!r}")
         self.names = tuple(str(x) for x in names) if names is not None else tuple(str(i) for i in range(n))
@@ -135,10 +136,10 @@ class FusedAllReduce:
             raise ValueError(f"groups must cover every factor index; missing {missing}")
         if op not in ("average", "sum"):
             raise ValueError(f"op must be 'average' or 'sum', got {op!r}")
-        self.dtype = check_comm_dtype("dtype", dtype)
+        self.dtype = check_wire_dtype("dtype", dtype)
         self.op = op
         self.allow_missing = bool(allow_missing)
-        self.result_dtype = None if result_dtype is None else check_comm_dtype("result_dtype", result_dtype)
+        self.result_dtype = None if result_dtype is None else check_wire_dtype("result_dtype", result_dtype)
         self.process_group = process_group
         self._distributed = distributed_ready(process_group)
         self.world_size = dist.get_world_size(process_group) if self._distributed else 1
@@ -210,7 +211,7 @@ class FusedAllReduce:
             self._active = False
 
     def group_of(self, index: int) -> int:
-        return self._group_of[check_index(index, len(self.sides))]
+        return self._group_of[val.check_index("index", index, len(self.sides))]
 
     def is_launched(self, group: int) -> bool:
         """Whether group ``group``'s all-reduce has been issued in the current step."""
@@ -253,7 +254,7 @@ class FusedAllReduce:
         ``matrix`` is read (upper triangle only) and not kept. None (only with ``allow_missing``) means
         this rank has no data for the factor.
         """
-        index = check_index(index, len(self.sides))
+        index = val.check_index("index", index, len(self.sides))
         with self._lock:
             self._check_usable(f"submit({index})")
             if not self._active:
@@ -336,8 +337,7 @@ class FusedAllReduce:
 
     def wait_group(self, group: int) -> list[torch.Tensor | None]:
         """Block on group ``group``'s all-reduce; its members' results, in group order."""
-        if isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < len(self.groups):
-            raise IndexError(f"group must be an int in [0, {len(self.groups)}), got {group!r}")
+        val.check_index("group", group, len(self.groups))
         with self._lock:
             self._check_usable(f"wait_group({group})")
             if not self._active:

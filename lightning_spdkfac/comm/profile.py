@@ -16,7 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._common import check_comm_dtype, default_device, distributed_ready, global_rank
+from .. import validation as val
+from ._common import check_wire_dtype, default_device, distributed_ready, global_rank
 
 __all__ = ["broadcast_object", "measure_allreduce", "measure_broadcast", "probe_sizes"]
 
@@ -49,11 +50,9 @@ def _measure(
     for k, s in enumerate(sizes):
         if s < 0:
             raise ValueError(f"sizes_bytes[{k}] must be >= 0, got {s}")
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
-    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-        raise ValueError(f"warmup must be an int >= 0, got {warmup!r}")
-    check_comm_dtype("dtype", dtype)
+    val.check_int("repeats", repeats, low=1)
+    val.check_int("warmup", warmup, low=0)
+    check_wire_dtype("dtype", dtype)
     if not distributed_ready(process_group):
         return [0.0] * len(sizes)  # one process: nothing is communicated
     dev = torch.device(device) if device is not None else default_device(process_group)

@@ -23,16 +23,14 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from ..kfac import hparams as hp
+from .. import validation as val
 from ..kfac.distributor import Distributor, FactorKey, Task
 from ..schedule import (
     AlphaBeta,
@@ -43,6 +41,18 @@ from ..schedule import (
     plan_placement,
 )
 from ..telemetry import StepTimer
+from ..vocabulary import (
+    COMM_DTYPE_NAMES,
+    FUSIONS,
+    LOAD_BALANCED_PLACEMENTS,
+    PLACEMENTS,
+    SCHEDULE_PARTS,
+    SCHEDULES,
+    CommDtypeName,
+    FusionName,
+    PlacementName,
+    ScheduleName,
+)
 from ._common import distributed_ready
 from .broadcast import InverseBroadcaster
 from .consistency import check_plan_consistency
@@ -50,15 +60,6 @@ from .fused import FusedAllReduce
 from .profile import broadcast_object, measure_allreduce, measure_broadcast, probe_sizes
 from .triangle import triu_size
 
-SCHEDULES = ("spd", "mpd", "dkfac")
-FUSIONS = ("dtf", "layerwise", "all", "bucket")
-PLACEMENTS = ("lbp", "lbp_channel", "round_robin", "replicated")
-COMM_DTYPES = ("float32", "bfloat16")
-_DEFAULTS = {
-    "spd": dict(pipelining=True, fusion="dtf", placement="lbp_channel"),
-    "mpd": dict(pipelining=False, fusion="layerwise", placement="round_robin"),
-    "dkfac": dict(pipelining=False, fusion="layerwise", placement="replicated"),
-}
 _DEFAULT_BUCKET_MB = 4.0
 _DEFAULT_PROFILE_STEPS = (3, 8)
 
@@ -83,33 +84,33 @@ class SPDOptions:
     A world size of 1 is fine with every combination (placement and fusion then do nothing).
     """
 
-    schedule: Literal["spd", "mpd", "dkfac"] = "spd"
+    schedule: ScheduleName = "spd"
     pipelining: bool = True
-    fusion: Literal["dtf", "layerwise", "all", "bucket"] = "dtf"
-    placement: Literal["lbp", "lbp_channel", "round_robin", "replicated"] = "lbp_channel"
+    fusion: FusionName = "dtf"
+    placement: PlacementName = "lbp_channel"
     bucket_mb: float = _DEFAULT_BUCKET_MB
     profile_steps: tuple[int, int] = _DEFAULT_PROFILE_STEPS
     replan_every: int | None = None
     small_factor: int | None = None
-    comm_dtype: Literal["float32", "bfloat16"] = "float32"
+    comm_dtype: CommDtypeName = "float32"
     comm_timeout_s: float = 600.0  # bound on each wait for a K-FAC collective (comm/faults.py)
     fuse_g: bool = True  # False: G factors each reduced alone (the original SPD-KFAC code; for ablations)
 
     @classmethod
     def from_schedule(cls, schedule: str = "spd", **overrides) -> SPDOptions:
         """The options of ``schedule``; ``pipelining``, ``fusion`` or ``placement`` None: the schedule's own."""
-        hp.check_choice("schedule", schedule, SCHEDULES)
+        val.check_choice("schedule", schedule, SCHEDULES)
         fields = {f.name for f in dataclasses.fields(cls)} - {"schedule"}
         unknown = sorted(set(overrides) - fields)
         if unknown:
             raise TypeError(f"SPDOptions has no option {unknown[0]!r}; the options are {', '.join(sorted(fields))}")
         # None is "the schedule's own choice" for these three only (checked here so that the message
         # lists None among what is accepted); any other option is passed on as given.
-        hp.check_bool("pipelining", overrides.get("pipelining"), optional=True)
-        hp.check_choice("fusion", overrides.get("fusion"), FUSIONS, optional=True)
-        hp.check_choice("placement", overrides.get("placement"), PLACEMENTS, optional=True)
+        val.check_bool("pipelining", overrides.get("pipelining"), optional=True)
+        val.check_choice("fusion", overrides.get("fusion"), FUSIONS, optional=True)
+        val.check_choice("placement", overrides.get("placement"), PLACEMENTS, optional=True)
         values = dict(overrides)
-        for k, default in _DEFAULTS[schedule].items():
+        for k, default in SCHEDULE_PARTS[schedule].items():
             if values.get(k) is None:
                 values[k] = default
         return cls(schedule=schedule, **values)
@@ -117,23 +118,19 @@ class SPDOptions:
     def __post_init__(self) -> None:
         # Each option alone first, then the combinations (so a combination error always means
         # that every option is valid on its own).
-        hp.check_choice("schedule", self.schedule, SCHEDULES)
-        hp.check_bool("pipelining", self.pipelining)
-        hp.check_choice("fusion", self.fusion, FUSIONS)
-        hp.check_choice("placement", self.placement, PLACEMENTS)
-        hp.check_real("bucket_mb", self.bucket_mb, hp.POSITIVE)
+        val.check_choice("schedule", self.schedule, SCHEDULES)
+        val.check_bool("pipelining", self.pipelining)
+        val.check_choice("fusion", self.fusion, FUSIONS)
+        val.check_choice("placement", self.placement, PLACEMENTS)
+        val.check_real("bucket_mb", self.bucket_mb, val.POSITIVE)
         object.__setattr__(self, "profile_steps", _profile_steps(self.profile_steps))
         ps = self.profile_steps
-        hp.check_int("replan_every", self.replan_every, low=ps[1] + 1, optional=True,
-                     accepted=f"an integer > profile_steps[1] ({ps[1]})")
-        hp.check_int("small_factor", self.small_factor, low=0, optional=True)
-        hp.check_choice("comm_dtype", self.comm_dtype, COMM_DTYPES)
-        hp.check_real("comm_timeout_s", self.comm_timeout_s, hp.POSITIVE)
-        hp.check_bool("fuse_g", self.fuse_g)
-        hints = typing.get_type_hints(type(self))
-        for f in dataclasses.fields(self):  # options added later, until they have checks of their own
-            if f.name not in _CHECKED_OPTIONS:
-                hp.check_annotation(f.name, getattr(self, f.name), hints.get(f.name, typing.Any))
+        val.check_int("replan_every", self.replan_every, low=ps[1] + 1, optional=True,
+                      accepted=f"an integer > profile_steps[1] ({ps[1]})")
+        val.check_int("small_factor", self.small_factor, low=0, optional=True)
+        val.check_choice("comm_dtype", self.comm_dtype, COMM_DTYPE_NAMES)
+        val.check_real("comm_timeout_s", self.comm_timeout_s, val.POSITIVE)
+        val.check_bool("fuse_g", self.fuse_g)
 
         if self.fusion != "bucket" and self.bucket_mb != _DEFAULT_BUCKET_MB:
             raise ValueError(
@@ -147,11 +144,10 @@ class SPDOptions:
                 f"the factor ready times that only that combination uses), got replan_every={self.replan_every!r} "
                 f"with schedule={self.schedule!r}, pipelining={self.pipelining!r}, fusion={self.fusion!r}"
             )
-        if self.small_factor is not None and self.placement not in ("lbp", "lbp_channel"):
+        if self.small_factor is not None and self.placement not in LOAD_BALANCED_PLACEMENTS:
             raise ValueError(
-                f"small_factor must be None unless placement is 'lbp' or 'lbp_channel' (only load-balanced "
-                f"placement replicates "
-                f"factors by size), got small_factor={self.small_factor!r} with placement={self.placement!r}"
+                f"small_factor must be None unless placement is {' or '.join(map(repr, LOAD_BALANCED_PLACEMENTS))} (only "
+                f"load-balanced placement replicates factors by size), got small_factor={self.small_factor!r} with placement={self.placement!r}"
             )
 
     @property
@@ -168,17 +164,13 @@ class SPDOptions:
         return torch.bfloat16 if self.comm_dtype == "bfloat16" else torch.float32
 
 
-_CHECKED_OPTIONS = ("schedule", "pipelining", "fusion", "placement", "bucket_mb", "profile_steps", "replan_every",
-                    "small_factor", "comm_dtype", "comm_timeout_s", "fuse_g")
-
-
 def _profile_steps(value: object) -> tuple[int, int]:
     """``profile_steps`` as a tuple: a list or tuple of two integers ``start < end``, ``start >= 0``."""
     what = "two integers [start, end) with 0 <= start < end, as a list or tuple"
     if not isinstance(value, (tuple, list)):
-        raise TypeError(f"profile_steps must be {what}, got {hp.show(value)}")
-    if not all(hp.is_int(v) for v in value):
-        raise TypeError(f"profile_steps must be {what}, got {hp.show(value)}")
+        raise TypeError(f"profile_steps must be {what}, got {val.show(value)}")
+    if not all(val.is_int(v) for v in value):
+        raise TypeError(f"profile_steps must be {what}, got {val.show(value)}")
     if len(value) != 2 or not 0 <= value[0] < value[1]:
         raise ValueError(f"profile_steps must be {what}, got {value!r}")
     return int(value[0]), int(value[1])
@@ -247,7 +239,7 @@ class SPDDistributor(Distributor):
     def _measure_models(self) -> None:
         opts = self.options
         need_allreduce = opts.fusion == "dtf"
-        need_placement = opts.placement in ("lbp", "lbp_channel")
+        need_placement = opts.placement in LOAD_BALANCED_PLACEMENTS
         zero = AlphaBeta(0.0, 0.0)
         tri_bytes = [triu_size(self._side(k)) * opts.bytes_per_element for k in self.keys]
         allreduce = broadcast = zero

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .. import validation as val
 from ..telemetry import StepTimer
-from . import hparams as hp
 from .distributor import Distributor, FactorKey, Task
 from .gradients import GradAccess
 from .inverse import robust_inverses
@@ -241,10 +241,10 @@ class KFACPreconditioner:
         self,
         model: nn.Module,
         *,
-        damping: hp.Schedule = 1e-3,
-        factor_decay: hp.Schedule = 0.95,
-        kl_clip: hp.Schedule | None = 1e-3,
-        lr: hp.Schedule = 0.1,
+        damping: val.HParam = 1e-3,
+        factor_decay: val.HParam = 0.95,
+        kl_clip: val.HParam | None = 1e-3,
+        lr: val.HParam = 0.1,
         factor_update_steps: int = 1,
         inv_update_steps: int = 10,
         skip_layers: str | Iterable[str] = (),
@@ -266,13 +266,13 @@ class KFACPreconditioner:
                     f"{max_bad_steps!r}"
                 )
         self.max_bad_steps = max_bad_steps
-        hp.check_schedule("damping", damping, hp.NONNEGATIVE)
-        hp.check_schedule("factor_decay", factor_decay, hp.DECAY)
+        val.check_schedule("damping", damping, val.NONNEGATIVE)
+        val.check_schedule("factor_decay", factor_decay, val.DECAY)
         if kl_clip is not None:
-            hp.check_schedule("kl_clip", kl_clip, hp.POSITIVE, " (use kl_clip=None to turn clipping off)")
-        hp.check_schedule("lr", lr, hp.NONNEGATIVE)
-        self.factor_update_steps = hp.check_positive_int("factor_update_steps", factor_update_steps)
-        self.inv_update_steps = hp.check_positive_int("inv_update_steps", inv_update_steps)
+            val.check_schedule("kl_clip", kl_clip, val.POSITIVE, " (use kl_clip=None to turn clipping off)")
+        val.check_schedule("lr", lr, val.NONNEGATIVE)
+        self.factor_update_steps = val.check_positive_int("factor_update_steps", factor_update_steps)
+        self.inv_update_steps = val.check_positive_int("inv_update_steps", inv_update_steps)
         if self.inv_update_steps % self.factor_update_steps != 0:
             warnings.warn(
                 f"inv_update_steps={inv_update_steps} is not a multiple of factor_update_steps="
@@ -611,7 +611,7 @@ class KFACPreconditioner:
         labels = [(layer, which, False) for layer in ready for which in ("A", "G")]
         if not self._check_finite(diagonals, labels):
             return
-        decay = hp.resolve("factor_decay", self.factor_decay, k, hp.DECAY)
+        decay = val.resolve("factor_decay", self.factor_decay, k, val.DECAY)
         for layer in ready:
             layer.update_factors(decay, g_scale)
 
@@ -650,7 +650,7 @@ class KFACPreconditioner:
         labels = [(layer, which, True) for layer, _, _ in ready for which in ("A", "G")]
         if not self._check_finite(diagonals, labels):
             return
-        decay = hp.resolve("factor_decay", self.factor_decay, k, hp.DECAY)
+        decay = val.resolve("factor_decay", self.factor_decay, k, val.DECAY)
         for layer, A, G in ready:
             layer.fold(A, G, decay)
 
@@ -659,7 +659,7 @@ class KFACPreconditioner:
         todo = [ly for ly in self.layers.values() if ly.A is not None and (due or ly.A_inv is None)]
         if not todo:
             return
-        damping = hp.resolve("damping", self.damping, k, hp.NONNEGATIVE)
+        damping = val.resolve("damping", self.damping, k, val.NONNEGATIVE)
         by_index = {ly.index: ly for ly in todo}
 
         def invert(tasks: list[Task]) -> list[torch.Tensor]:
@@ -716,8 +716,8 @@ class KFACPreconditioner:
         todo, precs, grads = zip(*(done[i] for i in sorted(done)))
         scale = None
         if self.kl_clip is not None:
-            kl_clip = hp.resolve("kl_clip", self.kl_clip, k, hp.POSITIVE)
-            lr = hp.resolve("lr", self.lr, k, hp.NONNEGATIVE)
+            kl_clip = val.resolve("kl_clip", self.kl_clip, k, val.POSITIVE)
+            lr = val.resolve("lr", self.lr, k, val.NONNEGATIVE)
             vg = torch.stack([torch.vdot(p.flatten(), g.flatten()) for p, g in zip(precs, grads)]).sum()
             # Gradients still carrying a loss scale S give S^2 times the true vg.
             vg = vg.abs() * (lr * lr / self.grad_access.loss_scale() ** 2)

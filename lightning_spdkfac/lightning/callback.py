@@ -18,7 +18,7 @@ import torch
 from pytorch_lightning.callbacks import Callback
 from pytorch_lightning.utilities import rank_zero_warn
 
-from ..kfac import hparams as hp
+from .. import validation as val
 from ..kfac.preconditioner import KFACPreconditioner
 
 
@@ -94,26 +94,26 @@ class KFAC(Callback):
         # Every argument is checked here (TypeError: wrong type, ValueError: a value that is not
         # accepted; the message names the argument), so that a bad YAML value fails at construction.
         # Arguments without a check of their own below are held to their annotation.
-        hp.check_annotations(KFAC.__init__, locals(), skip=_CHECKED)
-        hp.check_schedule("damping", damping, hp.NONNEGATIVE, probe=True)
-        hp.check_schedule("factor_decay", factor_decay, hp.DECAY, probe=True)
-        hp.check_schedule("kl_clip", kl_clip, hp.POSITIVE, " (use kl_clip=None to turn clipping off)",
+        val.check_annotations(KFAC.__init__, locals(), skip=_CHECKED)
+        val.check_schedule("damping", damping, val.NONNEGATIVE, probe=True)
+        val.check_schedule("factor_decay", factor_decay, val.DECAY, probe=True)
+        val.check_schedule("kl_clip", kl_clip, val.POSITIVE, " (use kl_clip=None to turn clipping off)",
                           probe=True, optional=True)
-        hp.check_schedule("lr", lr, hp.NONNEGATIVE, probe=True, optional=True)
+        val.check_schedule("lr", lr, val.NONNEGATIVE, probe=True, optional=True)
         self.kwargs: dict[str, Any] = dict(
             damping=damping,
             factor_decay=factor_decay,
             kl_clip=kl_clip,
-            factor_update_steps=hp.check_positive_int("factor_update_steps", factor_update_steps),
-            inv_update_steps=hp.check_positive_int("inv_update_steps", inv_update_steps),
+            factor_update_steps=val.check_positive_int("factor_update_steps", factor_update_steps),
+            inv_update_steps=val.check_positive_int("inv_update_steps", inv_update_steps),
             skip_layers=_patterns("skip_layers", skip_layers),
             factor_dtype=_dtype("factor_dtype", factor_dtype, _FACTOR_DTYPES),
             inv_dtype=_dtype("inv_dtype", inv_dtype, _INV_DTYPES),
             max_bad_steps=max_bad_steps,  # its range is checked by the preconditioner (_validate)
         )
         self.lr = lr
-        self.log_step_time = hp.check_bool("log_step_time", log_step_time)
-        self.trace_step = hp.check_int("trace_step", trace_step, low=0, optional=True)
+        self.log_step_time = val.check_bool("log_step_time", log_step_time)
+        self.trace_step = val.check_int("trace_step", trace_step, low=0, optional=True)
         self.trace_dir = _folder("trace_dir", trace_dir)
         self._profiler = None
         self._t_step_start: float | None = None
@@ -355,7 +355,7 @@ def _where(trainer: pl.Trainer) -> str:
     return f"checkpoint {trainer.ckpt_path}" if trainer.ckpt_path else "the checkpoint"
 
 
-# Arguments KFAC.__init__ checks itself; any other is held to its annotation (hp.check_annotations).
+# Arguments KFAC.__init__ checks itself; any other is held to its annotation (val.check_annotations).
 _CHECKED = ("damping", "factor_decay", "kl_clip", "lr", "factor_update_steps", "inv_update_steps", "skip_layers",
             "factor_dtype", "inv_dtype", "log_step_time", "trace_step", "trace_dir")
 _FACTOR_DTYPES = ("float32", "float64", "bfloat16", "float16")
@@ -371,7 +371,7 @@ def _dtype(name: str, value: object, accepted: tuple[str, ...]) -> torch.dtype:
     elif isinstance(value, str):
         dt = getattr(torch, value.removeprefix("torch."), None)
     else:
-        raise TypeError(f"{name} must be {what}, got {hp.show(value)}")
+        raise TypeError(f"{name} must be {what}, got {val.show(value)}")
     if not isinstance(dt, torch.dtype) or str(dt).removeprefix("torch.") not in accepted:
         raise ValueError(f"{name} must be {what}, got {value!r}")
     return dt
@@ -385,11 +385,11 @@ def _patterns(name: str, value: object) -> tuple[str, ...]:
     if isinstance(value, str):
         value = (value,)
     elif isinstance(value, (bytes, Mapping)) or not isinstance(value, Iterable):
-        raise TypeError(f"{name} must be {what}, got {hp.show(value)}")
+        raise TypeError(f"{name} must be {what}, got {val.show(value)}")
     patterns = tuple(value)  # once: a generator would be empty the second time it is read
     for i, p in enumerate(patterns):
         if not isinstance(p, str):
-            raise TypeError(f"{name} must be {what}, got {hp.show(p)} at index {i} of {hp.show(value)}")
+            raise TypeError(f"{name} must be {what}, got {val.show(p)} at index {i} of {val.show(value)}")
         try:
             re.compile(p)
         except re.error as e:
@@ -400,7 +400,7 @@ def _patterns(name: str, value: object) -> tuple[str, ...]:
 
 def _folder(name: str, value: object) -> str:
     if not isinstance(value, (str, os.PathLike)):
-        raise TypeError(f"{name} must be a folder path (a non-empty string), got {hp.show(value)}")
+        raise TypeError(f"{name} must be a folder path (a non-empty string), got {val.show(value)}")
     path = os.fspath(value)
     if not isinstance(path, str) or not path or "\x00" in path:
         raise ValueError(f"{name} must be a folder path (a non-empty string without NUL), got {value!r}")

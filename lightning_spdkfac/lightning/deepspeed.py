@@ -43,18 +43,10 @@ from pytorch_lightning.accelerators import CUDAAccelerator
 from pytorch_lightning.strategies import DDPStrategy, DeepSpeedStrategy, StrategyRegistry
 from torch.distributed.constants import default_pg_timeout
 
-from ..kfac import hparams as hp
+from .. import validation as val
 from ..kfac.gradients import GradAccess
-from .strategy import (
-    SPD_ARGUMENTS,
-    CommDtype,
-    Fusion,
-    Placement,
-    Schedule,
-    _check_timeout,
-    _spd_options,
-    _SPDKFACStrategyMixin,
-)
+from ..vocabulary import DEEPSPEED_STRATEGY_NAMES, CommDtypeName, FusionName, PlacementName, ScheduleName
+from .strategy import SPD_ARGUMENTS, SPD_DEFAULTS, _spd_options, _SPDKFACStrategyMixin
 
 
 class DeepSpeedGradAccess(GradAccess):
@@ -217,16 +209,16 @@ class SPDKFACDeepSpeedStrategy(_SPDKFACStrategyMixin, DeepSpeedStrategy):
 
     def __init__(
         self,
-        schedule: Schedule = "spd",
+        schedule: ScheduleName = SPD_DEFAULTS.schedule,
         pipelining: bool | None = None,
-        fusion: Fusion | None = None,
-        placement: Placement | None = None,
-        bucket_mb: float = 4.0,
-        profile_steps: tuple[int, int] = (3, 8),
-        replan_every: int | None = None,
-        small_factor: int | None = None,
-        comm_dtype: CommDtype = "float32",
-        comm_timeout_s: float = 600.0,
+        fusion: FusionName | None = None,
+        placement: PlacementName | None = None,
+        bucket_mb: float = SPD_DEFAULTS.bucket_mb,
+        profile_steps: tuple[int, int] = SPD_DEFAULTS.profile_steps,
+        replan_every: int | None = SPD_DEFAULTS.replan_every,
+        small_factor: int | None = SPD_DEFAULTS.small_factor,
+        comm_dtype: CommDtypeName = SPD_DEFAULTS.comm_dtype,
+        comm_timeout_s: float = SPD_DEFAULTS.comm_timeout_s,
         stage: int = 2,
         config: str | dict[str, Any] | None = None,
         fused_grad_gather: bool = True,
@@ -235,16 +227,16 @@ class SPDKFACDeepSpeedStrategy(_SPDKFACStrategyMixin, DeepSpeedStrategy):
     ):
         arguments = dict(locals())
         # Each argument alone first, then the K-FAC options with their combination rules.
-        hp.check_int("stage", stage, low=0, accepted="the ZeRO stage 0, 1 or 2")
+        val.check_int("stage", stage, low=0, accepted="the ZeRO stage 0, 1 or 2")
         if stage not in _ZERO_STAGES:
             raise ValueError(f"stage must be the ZeRO stage 0, 1 or 2, got {stage!r}: SPDKFACDeepSpeedStrategy "
                              f"supports ZeRO stages 0, 1 and 2, not stage {stage!r}{_STAGE_3 if stage == 3 else ''}")
         config, origin = _load_config(config)
         if config is not None:
             _check_zero_stage(config, origin)
-        self.fused_grad_gather = hp.check_bool("fused_grad_gather", fused_grad_gather)
-        _check_timeout(timeout)
-        hp.check_annotations(SPDKFACDeepSpeedStrategy.__init__, arguments,
+        self.fused_grad_gather = val.check_bool("fused_grad_gather", fused_grad_gather)
+        val.check_timedelta("timeout", timeout)
+        val.check_annotations(SPDKFACDeepSpeedStrategy.__init__, arguments,
                              skip=("schedule", *SPD_ARGUMENTS, "stage", "config", "fused_grad_gather", "timeout"))
         self.spd_options = _spd_options(arguments)
         super().__init__(stage=stage, config=config, timeout=timeout, **kwargs)
@@ -355,11 +347,10 @@ class SPDKFACDeepSpeedStrategy(_SPDKFACStrategyMixin, DeepSpeedStrategy):
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
-        for name, stage in (("spdkfac_deepspeed", 2), ("spdkfac_deepspeed_stage_1", 1),
-                            ("spdkfac_deepspeed_stage_2", 2), ("spdkfac_deepspeed_stage_0", 0)):
+        for name, fixed in DEEPSPEED_STRATEGY_NAMES.items():
             strategy_registry.register(
-                name, cls, description=f"DeepSpeed ZeRO stage {stage} + SPD-KFAC scheduling",
-                stage=stage, override=True,
+                name, cls, description=f"DeepSpeed ZeRO stage {fixed['stage']} + SPD-KFAC scheduling",
+                override=True, **fixed,
             )
 
 
@@ -398,10 +389,10 @@ def _load_config(config: object) -> tuple[dict | None, str]:
         config, source = env, f"config (None, so the file named by ${DeepSpeedStrategy.DEEPSPEED_ENV_VAR})"
     if isinstance(config, Mapping):
         if not all(isinstance(k, str) for k in config):
-            raise TypeError(f"{source} must be {what}; its keys must be strings, got {hp.show(config)}")
+            raise TypeError(f"{source} must be {what}; its keys must be strings, got {val.show(config)}")
         return dict(config), ""
     if not isinstance(config, (str, os.PathLike)):
-        raise TypeError(f"{source} must be {what}, got {hp.show(config)}")
+        raise TypeError(f"{source} must be {what}, got {val.show(config)}")
     path = os.fspath(config)
     if not isinstance(path, str) or not path or "\x00" in path or not os.path.isfile(path):
         raise ValueError(f"{source} must be {what}, got {config!r}, which is not a file")
@@ -411,7 +402,7 @@ def _load_config(config: object) -> tuple[dict | None, str]:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"{source} must be {what}, got {config!r}, which cannot be read as JSON: {e}") from None
     if not isinstance(loaded, dict):
-        raise ValueError(f"{source} must be {what}, got {config!r}, which holds {hp.show(loaded)}, not an object")
+        raise ValueError(f"{source} must be {what}, got {config!r}, which holds {val.show(loaded)}, not an object")
     return loaded, f" (in config={config!r})"
 
 
@@ -422,12 +413,12 @@ def _check_zero_stage(config: dict | None, origin: str = "") -> None:
         return
     if not isinstance(zero, Mapping):
         raise TypeError(
-            f"config['zero_optimization'] must be a dict such as {{'stage': 2}}, got {hp.show(zero)}{origin}"
+            f"config['zero_optimization'] must be a dict such as {{'stage': 2}}, got {val.show(zero)}{origin}"
         )
     stage = zero.get("stage", 0)
-    if not hp.is_int(stage):
+    if not val.is_int(stage):
         raise TypeError(
-            f"config['zero_optimization']['stage'] must be the ZeRO stage 0, 1 or 2, got {hp.show(stage)}{origin}"
+            f"config['zero_optimization']['stage'] must be the ZeRO stage 0, 1 or 2, got {val.show(stage)}{origin}"
         )
     if stage not in _ZERO_STAGES:
         raise ValueError(

@@ -19,21 +19,19 @@ ablations of the paper). The ``KFAC`` callback asks the strategy for its distrib
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any
 
 import torch.distributed as dist
 from pytorch_lightning.strategies import DDPStrategy, StrategyRegistry
 from torch.distributed.constants import default_pg_timeout
 
-from ..comm.scheduler import COMM_DTYPES, FUSIONS, PLACEMENTS, SCHEDULES, SPDDistributor, SPDOptions
-from ..kfac import hparams as hp
+from .. import validation as val
+from ..comm.scheduler import SPDDistributor, SPDOptions
 from ..kfac.gradients import GradAccess
+from ..vocabulary import DDP_STRATEGY_NAMES, CommDtypeName, FusionName, PlacementName, ScheduleName
 
-# The choices LightningCLI offers, from the scheduler's tuples (a new choice there shows up here).
-Schedule = Literal[SCHEDULES]
-Fusion = Literal[FUSIONS]
-Placement = Literal[PLACEMENTS]
-CommDtype = Literal[COMM_DTYPES]
+# The strategies' signature defaults are SPDOptions' own (one test compares them all).
+SPD_DEFAULTS = SPDOptions()
 
 
 # The K-FAC schedule arguments, spelled out in each strategy's signature (LightningCLI reads them there).
@@ -45,16 +43,6 @@ def _spd_options(arguments: dict[str, Any]) -> SPDOptions:
     """SPDOptions from a strategy's ``locals()`` (validated there, with errors naming the argument)."""
     options = {k: arguments[k] for k in SPD_ARGUMENTS}
     return SPDOptions.from_schedule(arguments["schedule"], **options)
-
-
-def _check_timeout(timeout: object) -> None:
-    """The process groups' timeout: a positive ``datetime.timedelta`` or None (torch's default)."""
-    if timeout is None:
-        return
-    if not isinstance(timeout, timedelta):
-        raise TypeError(f"timeout must be None or a datetime.timedelta > 0, got {hp.show(timeout)}")
-    if timeout <= timedelta(0):
-        raise ValueError(f"timeout must be None or a datetime.timedelta > 0, got {timeout!r}")
 
 
 class _SPDKFACStrategyMixin:
@@ -120,30 +108,30 @@ class SPDKFACStrategy(_SPDKFACStrategyMixin, DDPStrategy):
     that is not accepted ``ValueError``, naming the argument. The schedule only picks the defaults of
     ``pipelining``, ``fusion`` and ``placement``; options the resulting combination would ignore are
     refused: ``bucket_mb`` without ``fusion="bucket"``, ``replan_every`` without ``pipelining=True``
-    and ``fusion="dtf"``, ``small_factor`` without ``placement="lbp"``.
+    and ``fusion="dtf"``, ``small_factor`` without a load-balanced placement (``"lbp"`` or ``"lbp_channel"``).
     """
 
     strategy_name = "spdkfac"
 
     def __init__(
         self,
-        schedule: Schedule = "spd",
+        schedule: ScheduleName = SPD_DEFAULTS.schedule,
         pipelining: bool | None = None,
-        fusion: Fusion | None = None,
-        placement: Placement | None = None,
-        bucket_mb: float = 4.0,
-        profile_steps: tuple[int, int] = (3, 8),
-        replan_every: int | None = None,
-        small_factor: int | None = None,
-        comm_dtype: CommDtype = "float32",
-        comm_timeout_s: float = 600.0,
+        fusion: FusionName | None = None,
+        placement: PlacementName | None = None,
+        bucket_mb: float = SPD_DEFAULTS.bucket_mb,
+        profile_steps: tuple[int, int] = SPD_DEFAULTS.profile_steps,
+        replan_every: int | None = SPD_DEFAULTS.replan_every,
+        small_factor: int | None = SPD_DEFAULTS.small_factor,
+        comm_dtype: CommDtypeName = SPD_DEFAULTS.comm_dtype,
+        comm_timeout_s: float = SPD_DEFAULTS.comm_timeout_s,
         timeout: timedelta | None = default_pg_timeout,
         **kwargs: Any,
     ):
         arguments = dict(locals())
         # Each argument alone first, then the K-FAC options with their combination rules.
-        _check_timeout(timeout)
-        hp.check_annotations(SPDKFACStrategy.__init__, arguments, skip=("schedule", *SPD_ARGUMENTS, "timeout"))
+        val.check_timedelta("timeout", timeout)
+        val.check_annotations(SPDKFACStrategy.__init__, arguments, skip=("schedule", *SPD_ARGUMENTS, "timeout"))
         self.spd_options = _spd_options(arguments)
         super().__init__(timeout=timeout, **kwargs)
 
@@ -157,17 +145,10 @@ class SPDKFACStrategy(_SPDKFACStrategyMixin, DDPStrategy):
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
-        for name, start_method in (("spdkfac", "popen"), ("spdkfac_spawn", "spawn"), ("spdkfac_fork", "fork")):
-            strategy_registry.register(
-                name, cls, description=f"DDP + SPD-KFAC scheduling, start_method '{start_method}'",
-                start_method=start_method, override=True,
-            )
-        for schedule in SCHEDULES:
-            if schedule != "spd":
-                strategy_registry.register(
-                    f"spdkfac_{schedule}", cls, description=f"DDP + K-FAC with the {schedule} schedule",
-                    schedule=schedule, override=True,
-                )
+        for name, fixed in DDP_STRATEGY_NAMES.items():
+            what = ", ".join(f"{k} {v!r}" for k, v in fixed.items())
+            strategy_registry.register(name, cls, description=f"DDP + SPD-KFAC scheduling, {what}",
+                                       override=True, **fixed)
 
 
 SPDKFACStrategy.register_strategies(StrategyRegistry)

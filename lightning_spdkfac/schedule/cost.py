@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _check
+from .. import validation as val
 
 __all__ = [
     "AlphaBeta",
@@ -41,12 +41,12 @@ class AlphaBeta:
     beta: float
 
     def __post_init__(self) -> None:
-        _check.real("alpha", self.alpha, low=0.0)
-        _check.real("beta", self.beta, low=0.0)
+        val.check_real("alpha", self.alpha, val.Bound(low=0.0))
+        val.check_real("beta", self.beta, val.Bound(low=0.0))
 
     def time(self, nbytes: float) -> float:
         """Modelled seconds of one collective of ``nbytes`` bytes."""
-        return self.alpha + self.beta * _check.real("nbytes", nbytes, low=0.0)
+        return self.alpha + self.beta * val.check_real("nbytes", nbytes, val.Bound(low=0.0))
 
 
 def fit_alpha_beta(nbytes: Sequence[float], seconds: Sequence[float]) -> AlphaBeta:
@@ -56,9 +56,9 @@ def fit_alpha_beta(nbytes: Sequence[float], seconds: Sequence[float]) -> AlphaBe
     intercept (or slope), that parameter is set to 0 and the other one is refitted alone, which is the
     exact non-negative least-squares solution for two parameters. At least two distinct sizes are needed.
     """
-    x = _check.reals("nbytes", nbytes, low=0.0)
-    y = _check.reals("seconds", seconds, low=0.0)
-    _check.same_length("nbytes", x, "seconds", y)
+    x = val.check_reals("nbytes", nbytes, val.Bound(low=0.0))
+    y = val.check_reals("seconds", seconds, val.Bound(low=0.0))
+    val.check_same_length("nbytes", x, "seconds", y)
     if len(set(x)) < 2:
         raise ValueError(f"nbytes must hold at least 2 distinct sizes to fit alpha and beta, got {sorted(set(x))}")
     m = len(x)
@@ -102,21 +102,21 @@ class InverseCost:
 
     def __post_init__(self) -> None:
         for name in ("c0", "c1", "c2", "c3"):
-            _check.real(name, getattr(self, name), low=0.0)
+            val.check_real(name, getattr(self, name), val.Bound(low=0.0))
 
     @classmethod
     def cubic(cls, n_ref: int, seconds_ref: float, overhead: float = 0.0) -> InverseCost:
         """The model ``overhead + c3 * n**3`` that takes ``seconds_ref`` at ``n_ref``."""
-        n = _check.integer("n_ref", n_ref, low=1)
-        s = _check.real("seconds_ref", seconds_ref, low=0.0)
-        o = _check.real("overhead", overhead, low=0.0)
+        n = val.check_int("n_ref", n_ref, low=1)
+        s = val.check_real("seconds_ref", seconds_ref, val.Bound(low=0.0))
+        o = val.check_real("overhead", overhead, val.Bound(low=0.0))
         if o > s:
             raise ValueError(f"overhead must be <= seconds_ref, got overhead={overhead!r} > seconds_ref={seconds_ref!r}")
         return cls(c0=o, c3=(s - o) / float(n) ** 3)
 
     def time(self, n: int) -> float:
         """Modelled seconds to invert one ``n x n`` damped factor (Cholesky + inverse)."""
-        v = float(_check.integer("n", n, low=0))
+        v = float(val.check_int("n", n, low=0))
         return self.c0 + self.c1 * v + self.c2 * v * v + self.c3 * v * v * v
 
 
@@ -178,9 +178,9 @@ def fit_inverse_cost(ns: Sequence[int], seconds: Sequence[float], *, quadratic: 
     is exactly where the replicate-or-broadcast decision is made. ``quadratic=False`` drops the ``n^2``
     term. Needs at least two distinct sizes and positive times.
     """
-    n = _check.integers("ns", ns, low=1)
-    t = _check.reals("seconds", seconds, low=0.0, low_open=True)
-    _check.same_length("ns", n, "seconds", t)
+    n = val.check_ints("ns", ns, low=1)
+    t = val.check_reals("seconds", seconds, val.Bound(low=0.0, low_open=True))
+    val.check_same_length("ns", n, "seconds", t)
     if len(set(n)) < 2:
         raise ValueError(f"ns must hold at least 2 distinct sizes to fit an inverse cost, got {sorted(set(n))}")
     scale = float(max(n))  # features in [0, 1] keep the normal equations well conditioned
@@ -211,8 +211,8 @@ def measure_inverse_seconds(
     returns the median of ``repeats`` runs. Uses no collective: each rank measures its own device, and
     rank 0's numbers should be broadcast before fitting so that every rank plans alike.
     """
-    sizes = _check.integers("ns", ns, low=1)
-    reps = _check.integer("repeats", repeats, low=1)
+    sizes = val.check_ints("ns", ns, low=1)
+    reps = val.check_int("repeats", repeats, low=1)
     dev = torch.device(device)
     gen = torch.Generator(device="cpu").manual_seed(0)
     out: list[float] = []

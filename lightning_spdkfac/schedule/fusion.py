@@ -16,7 +16,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from . import _check
+from .. import validation as val
 from .cost import AlphaBeta
 
 __all__ = ["FusionPlan", "FusionPolicy", "FusionTimeline", "plan_fusion", "simulate_fusion"]
@@ -36,7 +36,7 @@ class FusionPlan:
     policy: str
 
     def __post_init__(self) -> None:
-        _check.choice("policy", self.policy, _POLICIES)
+        val.check_choice("policy", self.policy, _POLICIES)
         # Accept lists (e.g. a plan received from rank 0) but store hashable, comparable tuples.
         object.__setattr__(self, "groups", tuple(tuple(g) for g in self.groups))
         expected = 0
@@ -75,17 +75,17 @@ class FusionTimeline:
 
     def exposed(self, after: float) -> float:
         """Communication still running after time ``after`` (e.g. the end of backward): ``max(0, end - after)``."""
-        return max(0.0, self.end - _check.real("after", after))
+        return max(0.0, self.end - val.check_real("after", after))
 
 
 def _validated(
     elements: Sequence[int], ready: Sequence[float], bytes_per_element: int
 ) -> tuple[list[int], list[float]]:
     """Per-factor bytes and ready times, after checking lengths, signs and the ready order."""
-    el = _check.integers("elements", elements, low=0)
-    rd = _check.reals("ready", ready, low=0.0)
-    _check.same_length("elements", el, "ready", rd)
-    bpe = _check.integer("bytes_per_element", bytes_per_element, low=1)
+    el = val.check_ints("elements", elements, low=0)
+    rd = val.check_reals("ready", ready, val.Bound(low=0.0))
+    val.check_same_length("elements", el, "ready", rd)
+    bpe = val.check_int("bytes_per_element", bytes_per_element, low=1)
     for i in range(1, len(rd)):
         if rd[i] < rd[i - 1]:
             raise ValueError(
@@ -188,11 +188,10 @@ def plan_fusion(
             as if the channel were free when the run starts.
     """
     nbytes, rd = _validated(elements, ready, bytes_per_element)
-    if not isinstance(comm, AlphaBeta):
-        raise ValueError(f"comm must be an AlphaBeta, got {type(comm).__name__}")
-    _check.choice("policy", policy, _POLICIES)
-    bucket = _check.integer("bucket_bytes", bucket_bytes, low=1)
-    single = set(_check.integers("alone", list(alone), low=0))
+    val.check_instance("comm", comm, AlphaBeta)
+    val.check_choice("policy", policy, _POLICIES)
+    bucket = val.check_int("bucket_bytes", bucket_bytes, low=1)
+    single = set(val.check_ints("alone", list(alone), low=0))
     if any(i >= len(nbytes) for i in single):
         raise ValueError(f"alone must hold factor positions < {len(nbytes)}, got {sorted(single)!r}")
     groups: list[list[int]] = []
@@ -214,11 +213,9 @@ def simulate_fusion(
 ) -> FusionTimeline:
     """Modelled timeline of ``plan``: each group starts at ``max(previous group's end, last member's ready)``
     and takes ``comm.time(group bytes)``. Pure; the planner's objective and the tests' yardstick."""
-    if not isinstance(plan, FusionPlan):
-        raise ValueError(f"plan must be a FusionPlan, got {type(plan).__name__}")
+    val.check_instance("plan", plan, FusionPlan)
     nbytes, rd = _validated(elements, ready, bytes_per_element)
-    if not isinstance(comm, AlphaBeta):
-        raise ValueError(f"comm must be an AlphaBeta, got {type(comm).__name__}")
+    val.check_instance("comm", comm, AlphaBeta)
     if plan.num_factors != len(nbytes):
         raise ValueError(f"plan covers {plan.num_factors} factors but elements has {len(nbytes)}")
     starts: list[float] = []

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from . import _check
+from .. import validation as val
 from .cost import AlphaBeta, InverseCost
 
 __all__ = [
@@ -54,7 +54,7 @@ class Placement:
     load: tuple[float, ...]
 
     def __post_init__(self) -> None:
-        _check.choice("policy", self.policy, _POLICIES)
+        val.check_choice("policy", self.policy, _POLICIES)
         object.__setattr__(self, "owners", tuple(self.owners))
         object.__setattr__(self, "load", tuple(float(v) for v in self.load))
         if not self.load:
@@ -81,7 +81,7 @@ class Placement:
 
 def owned_by(placement: Placement, rank: int) -> list[int]:
     """Indices of the factors that ``rank`` inverts and broadcasts (replicated factors excluded)."""
-    r = _check.integer("rank", rank, low=0)
+    r = val.check_int("rank", rank, low=0)
     if r >= placement.world_size:
         raise ValueError(f"rank must be < world_size={placement.world_size}, got {rank!r}")
     return [i for i, o in enumerate(placement.owners) if o == r]
@@ -90,7 +90,7 @@ def owned_by(placement: Placement, rank: int) -> list[int]:
 def inverted_by(placement: Placement, rank: int) -> list[int]:
     """Indices of the factors that ``rank`` inverts, in the order it should invert them: its owned ones
     first (ascending index), so that their broadcasts start early, then every replicated one."""
-    r = _check.integer("rank", rank, low=0)
+    r = val.check_int("rank", rank, low=0)
     if r >= placement.world_size:
         raise ValueError(f"rank must be < world_size={placement.world_size}, got {rank!r}")
     return owned_by(placement, r) + list(placement.replicated)
@@ -154,15 +154,13 @@ def plan_placement(
     :func:`simulate_placement` models it. So it is never worse than ``"lbp"`` in that model. Cost:
     ``O(F^2 log F)`` for ``F`` factors, once per plan.
     """
-    sizes = _check.integers("ns", ns, low=1)
-    world = _check.integer("world_size", world_size, low=1)
-    if not isinstance(inv, InverseCost):
-        raise ValueError(f"inv must be an InverseCost, got {type(inv).__name__}")
-    if not isinstance(bcast, AlphaBeta):
-        raise ValueError(f"bcast must be an AlphaBeta, got {type(bcast).__name__}")
-    _check.choice("policy", policy, _POLICIES)
-    bpe = _check.integer("bytes_per_element", bytes_per_element, low=1)
-    threshold = None if small_threshold is None else _check.integer("small_threshold", small_threshold, low=0)
+    sizes = val.check_ints("ns", ns, low=1)
+    world = val.check_int("world_size", world_size, low=1)
+    val.check_instance("inv", inv, InverseCost)
+    val.check_instance("bcast", bcast, AlphaBeta)
+    val.check_choice("policy", policy, _POLICIES)
+    bpe = val.check_int("bytes_per_element", bytes_per_element, low=1)
+    threshold = None if small_threshold is None else val.check_int("small_threshold", small_threshold, low=0)
 
     if policy == "lbp_channel" and world > 1:
         owners = _lbp_channel(sizes, world, inv, bcast, bpe, threshold)
@@ -276,16 +274,13 @@ def simulate_placement(
     cannot see: broadcasts from different owners do not run in parallel, which is why replicating cheap
     factors (no broadcast at all) pays off even though it adds compute to every rank. Pure.
     """
-    if not isinstance(placement, Placement):
-        raise ValueError(f"placement must be a Placement, got {type(placement).__name__}")
-    sizes = _check.integers("ns", ns, low=1)
+    val.check_instance("placement", placement, Placement)
+    sizes = val.check_ints("ns", ns, low=1)
     if len(sizes) != len(placement.owners):
         raise ValueError(f"ns has {len(sizes)} factors but the placement has {len(placement.owners)}")
-    if not isinstance(inv, InverseCost):
-        raise ValueError(f"inv must be an InverseCost, got {type(inv).__name__}")
-    if not isinstance(bcast, AlphaBeta):
-        raise ValueError(f"bcast must be an AlphaBeta, got {type(bcast).__name__}")
-    bpe = _check.integer("bytes_per_element", bytes_per_element, low=1)
+    val.check_instance("inv", inv, InverseCost)
+    val.check_instance("bcast", bcast, AlphaBeta)
+    bpe = val.check_int("bytes_per_element", bytes_per_element, low=1)
     world = placement.world_size
     ready: dict[int, float] = {}
     compute_end = []

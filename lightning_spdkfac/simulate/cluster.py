@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..schedule import AlphaBeta, InverseCost, _check
+from .. import validation as val
+from ..schedule import AlphaBeta, InverseCost
 
 __all__ = ["Cluster", "ring_allreduce", "chain_collective"]
 
@@ -57,8 +58,8 @@ class Cluster:
     name: str = ""
 
     def __post_init__(self) -> None:
-        _check.integer("world_size", self.world_size, low=1)
-        _check.integer("gpus_per_node", self.gpus_per_node, low=1)
+        val.check_int("world_size", self.world_size, low=1)
+        val.check_int("gpus_per_node", self.gpus_per_node, low=1)
         for n in ("allreduce", "broadcast", "reduce"):
             if not isinstance(getattr(self, n), AlphaBeta):
                 raise TypeError(f"{n} must be an AlphaBeta, got {type(getattr(self, n)).__name__}")
@@ -71,17 +72,17 @@ class Cluster:
              name: str = "") -> Cluster:
         """Collectives from per-link numbers (``link_beta`` in seconds per byte). Give ``intra_alpha`` and
         ``intra_beta`` (with ``gpus_per_node > 1`` dividing ``world_size``) for a hierarchical cluster."""
-        p = _check.integer("world_size", world_size, low=1)
-        a = _check.real("link_alpha", link_alpha, low=0.0)
-        b = _check.real("link_beta", link_beta, low=0.0)
-        g = _check.integer("gpus_per_node", gpus_per_node, low=1)
+        p = val.check_int("world_size", world_size, low=1)
+        a = val.check_real("link_alpha", link_alpha, val.Bound(low=0.0))
+        b = val.check_real("link_beta", link_beta, val.Bound(low=0.0))
+        g = val.check_int("gpus_per_node", gpus_per_node, low=1)
         if (intra_alpha is None) != (intra_beta is None):
             raise ValueError("give both intra_alpha and intra_beta, or neither")
         if intra_alpha is None or g == 1:
             return cls(world_size=p, allreduce=ring_allreduce(p, a, b), broadcast=chain_collective(p, a, b),
                        reduce=chain_collective(p, a, b), inverse=inverse, gpus_per_node=g, name=name)
-        ia = _check.real("intra_alpha", intra_alpha, low=0.0)
-        ib = _check.real("intra_beta", intra_beta, low=0.0)
+        ia = val.check_real("intra_alpha", intra_alpha, val.Bound(low=0.0))
+        ib = val.check_real("intra_beta", intra_beta, val.Bound(low=0.0))
         if p % g:
             raise ValueError(f"world_size={p} must be a multiple of gpus_per_node={g} for a hierarchical cluster")
         nodes = p // g
@@ -98,7 +99,7 @@ class Cluster:
                  gpus_per_node: int = 1, name: str = "") -> Cluster:
         """Per-link numbers from an all-reduce fitted at ``fit_world_size`` GPUs (inverting
         :func:`ring_allreduce`), then every collective at ``world_size``."""
-        p0 = _check.integer("fit_world_size", fit_world_size, low=2)
+        p0 = val.check_int("fit_world_size", fit_world_size, low=2)
         link_alpha = fit.alpha / (2 * (p0 - 1))
         link_beta = fit.beta * p0 / (2 * (p0 - 1))
         return cls.ring(world_size, link_alpha, link_beta, inverse, gpus_per_node=gpus_per_node, name=name)

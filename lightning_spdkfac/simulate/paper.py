@@ -16,8 +16,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from .. import validation as val
 from ..comm.triangle import triu_size
-from ..schedule import AlphaBeta, InverseCost, _check
+from ..schedule import AlphaBeta, InverseCost
 from ..schedule.cost import _nnls_small
 from .cluster import Cluster
 from .models import PAPER_MODELS
@@ -108,7 +109,7 @@ class PaperCase:
         """The same GPUs and network at another scale: per-link numbers from the 64-GPU fit, ring
         all-reduce at ``world_size`` (broadcasts costed like it, as in the 64-GPU calibration), and the
         measured gradient all-reduce scaled by the model's ratio between the two sizes."""
-        p = _check.integer("world_size", world_size, low=1)
+        p = val.check_int("world_size", world_size, low=1)
         cluster = paper_cluster(p, self.cluster.inverse)
         modelled = replace(self.workload, grad_comm=None)
         ratio = _grad_comm(modelled, cluster) / _grad_comm(modelled, self.cluster)
@@ -120,7 +121,7 @@ def paper_cluster(world_size: int, inverse: InverseCost | None = None, name: str
     all-reduce from that fit's per-link numbers; broadcasts and reduces are costed like the all-reduce
     (the paper fitted only the all-reduce, and its planner used that model for broadcasts too: the
     n = 1024 threshold). ``inverse`` defaults to :func:`paper_inverse`."""
-    p = _check.integer("world_size", world_size, low=1)
+    p = val.check_int("world_size", world_size, low=1)
     inv = paper_inverse() if inverse is None else inverse
     ar = PAPER_ALLREDUCE if p == PAPER_WORLD else Cluster.from_fit(PAPER_ALLREDUCE, PAPER_WORLD, p, inv).allreduce
     return Cluster(p, ar, ar, ar, inv, gpus_per_node=min(PAPER_GPUS_PER_NODE, p),

@@ -23,12 +23,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
+from .. import validation as val
 from ..comm.triangle import triu_size
 from ..schedule import (
     REPLICATED,
     AlphaBeta,
     InverseCost,
-    _check,
     inverted_by,
     plan_fusion,
     plan_placement,
@@ -189,7 +189,7 @@ def simulate(workload: Workload, cluster: Cluster, schedule: SimSchedule | str, 
     ``rank_events``: the inversion events of ranks ``0 .. rank_events - 1`` are recorded (None: every
     rank); the breakdown always accounts for every rank.
     """
-    shown = cluster.world_size if rank_events is None else _check.integer("rank_events", rank_events, low=0)
+    shown = cluster.world_size if rank_events is None else val.check_int("rank_events", rank_events, low=0)
     if isinstance(schedule, str):
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {sorted(SCHEDULES)} or a SimSchedule, got {schedule!r}")

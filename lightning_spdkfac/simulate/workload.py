@@ -19,8 +19,8 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
+from .. import validation as val
 from ..kfac.layers import make_helper
-from ..schedule import _check
 
 __all__ = ["LayerSpec", "LayerTimes", "Workload", "profile_layers"]
 
@@ -71,7 +71,7 @@ def profile_layers(model: nn.Module, input_shape: Sequence[int], *, dtype: torch
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    shape = tuple(_check.integer(f"input_shape[{i}]", v, low=1) for i, v in enumerate(input_shape))
+    shape = tuple(val.check_int(f"input_shape[{i}]", v, low=1) for i, v in enumerate(input_shape))
     if not shape:
         raise ValueError("input_shape must hold at least one dimension (the sample's shape, without the batch)")
     found: dict[str, dict] = {}
@@ -155,10 +155,10 @@ class Workload:
     def __post_init__(self) -> None:
         if len(self.layers) != len(self.times):
             raise ValueError(f"times has {len(self.times)} entries but layers has {len(self.layers)}")
-        _check.integer("batch_size", self.batch_size, low=1)
+        val.check_int("batch_size", self.batch_size, low=1)
         if self.grad_comm is not None:
-            _check.real("grad_comm", self.grad_comm, low=0.0)
-        _check.real("precondition", self.precondition, low=0.0)
+            val.check_real("grad_comm", self.grad_comm, val.Bound(low=0.0))
+        val.check_real("precondition", self.precondition, val.Bound(low=0.0))
 
     @property
     def params(self) -> int:
@@ -174,7 +174,7 @@ class Workload:
 
     def with_batch(self, batch_size: int) -> Workload:
         """The same model at another per-GPU batch: compute times scale linearly with the batch."""
-        b = _check.integer("batch_size", batch_size, low=1)
+        b = val.check_int("batch_size", batch_size, low=1)
         f = b / self.batch_size
         times = tuple(LayerTimes(t.forward * f, t.backward * f, t.a_factor * f, t.g_factor * f) for t in self.times)
         return replace(self, times=times, batch_size=b)
@@ -184,10 +184,9 @@ class Workload:
                    factor_flops_per_s: float | None = None, other_params: int = 0) -> Workload:
         """Times from device rates: forward ``forward_flops / flops_per_s`` per sample, backward twice
         that, factors ``flops / factor_flops_per_s`` (defaults to ``flops_per_s``)."""
-        rate = _check.real("flops_per_s", flops_per_s, low=0.0, low_open=True)
-        frate = rate if factor_flops_per_s is None else _check.real(
-            "factor_flops_per_s", factor_flops_per_s, low=0.0, low_open=True)
-        b = _check.integer("batch_size", batch_size, low=1)
+        rate = val.check_real("flops_per_s", flops_per_s, val.Bound(low=0.0, low_open=True))
+        frate = rate if factor_flops_per_s is None else val.check_real("factor_flops_per_s", factor_flops_per_s, val.Bound(low=0.0, low_open=True))
+        b = val.check_int("batch_size", batch_size, low=1)
         times = tuple(LayerTimes(b * s.forward_flops / rate, 2 * b * s.forward_flops / rate,
                                  b * s.a_flops / frate, b * s.g_flops / frate) for s in layers)
         return cls(name=name, layers=tuple(layers), times=times, batch_size=b, other_params=other_params)
@@ -201,8 +200,8 @@ class Workload:
         ls = tuple(layers)
         if not ls:
             raise ValueError("layers is empty: the model has no K-FAC layer to simulate")
-        ffbp = _check.real("ff_bp", ff_bp, low=0.0)
-        fcomp = _check.real("factor_comp", factor_comp, low=0.0)
+        ffbp = val.check_real("ff_bp", ff_bp, val.Bound(low=0.0))
+        fcomp = val.check_real("factor_comp", factor_comp, val.Bound(low=0.0))
         fl = sum(s.forward_flops for s in ls)
         ff = sum(s.a_flops + s.g_flops for s in ls)
         times = tuple(
@@ -210,5 +209,5 @@ class Workload:
                        fcomp * s.a_flops / ff, fcomp * s.g_flops / ff)
             for s in ls
         )
-        return cls(name=name, layers=ls, times=times, batch_size=_check.integer("batch_size", batch_size, low=1),
+        return cls(name=name, layers=ls, times=times, batch_size=val.check_int("batch_size", batch_size, low=1),
                    grad_comm=grad_comm, other_params=other_params)

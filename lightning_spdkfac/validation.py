@@ -1,6 +1,8 @@
-"""Argument checks of the constructors (KFAC, the preconditioner, the strategies), validated by name.
+"""The argument checks of the whole package: one module, one rule, validated by name.
 
-One rule for every constructor argument of the project:
+Every constructor and public function that takes user input (the preconditioner and ``KFAC``, the
+strategies, ``SPDOptions``, the comm executors, the planners, the simulator) checks it here, by
+one rule:
 
 - a value of the wrong **type** (a string where a number is expected, a float or a bool where an
   integer is, None where it is not allowed, a list or dict where a scalar is) raises ``TypeError``;
@@ -10,6 +12,8 @@ One rule for every constructor argument of the project:
 Every message names the argument, shows the value and says what is accepted ("``X must be ...,
 got ...``"). Hyperparameters that are a number or a schedule (a callable of the step) are
 checked here too, as is a schedule's output at each step.
+
+Nothing here imports torch at module level: the package root and the planners stay light.
 """
 
 from __future__ import annotations
@@ -21,11 +25,12 @@ import numbers
 import reprlib
 import types
 import typing
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-Schedule = float | Callable[[int], float]
+# A hyperparameter given as a number or as a function of the optimizer step.
+HParam = float | Callable[[int], float]
 
 _repr = reprlib.Repr()
 _repr.maxstring = _repr.maxother = 120
@@ -149,7 +154,7 @@ def schedule_value(name: str, out: object, step: int, bound: Bound) -> float:
     return v
 
 
-def resolve(name: str, value: Schedule, step: int, bound: Bound) -> float:
+def resolve(name: str, value: HParam, step: int, bound: Bound) -> float:
     """The value of a hyperparameter at ``step``; a schedule's output is validated too."""
     if not callable(value):
         return float(value)
@@ -205,6 +210,79 @@ def check_choice(name: str, value: object, choices: Iterable[str], optional: boo
     if not isinstance(value, str):
         raise TypeError(f"{name} must be {what}, got {show(value)}")
     if value not in choices:
+        raise ValueError(f"{name} must be {what}, got {value!r}")
+    return value
+
+
+def check_sequence(name: str, values: object, what: str) -> Sequence[Any]:
+    """A list or tuple-like sequence (not a string): TypeError naming ``name`` otherwise."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, cabc.Sequence):
+        raise TypeError(f"{name} must be a sequence of {what}, got {show(values)}")
+    return values
+
+
+def check_reals(name: str, values: object, bound: Bound = Bound()) -> list[float]:
+    """Each item checked with :func:`check_real`; messages name the index, e.g. ``seconds[3]``."""
+    seq = check_sequence(name, values, f"numbers {bound.describe()}")
+    return [float(check_real(f"{name}[{i}]", v, bound)) for i, v in enumerate(seq)]  # type: ignore[arg-type]
+
+
+def check_ints(name: str, values: object, low: int | None = None) -> list[int]:
+    """Each item checked with :func:`check_int`; messages name the index."""
+    seq = check_sequence(name, values, "integers" + ("" if low is None else f" >= {low}"))
+    return [int(check_int(f"{name}[{i}]", v, low=low)) for i, v in enumerate(seq)]  # type: ignore[arg-type]
+
+
+def check_same_length(name_a: str, a: Sequence[object], name_b: str, b: Sequence[object]) -> None:
+    if len(a) != len(b):
+        raise ValueError(f"{name_a} and {name_b} must have the same length, got {len(a)} and {len(b)}")
+
+
+def check_index(name: str, value: object, count: int) -> int:
+    """An index into ``count`` items: TypeError unless an integer, ValueError unless in [0, count)."""
+    what = f"an integer in [0, {count})"
+    if not is_int(value):
+        raise TypeError(f"{name} must be {what}, got {show(value)}")
+    if not 0 <= value < count:  # type: ignore[operator]
+        raise ValueError(f"{name} must be {what}, got {value!r}")
+    return int(value)  # type: ignore[call-overload]
+
+
+def check_seconds(name: str, value: object, what: str = "a positive, finite number of seconds") -> float:
+    """Positive, finite seconds (a timeout): TypeError unless a real number, ValueError otherwise."""
+    if not is_real(value):
+        raise TypeError(f"{name} must be {what}, got {show(value)}")
+    if not POSITIVE.ok(float(value)):  # type: ignore[arg-type]
+        raise ValueError(f"{name} must be {what}, got {value!r}")
+    return float(value)  # type: ignore[arg-type]
+
+
+def check_timedelta(name: str, value: object) -> None:
+    """A positive ``datetime.timedelta`` or None (torch's default process-group timeout)."""
+    import datetime
+
+    if value is None:
+        return
+    if not isinstance(value, datetime.timedelta):
+        raise TypeError(f"{name} must be None or a datetime.timedelta > 0, got {show(value)}")
+    if value <= datetime.timedelta(0):
+        raise ValueError(f"{name} must be None or a datetime.timedelta > 0, got {value!r}")
+
+
+def check_instance(name: str, value: object, cls: type | tuple[type, ...], what: str | None = None) -> Any:
+    """An instance of ``cls``: TypeError naming ``name`` otherwise."""
+    if not isinstance(value, cls):
+        names = " or ".join(c.__name__ for c in (cls if isinstance(cls, tuple) else (cls,)))
+        raise TypeError(f"{name} must be {what or 'a ' + names}, got {show(value)}")
+    return value
+
+
+def check_member(name: str, value: object, allowed: Sequence[Any], kind: type | tuple[type, ...]) -> Any:
+    """One of ``allowed`` (e.g. torch dtypes): TypeError unless a ``kind``, ValueError unless allowed."""
+    what = f"one of {', '.join(str(a) for a in allowed)}"
+    if not isinstance(value, kind):
+        raise TypeError(f"{name} must be {what}, got {show(value)}")
+    if value not in allowed:
         raise ValueError(f"{name} must be {what}, got {value!r}")
     return value
 

@@ -1,0 +1,49 @@
+"""Every name the package accepts from a user, spelled once.
+
+The runtime (``SPDOptions``, the strategies and their registry names), the CLI, the planner's report and
+the simulator all read their choices from here, so a new schedule, fusion policy, placement or
+communication dtype is added in one place. Each tuple is derived from its ``Literal`` type, which is
+what signatures (and so LightningCLI and mypy) see.
+"""
+
+from __future__ import annotations
+
+import typing
+from types import MappingProxyType
+from typing import Any, Literal
+
+# K-FAC communication schedules of the runtime (the simulator's own named variants, such as
+# "spd-paper" or "spd-no-dtf", are in lightning_spdkfac.simulate.SIM_SCHEDULES).
+ScheduleName = Literal["spd", "mpd", "dkfac"]
+# How factor all-reduces are grouped.
+FusionName = Literal["dtf", "layerwise", "all", "bucket"]
+# Who inverts which factor.
+PlacementName = Literal["lbp", "lbp_channel", "round_robin", "replicated"]
+# The dtype factor and inverse messages are sent in, as users spell it.
+CommDtypeName = Literal["float32", "bfloat16"]
+
+SCHEDULES: tuple[ScheduleName, ...] = typing.get_args(ScheduleName)
+FUSIONS: tuple[FusionName, ...] = typing.get_args(FusionName)
+PLACEMENTS: tuple[PlacementName, ...] = typing.get_args(PlacementName)
+COMM_DTYPE_NAMES: tuple[CommDtypeName, ...] = typing.get_args(CommDtypeName)
+# The placements that balance load by cost and so can replicate small factors (``small_factor``).
+LOAD_BALANCED_PLACEMENTS: tuple[PlacementName, ...] = ("lbp", "lbp_channel")
+
+# What each schedule name means: the defaults of its three parts (each can be overridden: the ablations).
+SCHEDULE_PARTS: typing.Mapping[ScheduleName, typing.Mapping[str, Any]] = MappingProxyType({
+    "spd": MappingProxyType(dict(pipelining=True, fusion="dtf", placement="lbp_channel")),
+    "mpd": MappingProxyType(dict(pipelining=False, fusion="layerwise", placement="round_robin")),
+    "dkfac": MappingProxyType(dict(pipelining=False, fusion="layerwise", placement="replicated")),
+})
+
+# Names registered in Lightning's StrategyRegistry -> the fixed arguments each name stands for.
+DDP_STRATEGY_NAMES: typing.Mapping[str, typing.Mapping[str, Any]] = MappingProxyType({
+    "spdkfac": MappingProxyType({"start_method": "popen"}),
+    "spdkfac_spawn": MappingProxyType({"start_method": "spawn"}),
+    "spdkfac_fork": MappingProxyType({"start_method": "fork"}),
+    **{f"spdkfac_{s}": MappingProxyType({"schedule": s}) for s in SCHEDULES if s != "spd"},
+})
+DEEPSPEED_STRATEGY_NAMES: typing.Mapping[str, typing.Mapping[str, Any]] = MappingProxyType({
+    "spdkfac_deepspeed": MappingProxyType({"stage": 2}),
+    **{f"spdkfac_deepspeed_stage_{stage}": MappingProxyType({"stage": stage}) for stage in (0, 1, 2)},
+})
