@@ -1,10 +1,62 @@
 """lightning-spdkfac: K-FAC second-order optimization for PyTorch Lightning, with SPD-KFAC scheduling.
 
-Importing the package registers the ``"spdkfac"`` strategies in Lightning's strategy registry.
+The package root is lazy: ``from lightning_spdkfac import KFACPreconditioner, SPDDistributor, SPDOptions``
+imports the plain-PyTorch core only, and works without Lightning installed. The Lightning adapters
+(``KFAC``, ``SPDKFACStrategy``, ``SPDKFACDeepSpeedStrategy``) are imported when first named.
+
+The ``"spdkfac*"`` strategy names are registered in Lightning's strategy registry as soon as both this
+package and ``pytorch_lightning`` are imported, in either order (see :mod:`._registration`).
 """
 
-from .kfac import KFACPreconditioner
-from .lightning import KFAC, SPDKFACDeepSpeedStrategy, SPDKFACStrategy
+from __future__ import annotations
 
-__all__ = ["KFAC", "KFACPreconditioner", "SPDKFACDeepSpeedStrategy", "SPDKFACStrategy"]
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from . import _registration
+
 __version__ = "0.1.0"
+
+# public name -> the module that defines it
+_EXPORTS = {
+    "KFACPreconditioner": "lightning_spdkfac.kfac.preconditioner",
+    "KFACOptions": "lightning_spdkfac.kfac.options",
+    "SPDDistributor": "lightning_spdkfac.comm.scheduler",
+    "SPDOptions": "lightning_spdkfac.comm.scheduler",
+    "KFAC": "lightning_spdkfac.lightning.callback",
+    "SPDKFACStrategy": "lightning_spdkfac.lightning.strategy",
+    "SPDKFACDeepSpeedStrategy": "lightning_spdkfac.lightning.deepspeed",
+}
+__all__ = [
+    "KFAC",
+    "KFACOptions",
+    "KFACPreconditioner",
+    "SPDDistributor",
+    "SPDKFACDeepSpeedStrategy",
+    "SPDKFACStrategy",
+    "SPDOptions",
+]
+
+if TYPE_CHECKING:
+    from .comm.scheduler import SPDDistributor, SPDOptions
+    from .kfac.options import KFACOptions
+    from .kfac.preconditioner import KFACPreconditioner
+    from .lightning.callback import KFAC
+    from .lightning.deepspeed import SPDKFACDeepSpeedStrategy
+    from .lightning.strategy import SPDKFACStrategy
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'lightning_spdkfac' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # next time, a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+_registration.register_with_lightning()

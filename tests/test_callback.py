@@ -181,7 +181,7 @@ def test_bad_callback_arguments_fail_at_construction():
 
 def test_callback_is_deepcopyable_before_fit():
     cb = KFAC(**KW)
-    assert copy.deepcopy(cb).kwargs == cb.kwargs
+    assert copy.deepcopy(cb).options == cb.options
 
 
 def damping_schedule(step: int) -> float:
@@ -197,7 +197,7 @@ def test_yaml_schedule_is_an_import_path_to_a_function():
         "kfac:\n  damping: test_callback.damping_schedule\n  skip_layers: ['^net[.]2$']\n"
     )
     cb = parser.instantiate(cfg).kfac
-    assert cb.kwargs["damping"](0) == 0.05 and cb.kwargs["damping"](5) == 0.01
+    assert cb.options.damping(0) == 0.05 and cb.options.damping(5) == 0.01
     model = Tiny()
     trainer(max_steps=3, callbacks=[cb]).fit(model)
     assert set(cb._final_state["layers"]) == {"net.0"}

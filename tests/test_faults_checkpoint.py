@@ -31,7 +31,7 @@ from test_callback import KW, Tiny, data, trainer
 from torch import nn
 
 from lightning_spdkfac import KFAC, KFACPreconditioner
-from lightning_spdkfac.kfac.preconditioner import STATE_VERSION
+from lightning_spdkfac.kfac.checkpoint import STATE_VERSION
 
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
 warnings.filterwarnings("ignore", ".*GPU available but not used.*")

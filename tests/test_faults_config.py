@@ -404,9 +404,9 @@ def test_fuzz_kfac_arguments(data):
     unknown = {n for n in args if n not in KFAC_ORACLE and args[n] is not _default(KFAC.__init__, n)}
     cb = check(KFAC, args, invalid, unknown)
     if cb is not None:  # what was accepted is what the preconditioner will get
-        assert cb.kwargs["factor_update_steps"] == args["factor_update_steps"]
-        assert all(isinstance(p, str) for p in cb.kwargs["skip_layers"])
-        assert isinstance(cb.kwargs["factor_dtype"], torch.dtype) and isinstance(cb.kwargs["inv_dtype"], torch.dtype)
+        assert cb.options.factor_update_steps == args["factor_update_steps"]
+        assert all(isinstance(p, str) for p in cb.options.skip_layers)
+        assert isinstance(cb.options.factor_dtype, torch.dtype) and isinstance(cb.options.inv_dtype, torch.dtype)
 
 
 def _default(fn, name):
@@ -423,8 +423,8 @@ def test_skip_layers_generator_is_kept_and_patterns_may_match_linear():
     # Two things the fuzz found: a generator of patterns was consumed by the construction-time check (the
     # preconditioner then got none), and a pattern matching "Linear" failed the probe layer's check.
     cb = KFAC(skip_layers=(p for p in ["^net[.]2$", "Linear"]))
-    assert cb.kwargs["skip_layers"] == ("^net[.]2$", "Linear")
-    assert KFAC(skip_layers=".*").kwargs["skip_layers"] == (".*",)
+    assert cb.options.skip_layers == ("^net[.]2$", "Linear")
+    assert KFAC(skip_layers=".*").options.skip_layers == (".*",)
 
 
 def test_nonsense_schedules_fail_at_construction_not_at_the_first_step():

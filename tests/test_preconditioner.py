@@ -8,6 +8,7 @@ or by comparing two runs that must agree (e.g. accumulation vs the larger batch)
 from __future__ import annotations
 
 import copy
+import dataclasses
 import warnings
 
 import pytest
@@ -17,6 +18,7 @@ from torch import nn
 
 from lightning_spdkfac import KFACPreconditioner
 from lightning_spdkfac.kfac.gradients import GradAccess
+from lightning_spdkfac.kfac.options import KFACOptions
 
 
 def mlp(seed: int = 0, bias: bool = True) -> nn.Module:
@@ -442,8 +444,8 @@ def test_load_state_of_another_model_is_refused_and_changes_nothing():
         ({"inv_update_steps": -2}, r"inv_update_steps must be a positive integer"),
         ({"lr": -0.1}, r"lr must be >= 0"),
         ({"damping": float("nan")}, r"damping must be >= 0"),
-        ({"inv_dtype": torch.float16}, r"inv_dtype must be torch.float32 or torch.float64"),
-        ({"skip_layers": ["("]}, r"skip_layers must be regular expressions"),
+        ({"inv_dtype": torch.float16}, r"inv_dtype must be a torch dtype name .*'float32', 'float64'"),
+        ({"skip_layers": ["("]}, r"skip_layers must be a regular expression.*not a valid regular expression"),
     ],
 )
 def test_bad_arguments_name_the_argument(kwargs, match):
@@ -458,6 +460,28 @@ def test_bad_types():
         KFACPreconditioner(mlp(), inv_update_steps=1.5)
     with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
         KFACPreconditioner("model")
+
+
+def test_options_object_and_overrides_are_one_and_the_same():
+    opts = KFACOptions(damping=0.01, inv_update_steps=1, skip_layers="^2$", factor_dtype="float64")
+    assert opts.skip_layers == ("^2$",) and opts.factor_dtype is torch.float64  # normalized once
+    x, y = batch(16)
+    a, b = mlp(), mlp()
+    pa = KFACPreconditioner(a, opts)
+    pb = KFACPreconditioner(b, damping=0.01, inv_update_steps=1, skip_layers=["^2$"], factor_dtype=torch.float64)
+    assert pa.options == pb.options and list(pa.layers) == ["0"]
+    for _ in range(2):
+        one_step(a, pa, x, y)
+        one_step(b, pb, x, y)
+    assert all(torch.equal(g, h) for g, h in zip(grads(a), grads(b)))
+    # keyword overrides apply on top of an options object; an unknown name is refused by name
+    assert KFACPreconditioner(mlp(), opts, damping=0.5).options.damping == 0.5
+    with pytest.raises(TypeError, match="'dampnig' is not a K-FAC option; the options are damping, "):
+        KFACPreconditioner(mlp(), dampnig=0.1)
+    with pytest.raises(TypeError, match="options must be None or a KFACOptions, got dict"):
+        KFACPreconditioner(mlp(), {"damping": 0.1})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        opts.damping = 1.0
 
 
 def test_inv_update_steps_not_multiple_of_factor_update_steps_warns():

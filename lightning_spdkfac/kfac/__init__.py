@@ -1,5 +1,11 @@
-"""The K-FAC math on one process: layer helpers, factors, inverses, the preconditioner."""
+"""The K-FAC math on one process: layer helpers, factors, inverses, the preconditioner and its options.
 
-from .preconditioner import KFACLayer, KFACPreconditioner
+Nothing here touches torch.distributed or Lightning: cross-rank work goes through a ``Distributor``,
+reduced gradients through a ``GradAccess``.
+"""
 
-__all__ = ["KFACLayer", "KFACPreconditioner"]
+from .layer_state import KFACLayer
+from .options import KFACOptions
+from .preconditioner import KFACPreconditioner
+
+__all__ = ["KFACLayer", "KFACOptions", "KFACPreconditioner"]

@@ -25,6 +25,7 @@ Contract, per optimizer step (every rank calls the same methods in the same orde
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
 
 import torch
 
@@ -37,11 +38,19 @@ Task = tuple[int, str, torch.Tensor]
 class Distributor:
     """One process: factors are used as they are, every inverse is computed here."""
 
+    # True: factors are used in place and nothing crosses processes (the preconditioner's fast path).
+    # A subclass is taken to move data unless it declares is_local = True itself.
+    is_local: ClassVar[bool] = True
     world_size: int = 1
     rank: int = 0
     pipelined: bool = False
     inv_dtype: torch.dtype = torch.float32  # set by the preconditioner before setup()
     timer: StepTimer | None = None  # the preconditioner's phase timer, set before setup()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "is_local" not in cls.__dict__:
+            cls.is_local = False
 
     def setup(self, sides: Sequence[tuple[int, int]]) -> None:
         """Called once with the (A side, G side) of every layer, in layer-index order."""

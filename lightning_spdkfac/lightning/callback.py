@@ -19,7 +19,15 @@ from pytorch_lightning.callbacks import Callback
 from pytorch_lightning.utilities import rank_zero_warn
 
 from .. import validation as val
+from ..kfac.distributor import Distributor
+from ..kfac.gradients import GradAccess
+from ..kfac.options import KFACOptions
 from ..kfac.preconditioner import KFACPreconditioner
+from .protocol import KFACStrategy
+
+_D = KFACOptions()  # the defaults of the K-FAC hyperparameters, shown in KFAC's signature
+_FACTOR_DTYPE = str(_D.factor_dtype).removeprefix("torch.")  # as a name: what a YAML config shows
+_INV_DTYPE = str(_D.inv_dtype).removeprefix("torch.")
 
 
 class KFAC(Callback):
@@ -75,41 +83,37 @@ class KFAC(Callback):
 
     def __init__(
         self,
-        damping: float | Callable[[int], float] = 1e-3,
-        factor_decay: float | Callable[[int], float] = 0.95,
-        kl_clip: float | Callable[[int], float] | None = 1e-3,
+        damping: float | Callable[[int], float] = _D.damping,
+        factor_decay: float | Callable[[int], float] = _D.factor_decay,
+        kl_clip: float | Callable[[int], float] | None = _D.kl_clip,
         lr: float | Callable[[int], float] | None = None,
-        factor_update_steps: int = 1,
-        inv_update_steps: int = 10,
-        skip_layers: str | Iterable[str] = (),
-        factor_dtype: str | torch.dtype = "float32",
-        inv_dtype: str | torch.dtype = "float32",
+        factor_update_steps: int = _D.factor_update_steps,
+        inv_update_steps: int = _D.inv_update_steps,
+        skip_layers: str | Iterable[str] = _D.skip_layers,
+        factor_dtype: str | torch.dtype = _FACTOR_DTYPE,
+        inv_dtype: str | torch.dtype = _INV_DTYPE,
         log_step_time: bool = True,
         trace_step: int | None = None,
         trace_dir: str = "kfac_traces",
-        max_bad_steps: int | None = 100,
+        max_bad_steps: int | None = _D.max_bad_steps,
         load_state: Literal["strict", "skip"] = "strict",
     ):
         super().__init__()
         # Every argument is checked here (TypeError: wrong type, ValueError: a value that is not
-        # accepted; the message names the argument), so that a bad YAML value fails at construction.
-        # Arguments without a check of their own below are held to their annotation.
+        # accepted; the message names the argument), so that a bad YAML value fails at construction:
+        # the K-FAC hyperparameters by KFACOptions, the callback's own below, the rest by annotation.
         val.check_annotations(KFAC.__init__, locals(), skip=_CHECKED)
-        val.check_schedule("damping", damping, val.NONNEGATIVE, probe=True)
-        val.check_schedule("factor_decay", factor_decay, val.DECAY, probe=True)
-        val.check_schedule("kl_clip", kl_clip, val.POSITIVE, " (use kl_clip=None to turn clipping off)",
-                          probe=True, optional=True)
-        val.check_schedule("lr", lr, val.NONNEGATIVE, probe=True, optional=True)
-        self.kwargs: dict[str, Any] = dict(
-            damping=damping,
-            factor_decay=factor_decay,
-            kl_clip=kl_clip,
-            factor_update_steps=val.check_positive_int("factor_update_steps", factor_update_steps),
-            inv_update_steps=val.check_positive_int("inv_update_steps", inv_update_steps),
-            skip_layers=_patterns("skip_layers", skip_layers),
-            factor_dtype=_dtype("factor_dtype", factor_dtype, _FACTOR_DTYPES),
-            inv_dtype=_dtype("inv_dtype", inv_dtype, _INV_DTYPES),
-            max_bad_steps=max_bad_steps,  # its range is checked by the preconditioner (_validate)
+        # A schedule is also called once with step 0 here, so that a YAML schedule that fails, fails now.
+        schedules = {"damping": (damping, val.NONNEGATIVE), "factor_decay": (factor_decay, val.DECAY),
+                     "kl_clip": (kl_clip, val.POSITIVE), "lr": (lr, val.NONNEGATIVE)}
+        for name, (value, bound) in schedules.items():
+            if callable(value):
+                val.check_schedule(name, value, bound, probe=True)
+        val.check_schedule("lr", lr, val.NONNEGATIVE, optional=True)  # None: the optimizer's lr, per step
+        self.options = KFACOptions(
+            damping=damping, factor_decay=factor_decay, kl_clip=kl_clip,
+            factor_update_steps=factor_update_steps, inv_update_steps=inv_update_steps, skip_layers=skip_layers,
+            factor_dtype=factor_dtype, inv_dtype=inv_dtype, max_bad_steps=max_bad_steps,
         )
         self.lr = lr
         self.log_step_time = val.check_bool("log_step_time", log_step_time)
@@ -117,8 +121,6 @@ class KFAC(Callback):
         self.trace_dir = _folder("trace_dir", trace_dir)
         self._profiler = None
         self._t_step_start: float | None = None
-        # The preconditioner's own checks, on a probe layer (arguments passed straight through to it).
-        self._validate()
         self.preconditioner: KFACPreconditioner | None = None
         self._pending_state: dict | None = None  # loaded before setup built the preconditioner
         self._final_state: dict | None = None  # kept after teardown, for save_checkpoint after fit
@@ -127,15 +129,6 @@ class KFAC(Callback):
         self._checkpoint_seen = False  # this fit's checkpoint was inspected (and any warning given)
         self._start_fresh = False  # ... and its K-FAC state is not to be loaded
         self._unguard: Callable[[], None] | None = None
-
-    def _validate(self) -> None:
-        # The probe layer must not draw from the global generator: LightningCLI builds callbacks
-        # before the model, and the model's initial weights must not depend on KFAC being there.
-        with torch.random.fork_rng(devices=[]):
-            probe = torch.nn.Linear(1, 1)
-        # skip_layers is checked by KFAC itself: a pattern may well match the probe ("Linear", ".*").
-        kwargs = {**self.kwargs, "skip_layers": ()}
-        KFACPreconditioner(probe, lr=0.0 if self.lr is None else self.lr, **kwargs).remove_hooks()
 
     @property
     def state_key(self) -> str:
@@ -150,11 +143,11 @@ class KFAC(Callback):
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         self.preconditioner = KFACPreconditioner(
             pl_module,
+            self.options,
             lr=self.lr if self.lr is not None else self._optimizer_lr,
             grad_scaler=scaler,
             distributor=self._distributor(trainer),
             grad_access=self._grad_access(trainer),
-            **self.kwargs,
         )
         if self._pending_state is not None:
             self.preconditioner.load_state_dict(self._pending_state)
@@ -181,11 +174,10 @@ class KFAC(Callback):
             self.preconditioner = None
 
     @staticmethod
-    def _distributor(trainer: pl.Trainer):
+    def _distributor(trainer: pl.Trainer) -> Distributor | None:
         """The strategy's K-FAC distributor; refuses to run unsynchronized K-FAC on several ranks."""
-        make = getattr(trainer.strategy, "make_kfac_distributor", None)
-        if make is not None:
-            return make()
+        if isinstance(trainer.strategy, KFACStrategy):
+            return trainer.strategy.make_kfac_distributor()
         if trainer.world_size > 1:
             raise RuntimeError(
                 f"KFAC on {trainer.world_size} processes needs a K-FAC-aware strategy, otherwise every rank "
@@ -195,14 +187,13 @@ class KFAC(Callback):
         return None
 
     @staticmethod
-    def _grad_access(trainer: pl.Trainer):
-        make = getattr(trainer.strategy, "make_kfac_grad_access", None)
-        return None if make is None else make()
+    def _grad_access(trainer: pl.Trainer) -> GradAccess | None:
+        return trainer.strategy.make_kfac_grad_access() if isinstance(trainer.strategy, KFACStrategy) else None
 
     def _final_micro_batch(self, trainer: pl.Trainer) -> bool:
         """Does the coming micro-batch end an optimizer step?"""
-        ask_strategy = getattr(trainer.strategy, "kfac_final_micro_batch", None)
-        final = None if ask_strategy is None else ask_strategy()
+        strategy = trainer.strategy
+        final = strategy.kfac_final_micro_batch() if isinstance(strategy, KFACStrategy) else None
         if final is not None:  # DeepSpeed: the engine decides, across epoch ends too
             return final
         should_accumulate = getattr(trainer.fit_loop.epoch_loop, "_should_accumulate", None)
@@ -358,46 +349,6 @@ def _where(trainer: pl.Trainer) -> str:
 # Arguments KFAC.__init__ checks itself; any other is held to its annotation (val.check_annotations).
 _CHECKED = ("damping", "factor_decay", "kl_clip", "lr", "factor_update_steps", "inv_update_steps", "skip_layers",
             "factor_dtype", "inv_dtype", "log_step_time", "trace_step", "trace_dir")
-_FACTOR_DTYPES = ("float32", "float64", "bfloat16", "float16")
-_INV_DTYPES = ("float32", "float64")
-
-
-def _dtype(name: str, value: object, accepted: tuple[str, ...]) -> torch.dtype:
-    """A torch dtype given as a dtype or a name ("float64", also "torch.float64") among ``accepted``."""
-    names = ", ".join(repr(a) for a in accepted)
-    what = f"a torch dtype name such as 'float32' or 'float64' (one of {names}) or that torch.dtype"
-    if isinstance(value, torch.dtype):
-        dt = value
-    elif isinstance(value, str):
-        dt = getattr(torch, value.removeprefix("torch."), None)
-    else:
-        raise TypeError(f"{name} must be {what}, got {val.show(value)}")
-    if not isinstance(dt, torch.dtype) or str(dt).removeprefix("torch.") not in accepted:
-        raise ValueError(f"{name} must be {what}, got {value!r}")
-    return dt
-
-
-def _patterns(name: str, value: object) -> tuple[str, ...]:
-    """Regular expressions as a tuple of strings (a single string is one pattern)."""
-    import re
-
-    what = "a regular expression or a list of them (strings)"
-    if isinstance(value, str):
-        value = (value,)
-    elif isinstance(value, (bytes, Mapping)) or not isinstance(value, Iterable):
-        raise TypeError(f"{name} must be {what}, got {val.show(value)}")
-    patterns = tuple(value)  # once: a generator would be empty the second time it is read
-    for i, p in enumerate(patterns):
-        if not isinstance(p, str):
-            raise TypeError(f"{name} must be {what}, got {val.show(p)} at index {i} of {val.show(value)}")
-        try:
-            re.compile(p)
-        except re.error as e:
-            raise ValueError(f"{name} must be {what}, got {p!r}, which is not a valid regular expression: {e}") \
-                from None
-    return patterns
-
-
 def _folder(name: str, value: object) -> str:
     if not isinstance(value, (str, os.PathLike)):
         raise TypeError(f"{name} must be a folder path (a non-empty string), got {val.show(value)}")

@@ -1,0 +1,261 @@
+"""Checkpoint state of the preconditioner: what it saves, and the verification of what it loads.
+
+:class:`CheckpointState` is a part of :class:`~lightning_spdkfac.kfac.KFACPreconditioner`. Loading
+verifies everything before it assigns anything: a state of another model or a corrupt one raises one
+ValueError listing every problem found, and leaves the preconditioner exactly as it was.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from .layer_state import KFACLayer
+
+STATE_VERSION = 2  # 2: adds 'layer_dims' (every registered layer and its factor sides)
+# Counters saved with the state (each optional when loading: older states lack some).
+COUNTERS = ("skipped_factor_steps", "skipped_precondition_steps", "consecutive_bad_steps", "inverse_fallbacks")
+
+
+class CheckpointState:
+    """``state_dict`` / ``load_state_dict`` of the preconditioner (a mixin: the attributes are its)."""
+
+    layers: dict[str, KFACLayer]
+    skipped: dict[str, str]
+    steps: int
+    skipped_factor_steps: int
+    skipped_precondition_steps: int
+    consecutive_bad_steps: int
+    inverse_fallbacks: int
+    factor_dtype: torch.dtype
+    inv_dtype: torch.dtype
+
+    def state_dict(self) -> dict:
+        """Everything the next step needs: counters, running factors and current inverses.
+
+        ``layer_dims`` names every registered layer with its factor sides ``[A, G]``, layers without
+        factors yet included, so that :meth:`load_state_dict` recognizes a state of another model.
+        """
+        layers = {}
+        for name, ly in self.layers.items():
+            if ly.A is None:
+                continue
+            layers[name] = {"A": ly.A, "G": ly.G, "A_inv": ly.A_inv, "G_inv": ly.G_inv}
+        return {
+            "version": STATE_VERSION,
+            "steps": self.steps,
+            "skipped_factor_steps": self.skipped_factor_steps,
+            # optional counters (older states lack them): a resumed run continues the same counts, and
+            # max_bad_steps sees a bad streak that spans the checkpoint
+            "skipped_precondition_steps": self.skipped_precondition_steps,
+            "consecutive_bad_steps": self.consecutive_bad_steps,
+            "inverse_fallbacks": self.inverse_fallbacks,
+            "layer_dims": {name: [ly.helper.a_dim, ly.helper.g_dim] for name, ly in self.layers.items()},
+            "layers": layers,
+        }
+
+    def check_state_dict(self, state: Mapping) -> None:
+        """Raise the ValueError :meth:`load_state_dict` would raise for ``state``; change nothing."""
+        self._verify_state(state)
+
+    def load_state_dict(self, state: Mapping) -> None:
+        """Restore :meth:`state_dict`.
+
+        Everything is verified before anything changes: a state of another model (layers missing or
+        unexpected, other factor shapes) or a corrupt one (missing keys, wrong types, non-tensor
+        entries, tensors of the wrong shape or dtype, non-finite values, a version from a newer
+        release) raises one ValueError listing every problem, and the preconditioner is left exactly
+        as it was. Registered layers without factors in the state start without factors.
+        """
+        factors = self._verify_state(state)
+        loaded = {}  # converted first: nothing is assigned unless every tensor converted
+        for name, (A, G, A_inv, G_inv) in factors.items():
+            dev = self.layers[name].helper.module.weight.device
+            loaded[name] = (
+                A.to(device=dev, dtype=self.factor_dtype).clone(),
+                G.to(device=dev, dtype=self.factor_dtype).clone(),
+                None if A_inv is None else A_inv.to(device=dev, dtype=self.inv_dtype).clone(),
+                None if G_inv is None else G_inv.to(device=dev, dtype=self.inv_dtype).clone(),
+            )
+        for name, layer in self.layers.items():
+            layer.A, layer.G, layer.A_inv, layer.G_inv = loaded.get(name, (None, None, None, None))
+        self.steps = int(state["steps"])
+        for key in COUNTERS:
+            setattr(self, key, int(state.get(key, 0)))
+
+    def _verify_state(self, state: Mapping[str, Any]) -> dict[str, tuple[Any, ...]]:
+        """The factors of ``state`` by layer name, or a ValueError listing every problem found."""
+        version = _check_header(state)
+        corrupt: list[str] = []
+        mismatch: list[str] = []
+        _check_counters(state, version, corrupt)
+        # Which layers the state was saved for: 'layer_dims' (version 2), else the layers with factors.
+        dims = None
+        if "layer_dims" in state:
+            dims = _layer_dims(state["layer_dims"], corrupt)
+        elif _is_count(version) and version >= 2:
+            corrupt.append("missing 'layer_dims' (every version-2 state has it)")
+        layers = state["layers"]
+        if not isinstance(layers, Mapping):
+            corrupt.append(f"'layers' must be a dict of layer name -> factors, got a {type(layers).__name__}")
+            layers = {}
+        self._check_layer_names(dims, layers, mismatch)
+        factors = self._check_factors(dims, layers, corrupt, mismatch)
+        if dims is not None:
+            self._check_sides_without_factors(dims, layers, mismatch)
+        if mismatch or corrupt:
+            what = " and ".join(w for w, p in (("does not match this model", mismatch), ("is corrupt", corrupt)) if p)
+            lines = mismatch + corrupt
+            raise ValueError(
+                f"K-FAC state {what} ({len(lines)} problem{'s' if len(lines) > 1 else ''}); nothing was "
+                "loaded:\n  " + "\n  ".join(lines) + "\n" + _SKIP_HINT
+            )
+        return factors
+
+    def _check_layer_names(self, dims: dict[str, tuple[int, int]] | None, layers: Mapping[Any, Any],
+                           mismatch: list[str]) -> None:
+        """Layers in the state that this model lacks, and (with 'layer_dims') the other way round."""
+        saved_names = list(dims) if dims is not None else [n for n in layers if isinstance(n, str)]
+        for name in saved_names:
+            if name not in self.layers:
+                why = f" (skipped here: {self.skipped[name]})" if name in self.skipped else ""
+                mismatch.append(f"unexpected layer {name!r}: in the state, not a K-FAC layer of this model{why}")
+        if dims is not None:
+            for name in self.layers:
+                if name not in dims:
+                    mismatch.append(f"missing layer {name!r}: a K-FAC layer of this model, absent from the state")
+
+    def _check_factors(self, dims: dict[str, tuple[int, int]] | None, layers: Mapping[Any, Any],
+                       corrupt: list[str], mismatch: list[str]) -> dict[str, tuple[Any, ...]]:
+        """Each saved layer's factors, checked alone, against 'layer_dims' and against this model."""
+        factors: dict[str, tuple[Any, ...]] = {}
+        for name, entry in layers.items():
+            sides = _layer_factors(name, entry, corrupt)
+            if sides is None or not isinstance(name, str):
+                continue  # reported by _layer_factors
+            if dims is not None and name not in dims:
+                corrupt.append(f"layer {name!r} has factors but is not listed in 'layer_dims'")
+            elif dims is not None and dims[name] != sides[0]:
+                corrupt.append(f"layer {name!r}: factor sides {sides[0]} disagree with 'layer_dims' {dims[name]}")
+            elif name in self.layers:  # else: listed as unexpected
+                layer = self.layers[name]
+                want = (layer.helper.a_dim, layer.helper.g_dim)
+                if sides[0] == want:
+                    factors[name] = sides[1]
+                else:
+                    mismatch.append(_shape_mismatch(name, sides[0], want))
+        return factors
+
+    def _check_sides_without_factors(self, dims: dict[str, tuple[int, int]], layers: Mapping[Any, Any],
+                                     mismatch: list[str]) -> None:
+        """Layers saved before they had factors: their sides must match this model's too."""
+        for name, sides in dims.items():
+            layer = self.layers.get(name)
+            if layer is None or name in layers:
+                continue
+            want = (layer.helper.a_dim, layer.helper.g_dim)
+            if sides != want:
+                mismatch.append(_shape_mismatch(name, sides, want, " (no factors yet)"))
+
+
+def _check_header(state: object) -> object:
+    """The state's version, after refusing what is not a state dict at all or is from a newer release."""
+    if not isinstance(state, Mapping):
+        raise ValueError(f"not a KFACPreconditioner state dict: got a {type(state).__name__}. " + _SKIP_HINT)
+    missing_keys = [k for k in ("version", "steps", "layers") if k not in state]
+    if missing_keys:
+        raise ValueError(
+            f"not a KFACPreconditioner state dict (missing {', '.join(map(repr, missing_keys))}; "
+            f"keys found: {', '.join(map(repr, list(state)[:10])) or 'none'}). " + _SKIP_HINT
+        )
+    version = state["version"]
+    if _is_count(version) and version > STATE_VERSION:
+        raise ValueError(
+            f"K-FAC state version {version} was written by a newer lightning-spdkfac; this one reads "
+            f"versions up to {STATE_VERSION}: upgrade lightning-spdkfac. " + _SKIP_HINT
+        )
+    return version
+
+
+def _check_counters(state: Mapping[str, Any], version: object, corrupt: list[str]) -> None:
+    if not _is_count(version) or version < 1:  # type: ignore[operator]
+        corrupt.append(f"'version' must be a positive integer, got {version!r}")
+    for key in ("steps",) + COUNTERS:
+        if key in state and not _is_count(state[key]):
+            corrupt.append(f"{key!r} must be a non-negative integer, got {state[key]!r}")
+
+
+def _shape_mismatch(name: str, sides: tuple[int, int], want: tuple[int, int], note: str = "") -> str:
+    (a, g), (wa, wg) = sides, want
+    return f"{name!r}: factor shapes ({a}, {a}), ({g}, {g}){note}; this model needs ({wa}, {wa}), ({wg}, {wg})"
+
+
+_SKIP_HINT = (
+    "To start K-FAC fresh instead (the rest of a Lightning checkpoint still loads), pass "
+    "KFAC(load_state=\"skip\") to the Lightning callback, or do not call load_state_dict in plain PyTorch."
+)
+
+
+def _is_count(value) -> bool:
+    """A non-negative integer (not a bool)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 0
+
+
+def _layer_dims(dims, corrupt: list[str]) -> dict[str, tuple[int, int]] | None:
+    """``layer_dims`` as {name: (A side, G side)}; None (and a problem noted) if malformed."""
+    if not isinstance(dims, Mapping):
+        corrupt.append(f"'layer_dims' must be a dict of layer name -> [A side, G side], got a {type(dims).__name__}")
+        return None
+    out = {}
+    for name, d in dims.items():
+        if (
+            not isinstance(name, str) or not isinstance(d, (list, tuple)) or len(d) != 2
+            or not all(_is_count(v) and v > 0 for v in d)
+        ):
+            corrupt.append(f"'layer_dims' entry {name!r}: expected [A side, G side] (positive integers), got {d!r}")
+            return None
+        out[name] = (int(d[0]), int(d[1]))
+    return out
+
+
+def _layer_factors(name, entry, corrupt: list[str]):
+    """((A side, G side), (A, G, A_inv, G_inv)) of one saved layer, or None with the problems noted."""
+    if not isinstance(name, str):
+        corrupt.append(f"layer names must be strings, got {name!r}")
+        return None
+    keys = ("A", "G", "A_inv", "G_inv")
+    if not isinstance(entry, Mapping) or set(entry) != set(keys):
+        got = sorted(map(str, entry)) if isinstance(entry, Mapping) else type(entry).__name__
+        corrupt.append(f"layer {name!r}: expected a dict with keys {list(keys)}, got {got}")
+        return None
+    ok = True
+    for key in keys:
+        t = entry[key]
+        if t is None and key.endswith("_inv"):
+            continue
+        if not isinstance(t, torch.Tensor):
+            corrupt.append(f"layer {name!r}: {key} must be a tensor, got a {type(t).__name__}")
+            ok = False
+        elif not t.is_floating_point():
+            corrupt.append(f"layer {name!r}: {key} must be a floating-point tensor, got dtype {t.dtype}")
+            ok = False
+        elif t.dim() != 2 or t.shape[0] != t.shape[1] or t.shape[0] == 0:
+            corrupt.append(f"layer {name!r}: {key} must be a square matrix, got shape {tuple(t.shape)}")
+            ok = False
+        elif not bool(torch.isfinite(t).all()):
+            corrupt.append(f"layer {name!r}: {key} has non-finite values (inf or NaN)")
+            ok = False
+    if not ok:
+        return None
+    A, G, A_inv, G_inv = (entry[k] for k in keys)
+    if (A_inv is None) != (G_inv is None):
+        corrupt.append(f"layer {name!r}: A_inv and G_inv must both be tensors or both None")
+        return None
+    if A_inv is not None and (A_inv.shape != A.shape or G_inv.shape != G.shape):
+        corrupt.append(f"layer {name!r}: inverse shapes {tuple(A_inv.shape)}, {tuple(G_inv.shape)} differ from "
+                       f"factor shapes {tuple(A.shape)}, {tuple(G.shape)}")
+        return None
+    return (A.shape[0], G.shape[0]), (A, G, A_inv, G_inv)

@@ -1,0 +1,135 @@
+"""The non-finite guard of the preconditioner: detection, blame, and the bounded bad streak.
+
+A step whose activations, output gradients, received factors or gradients hold inf or NaN updates no
+factor (and, for non-finite gradients, is not preconditioned); :class:`NonFiniteGuard` decides that with
+one host sync, names the culprits only on bad steps, logs, counts, and raises after ``max_bad_steps``
+such steps in a row. It is a part of :class:`~lightning_spdkfac.kfac.KFACPreconditioner`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from .layer_state import KFACLayer, _sum32
+
+log = logging.getLogger(__name__)
+
+
+class NonFiniteGuard:
+    """A mixin: the attributes below are the preconditioner's."""
+
+    layers: dict[str, KFACLayer]
+    model: nn.Module
+    steps: int
+    max_bad_steps: int | None
+    skipped_factor_steps: int
+    skipped_precondition_steps: int
+    consecutive_bad_steps: int
+    last_bad_step: dict | None
+    _grads: dict
+    _grads_finite: bool
+    _other_params: list
+
+    def _grad_sums(self) -> list[torch.Tensor]:
+        """One scalar per gradient, non-finite exactly where the gradient holds an inf or NaN."""
+        sums = [_sum32(g) for g in self._grads.values() if g is not None]
+        sums += [_sum32(p.grad) for p in self._other_params if p.grad is not None]
+        return sums
+
+    def _finite(self, extra: list[torch.Tensor]) -> tuple[bool, bool]:
+        """One host sync: (are all gradients finite, are all the ``extra`` scalars finite)."""
+        sums = self._grad_sums()
+        n = len(sums)
+        if not sums and not extra:
+            return True, True
+        ok = torch.isfinite(torch.stack([s.float() for s in sums + list(extra)]))
+        grads_ok, extra_ok = torch.stack([ok[:n].all(), ok[n:].all()]).tolist()
+        return grads_ok, extra_ok
+
+    def _check_finite(self, extra: list[torch.Tensor], labels: list[tuple[KFACLayer, str, bool]]) -> bool:
+        """Whether this step may update the factors; notes non-finite gradients for the step.
+
+        ``labels[i]`` is ``(layer, "A" or "G", received)`` for ``extra[i]``, used only on a bad step
+        to say where the non-finite values are. Raises after ``max_bad_steps`` bad steps in a row.
+        """
+        grads_ok, extra_ok = self._finite(extra)
+        if not grads_ok:
+            # The optimizer's own overflow handling (GradScaler, DeepSpeed) sees the gradients as
+            # they are: preconditioning would only spread the inf/NaN over every entry.
+            self._grads_finite = False
+        if grads_ok and extra_ok:
+            self.consecutive_bad_steps = 0
+            return True
+        self.skipped_factor_steps += 1
+        self.consecutive_bad_steps += 1
+        bad = self._blame(extra, labels)  # off the healthy path: one more host sync
+        self.last_bad_step = {"step": self.steps, "bad": bad}
+        where = _describe_bad(bad)
+        only_grads = all(what == ["gradient"] for what in bad.values())
+        # A gradient overflow alone is routine under a dynamic fp16 loss scale: info, not warning.
+        log.log(
+            logging.INFO if only_grads else logging.WARNING,
+            "K-FAC step %d: non-finite values (%s); factor update skipped%s (%d in a row, %d in all)",
+            self.steps, where, "" if grads_ok else " and gradients left unpreconditioned",
+            self.consecutive_bad_steps, self.skipped_factor_steps,
+        )
+        if self.max_bad_steps is not None and self.consecutive_bad_steps >= self.max_bad_steps:
+            raise RuntimeError(
+                f"K-FAC: {self.consecutive_bad_steps} consecutive factor steps had non-finite values "
+                f"(max_bad_steps={self.max_bad_steps}), so their factor updates were skipped; at step "
+                f"{self.steps}: {where}. Training has diverged or the data holds NaN/Inf: lower the "
+                "learning rate, raise damping, use loss scaling (a GradScaler / fp16 loss scale) or bf16, "
+                "and check the input data; max_bad_steps=None disables this error"
+            )
+        return False
+
+    def _blame(self, extra: list[torch.Tensor], labels: list[tuple[KFACLayer, str, bool]]) -> dict[str, list[str]]:
+        """Where the non-finite values of a bad step are: {layer or parameter: [what, ...]}.
+
+        Layers in registration order (their factors, then their gradient), then other parameters.
+        """
+        places: list[tuple[str, object]] = [(layer.name, (which, received, layer)) for layer, which, received in labels]
+        scalars: list[torch.Tensor] = list(extra)
+        for layer in self.layers.values():
+            for p in layer.helper.params():
+                g = self._grads.get(p)
+                if g is not None:
+                    places.append((layer.name, "gradient"))
+                    scalars.append(_sum32(g))
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        for p in self._other_params:
+            if p.grad is not None:
+                places.append((f"parameter {names.get(id(p), '?')!r}", "gradient"))
+                scalars.append(_sum32(p.grad))
+        ok = torch.isfinite(torch.stack([s.float() for s in scalars])).tolist() if scalars else []
+        found: dict[str, list[str]] = {}
+        for (name, what), fine in zip(places, ok):
+            if fine:
+                continue
+            if isinstance(what, tuple):
+                what = self._factor_blame(*what)
+            if what not in found.setdefault(name, []):
+                found[name].append(what)
+        order = {name: i for i, name in enumerate(self.layers)}
+        return dict(sorted(found.items(), key=lambda kv: order.get(kv[0], len(order))))
+
+    @staticmethod
+    def _factor_blame(which: str, received: bool, layer: KFACLayer) -> str:
+        kind = "activations (A factor)" if which == "A" else "output gradients (G factor)"
+        if not received:
+            return kind
+        # A reduced factor: non-finite here already, or only after the reduction over ranks?
+        local, calls = (layer.xx, layer.a_calls) if which == "A" else (layer.dd, layer.g_calls)
+        if calls and local is not None and not bool(torch.isfinite(local.diagonal().sum())):
+            return f"{kind} on this rank"
+        return f"received {which} factor (non-finite after the reduction over ranks)"
+
+
+def _describe_bad(bad: dict[str, list[str]]) -> str:
+    """``{"net.0": ["activations (A factor)"]}`` -> ``"layer 'net.0': activations (A factor)"``."""
+    parts = [f"{name if name.startswith('parameter ') else f'layer {name!r}'}: {', '.join(what)}"
+             for name, what in bad.items()]
+    return "; ".join(parts) or "no single tensor identified"

@@ -1,0 +1,134 @@
+"""Per-layer K-FAC state: one step's accumulators, the running factors and their inverses."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .layers import LayerHelper
+
+
+@dataclass(eq=False)
+class KFACLayer:
+    """State of one registered layer: this step's accumulators, running factors, inverses."""
+
+    name: str
+    helper: LayerHelper
+    index: int = 0  # registration order: the order every rank uses for collectives
+    # Accumulators of the current optimizer step (sums over micro-batches and calls).
+    xx: torch.Tensor | None = None  # sum_r x_r x_r^T (without the bias column)
+    x_sum: torch.Tensor | None = None  # sum_r x_r (the bias row/column of A)
+    rows: int = 0  # R, rows seen by A
+    dd: torch.Tensor | None = None  # sum_r d_r d_r^T
+    examples: int = 0  # N, examples seen (counted once per micro-batch, not per call)
+    a_calls: int = 0
+    g_calls: int = 0
+    last_micro_batch: int = -1
+    ran: bool = False  # forward ran in training mode since the last step
+    # Training-mode forwards without grad since the last step: the first pass of reentrant activation
+    # checkpointing, whose recomputation during backward then counts (see _make_forward_hook).
+    nograd_calls: int = 0
+    # Pipelining: calls in the current micro-batch, the count that makes a factor final
+    # (learned from the previous step), and what was handed to the distributor.
+    mb_a_calls: int = 0
+    mb_g_calls: int = 0
+    calls_per_micro_batch: int = 0
+    submitted: dict = field(default_factory=dict)  # "A"/"G" -> calls counted at submission
+    # Running averages and inverses.
+    A: torch.Tensor | None = None
+    G: torch.Tensor | None = None
+    A_inv: torch.Tensor | None = None
+    G_inv: torch.Tensor | None = None
+    handles: list = field(default_factory=list)
+
+    def reset_accumulators(self) -> None:
+        self.rows = self.examples = self.a_calls = self.g_calls = 0
+        self.mb_a_calls = self.mb_g_calls = 0
+        self.last_micro_batch = -1
+        self.ran = False
+        self.nograd_calls = 0
+        self.submitted.clear()
+
+    def trainable(self) -> bool:
+        """Whether all the layer's parameters require grad now (a frozen layer is left alone)."""
+        return all(p.requires_grad for p in self.helper.params())
+
+    def step_a(self) -> torch.Tensor:
+        """This step's A_new as a new matrix (the distributed path sends it)."""
+        n = self.helper.in_features
+        if not self.helper.has_bias:
+            return self.xx / self.rows
+        A = torch.empty(n + 1, n + 1, dtype=self.xx.dtype, device=self.xx.device)
+        torch.div(self.xx, self.rows, out=A[:n, :n])
+        x_mean = self.x_sum / self.rows
+        A[:n, n] = x_mean
+        A[n, :n] = x_mean
+        A[n, n] = 1.0
+        return A
+
+    def step_g(self, g_scale: float) -> torch.Tensor:
+        """This step's G_new as a new matrix."""
+        return self.dd * (self.examples * g_scale)
+
+    def fold(self, A_new: torch.Tensor, G_new: torch.Tensor, decay: float) -> None:
+        """Running averages from explicit step factors (the distributed path)."""
+        if self.A is None or self.A.shape != A_new.shape or self.G.shape != G_new.shape or decay == 0.0:
+            self.A, self.G = A_new.clone(), G_new.clone()
+        else:
+            self.A.lerp_(A_new, 1.0 - decay)
+            self.G.lerp_(G_new, 1.0 - decay)
+        self.flush_subnormals()
+
+    def flush_subnormals(self) -> None:
+        """Set running-factor entries below the dtype's smallest normal number to zero.
+
+        An entry that stops receiving contributions (a unit that no longer fires) decays by
+        ``factor_decay`` every step and after ~1700 steps at 0.95 becomes a subnormal float, which CPUs
+        process one to two orders of magnitude slower; the inverses inherit them. Measured by
+        benchmarks/soak.py: the K-FAC step grew from 4 ms to 44 ms over 6000 steps without this. Such an
+        entry is below 1.2e-38 (fp32), so zero is exact to the factor's precision. One elementwise pass.
+        """
+        for t in (self.A, self.G):
+            t.masked_fill_(t.abs() < torch.finfo(t.dtype).tiny, 0.0)
+
+    def gram_diagonals(self) -> list[torch.Tensor]:
+        """Sums of the diagonals of this step's Gram sums.
+
+        Enough to detect any non-finite value: a NaN or inf in the rows lands on the diagonal,
+        and by Cauchy-Schwarz a finite diagonal bounds every off-diagonal entry and the bias sum.
+        """
+        return [self.xx.diagonal().sum(), self.dd.diagonal().sum()]
+
+    def update_factors(self, decay: float, g_scale: float) -> None:
+        """Fold this step's factors into the running averages, in place (see docs/math.md).
+
+        A_new = [[xx, x_sum], [x_sum^T, R]] / R and G_new = N * g_scale * dd. The accumulators
+        are scaled in place (they are refilled next step), so no factor-sized temporary is made.
+        """
+        n = self.helper.in_features
+        side = self.helper.a_dim
+        first = self.A is None or self.A.shape[0] != side or self.G.shape != self.dd.shape
+        if first:
+            self.A = torch.empty(side, side, dtype=self.xx.dtype, device=self.xx.device)
+            self.G = torch.empty_like(self.dd)
+        weight = 1.0 if first else 1.0 - decay
+        xx = self.xx.mul_(1.0 / self.rows)
+        dd = self.dd.mul_(self.examples * g_scale)
+        if self.helper.has_bias:
+            x_mean = self.x_sum.mul_(1.0 / self.rows)
+            parts = ((self.A[:n, :n], xx), (self.A[:n, n], x_mean), (self.A[n, :n], x_mean), (self.G, dd))
+            self.A[n, n] = 1.0  # the mean of the constant 1s, in every step's factor
+        else:
+            parts = ((self.A, xx), (self.G, dd))
+        for running, new in parts:
+            if weight == 1.0:
+                running.copy_(new)
+            else:
+                running.lerp_(new, weight)  # decay*F + (1-decay)*F_new in one pass
+        self.flush_subnormals()
+
+
+def _sum32(t: torch.Tensor) -> torch.Tensor:
+    """Sum of a tensor, accumulated and returned in at least float32 (an fp16 sum can overflow)."""
+    return t.sum() if t.dtype == torch.float64 else t.sum(dtype=torch.float32)

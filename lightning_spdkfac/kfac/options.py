@@ -1,0 +1,132 @@
+"""``KFACOptions``: the K-FAC hyperparameters, validated once.
+
+The preconditioner takes them (``KFACPreconditioner(model, options)`` or the same fields as keyword
+arguments), and the ``KFAC`` callback builds them in its constructor, so a bad value fails when it is
+given, under the package's one rule (:mod:`lightning_spdkfac.validation`): a wrong type raises
+``TypeError``, a value that is not accepted ``ValueError``, and the message names the argument, the
+value and what is accepted. The defaults here are the only ones: the callback's and the
+preconditioner's signatures read them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import warnings
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .. import validation as val
+
+FACTOR_DTYPES = ("float32", "float64", "bfloat16", "float16")
+INV_DTYPES = ("float32", "float64")
+
+
+@dataclass(frozen=True)
+class KFACOptions:
+    """K-FAC hyperparameters.
+
+    Args:
+        damping: added to the diagonal of each factor before inversion (>= 0); a number or a
+            schedule (a callable of the optimizer step, checked again at every step).
+        factor_decay: running-average decay of the factors, in [0, 1); 0 uses the current batch alone.
+        kl_clip: KL-clip bound (> 0), or None to turn clipping off.
+        lr: the learning rate the KL clip assumes: a number or a callable of the step.
+        factor_update_steps: factors are updated every this many steps.
+        inv_update_steps: inverses are recomputed every this many steps.
+        skip_layers: regular expressions (one string or several); a module whose name or class
+            name matches one is left alone. Stored as a tuple of strings.
+        factor_dtype: dtype of the stored factors: one of :data:`FACTOR_DTYPES`, as a name
+            ("float64", also "torch.float64" and torch's aliases) or a ``torch.dtype``.
+        inv_dtype: dtype of the inversion and of the preconditioning matmuls (float32 or float64).
+        max_bad_steps: consecutive factor steps with non-finite values after which ``step()``
+            raises (None: never); see :class:`~lightning_spdkfac.kfac.KFACPreconditioner`.
+    """
+
+    damping: val.HParam = 1e-3
+    factor_decay: val.HParam = 0.95
+    kl_clip: val.HParam | None = 1e-3
+    lr: val.HParam = 0.1
+    factor_update_steps: int = 1
+    inv_update_steps: int = 10
+    skip_layers: str | Iterable[str] = ()
+    factor_dtype: str | torch.dtype = torch.float32
+    inv_dtype: str | torch.dtype = torch.float32
+    max_bad_steps: int | None = 100
+
+    def __post_init__(self) -> None:
+        val.check_schedule("damping", self.damping, val.NONNEGATIVE)
+        val.check_schedule("factor_decay", self.factor_decay, val.DECAY)
+        val.check_schedule("kl_clip", self.kl_clip, val.POSITIVE, " (use kl_clip=None to turn clipping off)",
+                           optional=True)
+        val.check_schedule("lr", self.lr, val.NONNEGATIVE)
+        val.check_positive_int("factor_update_steps", self.factor_update_steps)
+        val.check_positive_int("inv_update_steps", self.inv_update_steps)
+        if self.max_bad_steps is not None:  # None: never raise
+            val.check_int("max_bad_steps", self.max_bad_steps, low=1, accepted=(
+                "None (never raise) or a positive integer (consecutive factor steps with non-finite values "
+                "before K-FAC raises)"))
+        object.__setattr__(self, "skip_layers", patterns("skip_layers", self.skip_layers))
+        object.__setattr__(self, "factor_dtype", dtype("factor_dtype", self.factor_dtype, FACTOR_DTYPES))
+        object.__setattr__(self, "inv_dtype", dtype("inv_dtype", self.inv_dtype, INV_DTYPES))
+        if self.inv_update_steps % self.factor_update_steps != 0:
+            warnings.warn(
+                f"inv_update_steps={self.inv_update_steps} is not a multiple of factor_update_steps="
+                f"{self.factor_update_steps}: some inverses will be computed from factors a few steps old",
+                stacklevel=4,
+            )
+
+    @classmethod
+    def build(cls, options: KFACOptions | None = None, **overrides: Any) -> KFACOptions:
+        """``options`` (or the defaults) with ``overrides`` applied; an unknown name is a TypeError."""
+        if options is not None and not isinstance(options, KFACOptions):
+            raise TypeError(f"options must be None or a KFACOptions, got {val.show(options)}")
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(overrides) - set(names))
+        if unknown:
+            raise TypeError(f"{unknown[0]!r} is not a K-FAC option; the options are {', '.join(names)}")
+        if options is None:
+            return cls(**overrides)
+        return dataclasses.replace(options, **overrides) if overrides else options
+
+
+def defaults() -> dict[str, Any]:
+    """Every option's default, by name (what the callback's and the core's signatures must show)."""
+    return {f.name: f.default for f in dataclasses.fields(KFACOptions)}
+
+
+def dtype(name: str, value: object, accepted: tuple[str, ...]) -> torch.dtype:
+    """A floating torch dtype given as a dtype or a name ("float64", "torch.float64", "double") in ``accepted``."""
+    names = ", ".join(repr(a) for a in accepted)
+    what = f"a torch dtype name such as 'float32' or 'float64' (one of {names}) or that torch.dtype"
+    if isinstance(value, torch.dtype):
+        dt: object = value
+    elif isinstance(value, str):
+        dt = getattr(torch, value.removeprefix("torch."), None)  # torch's aliases too ("double", "half")
+    else:
+        raise TypeError(f"{name} must be {what}, got {val.show(value)}")
+    if not isinstance(dt, torch.dtype) or str(dt).removeprefix("torch.") not in accepted:
+        raise ValueError(f"{name} must be {what}, got {value!r}")
+    return dt
+
+
+def patterns(name: str, value: object) -> tuple[str, ...]:
+    """Regular expressions as a tuple of strings (a single string is one pattern)."""
+    what = "a regular expression or a list of them (strings)"
+    if isinstance(value, str):
+        value = (value,)
+    elif isinstance(value, (bytes, Mapping)) or not isinstance(value, Iterable):
+        raise TypeError(f"{name} must be {what}, got {val.show(value)}")
+    found = tuple(value)  # once: a generator would be empty the second time it is read
+    for i, p in enumerate(found):
+        if not isinstance(p, str):
+            raise TypeError(f"{name} must be {what}, got {val.show(p)} at index {i} of {val.show(value)}")
+        try:
+            re.compile(p)
+        except re.error as e:
+            raise ValueError(f"{name} must be {what}, got {p!r}, which is not a valid regular expression: {e}") \
+                from None
+    return found
