@@ -9,7 +9,13 @@ import torch
 from torch import nn
 
 from lightning_spdkfac import KFACPreconditioner
-from lightning_spdkfac.kfac.inverse import damped_inverses
+from lightning_spdkfac.kfac.inverse import robust_inverses
+
+
+def damped_inverses(factors, damping, dtype):
+    """robust_inverses with only the indices of the factors Cholesky did not invert."""
+    inverses, fallbacks = robust_inverses(factors, damping, dtype)
+    return inverses, [fb.index for fb in fallbacks]
 
 
 def spd(n, seed=0):

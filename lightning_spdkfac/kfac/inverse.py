@@ -185,14 +185,3 @@ def robust_inverses(
         # (benchmarks/soak.py; the running factors are flushed the same way).
         inv.masked_fill_(inv.abs() < torch.finfo(inv.dtype).tiny, 0.0)
     return inverses, fallbacks
-
-
-def damped_inverses(
-    factors: list[torch.Tensor], damping: float, dtype: torch.dtype
-) -> tuple[list[torch.Tensor], list[int]]:
-    """Damped inverses of several factors and the indices of those Cholesky did not invert.
-
-    The same as :func:`robust_inverses` with only the indices of the fallbacks.
-    """
-    inverses, fallbacks = robust_inverses(factors, damping, dtype)
-    return inverses, [fb.index for fb in fallbacks]
