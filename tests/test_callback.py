@@ -3,58 +3,14 @@
 from __future__ import annotations
 
 import copy
-import warnings
 
 import pytest
 import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from helpers.lightning_models import KW, Tiny, data, trainer
 
 from lightning_spdkfac import KFAC, KFACPreconditioner
-
-warnings.filterwarnings("ignore", ".*does not have many workers.*")
-warnings.filterwarnings("ignore", ".*GPU available but not used.*")
-
-
-def data(n=32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
-
-
-class Tiny(pl.LightningModule):
-    def __init__(self, lr=0.2, batch_size=8, scheduler=False, n=32):
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
-        self.lr, self.batch_size, self.scheduler, self.n = lr, batch_size, scheduler, n
-
-    def forward(self, x):
-        return self.net(x)
-
-    def training_step(self, batch, _):
-        x, y = batch
-        return F.cross_entropy(self(x), y)
-
-    def configure_optimizers(self):
-        opt = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
-        if not self.scheduler:
-            return opt
-        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
-
-    def train_dataloader(self):
-        return DataLoader(TensorDataset(*data(self.n)), batch_size=self.batch_size, shuffle=False)
-
-
-def trainer(**kw):
-    defaults = dict(
-        accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False,
-    )
-    defaults.update(kw)
-    return pl.Trainer(**defaults)
 
 
 def manual(steps, batch_size, kfac_kwargs, lr=0.2, scheduler=False, clip=None):
@@ -77,9 +33,6 @@ def manual(steps, batch_size, kfac_kwargs, lr=0.2, scheduler=False, clip=None):
         if sched is not None:
             sched.step()
     return model
-
-
-KW = dict(damping=0.01, kl_clip=0.01, inv_update_steps=3)
 
 
 def assert_same_params(net, ref, rtol=1e-5, atol=1e-6):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_strategy_digits import _clean_env, _kill_group, _spdkfac_cmd, _wait_group
+from helpers.processes import clean_env, kill_group, spdkfac_cmd, wait_group
 
 from lightning_spdkfac.cli import main
 
@@ -80,19 +80,19 @@ def test_config_parses(name, isolated, capsys):
 
 def _run(args: list[str], root: Path, timeout: float) -> str:
     """``spdkfac fit ARGS`` as a subprocess in its own session; the whole process group is killed after."""
-    cmd = [*_spdkfac_cmd(), "fit", *args, f"--trainer.default_root_dir={root}"]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=_clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    cmd = [*spdkfac_cmd(), "fit", *args, f"--trainer.default_root_dir={root}"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     t0 = time.monotonic()
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        _kill_group(proc.pid)
+        kill_group(proc.pid)
         out, err = proc.communicate()
         pytest.fail(f"{' '.join(cmd)} timed out after {timeout} s\n{err[-3000:]}")
     finally:
-        _wait_group(proc.pid, 10)
-        _kill_group(proc.pid)
+        wait_group(proc.pid, 10)
+        kill_group(proc.pid)
     assert proc.returncode == 0, f"{' '.join(cmd)} exited with {proc.returncode} after {time.monotonic() - t0:.0f} s\n" \
                                  f"{err[-4000:]}"
     return err

@@ -18,8 +18,7 @@ import torch
 pytest.importorskip("deepspeed")
 
 from helpers import hardware  # noqa: E402
-from test_callback import KW, trainer  # noqa: E402
-from test_strategy import TinyInterleaved, fit_on_ranks  # noqa: E402
+from helpers.lightning_models import KW, TinyInterleaved, fit_on_ranks, trainer  # noqa: E402
 
 from lightning_spdkfac import KFAC, SPDKFACDeepSpeedStrategy  # noqa: E402
 from lightning_spdkfac.lightning.deepspeed import DeepSpeedGradAccess, _fusable  # noqa: E402

@@ -1,7 +1,7 @@
 """configs/digits_deepspeed.yaml: the digits K-FAC demo on DeepSpeed ZeRO-2, bf16, 2 CPU processes.
 
 Run end to end exactly as a user does (``spdkfac fit --config ...`` as a subprocess that Lightning's
-launcher turns into 2 ranks), with the process-group hygiene of test_strategy_digits.
+launcher turns into 2 ranks), with the process-group hygiene of helpers/processes.py's ``run_cli``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import yaml
 
 pytest.importorskip("deepspeed")
 
-from test_strategy_digits import run_cli  # noqa: E402
+from helpers.processes import run_cli  # noqa: E402
 
 from lightning_spdkfac import KFAC, SPDKFACDeepSpeedStrategy  # noqa: E402
 from lightning_spdkfac.cli import lightning_cli  # noqa: E402

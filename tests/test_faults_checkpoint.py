@@ -27,7 +27,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from test_callback import KW, Tiny, data, trainer
+from helpers.lightning_models import KW, Tiny, data, trainer
 from torch import nn
 
 from lightning_spdkfac import KFAC, KFACPreconditioner

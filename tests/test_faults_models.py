@@ -17,8 +17,8 @@ warning; none crashes. What the preconditioner does:
   is left as it is) until they require grad again; no warning, freezing is deliberate.
 
 References are dense float64 computations from the layer inputs and output gradients captured with
-the test's own hooks (tests/test_reference.py's Recorder), or a second run that must agree (the same
-model without torch.compile / without checkpointing / never frozen).
+the test's own hooks (tests/helpers/dense_reference.py's Recorder), or a second run that must agree
+(the same model without torch.compile / without checkpointing / never frozen).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from test_reference import Recorder, a_rows, assert_close, d_rows, damped_inv, grad_matrix
+from helpers.dense_reference import Recorder, a_rows, assert_close, d_rows, damped_inv, grad_matrix
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_strategy_digits import _clean_env, _kill_group, _wait_group
+from helpers.processes import clean_env, kill_group, wait_group
 
 from lightning_spdkfac.multiprocess import free_port
 
@@ -29,7 +29,7 @@ TORCHRUN = Path(sys.executable).with_name("torchrun")
 @pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun is not installed next to this interpreter")
 def test_two_nodes_with_torchrun_train_and_plan_identically(tmp_path):
     port = free_port()
-    env = _clean_env()
+    env = clean_env()
     env["PYTHONPATH"] = f"{REPO / 'tests'}:{env.get('PYTHONPATH', '')}".rstrip(":")
     procs = []
     for node in (0, 1):
@@ -49,12 +49,12 @@ def test_two_nodes_with_torchrun_train_and_plan_identically(tmp_path):
                 outputs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic())))
             except subprocess.TimeoutExpired:
                 for q in procs:
-                    _kill_group(q.pid)
+                    kill_group(q.pid)
                 pytest.fail("two-node torchrun run timed out after 240 s (process groups killed)")
     finally:
         for p in procs:
-            _wait_group(p.pid, 10)
-            _kill_group(p.pid)
+            wait_group(p.pid, 10)
+            kill_group(p.pid)
     for node, (p, (_out, err)) in enumerate(zip(procs, outputs)):
         assert p.returncode == 0, f"node {node} exited with {p.returncode}\n{err[-4000:]}"
 

@@ -18,8 +18,7 @@ import warnings
 
 import pytorch_lightning as pl
 import torch
-from test_callback import KW, trainer
-from test_strategy import TinyInterleaved
+from helpers.lightning_models import KW, TinyInterleaved, trainer
 
 from lightning_spdkfac import KFAC, SPDKFACStrategy
 from lightning_spdkfac.multiprocess import run_distributed

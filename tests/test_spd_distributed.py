@@ -3,6 +3,9 @@ other and as one process on the concatenated batch; the SPD plan is made and use
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -53,18 +56,20 @@ def train_ranked(rank, world, options):
     return [p.detach().clone() for p in model.parameters()], plan
 
 
+# The schedules, trained one after the other in the same pair of rank processes: name -> the
+# arguments of SPDOptions.from_schedule.
+SCHEDULES = {
+    "dkfac": dict(schedule="dkfac"),
+    "mpd": dict(schedule="mpd"),
+    "spd": dict(schedule="spd", profile_steps=(1, 3)),
+    "spd_bf16": dict(schedule="spd", profile_steps=(1, 3), comm_dtype="bfloat16"),
+    # re-measure at factor step 4 (steps 4, 5), re-plan at step 6
+    "spd_replan": dict(schedule="spd", profile_steps=(1, 3), replan_every=4),
+}
+
+
 def all_schedules(rank, world):
-    out = {}
-    for name, options in (
-        ("dkfac", SPDOptions.from_schedule("dkfac")),
-        ("mpd", SPDOptions.from_schedule("mpd")),
-        ("spd", SPDOptions.from_schedule("spd", profile_steps=(1, 3))),
-        ("spd_bf16", SPDOptions.from_schedule("spd", profile_steps=(1, 3), comm_dtype="bfloat16")),
-        # re-measure at factor step 4 (steps 4, 5), re-plan at step 6
-        ("spd_replan", SPDOptions.from_schedule("spd", profile_steps=(1, 3), replan_every=4)),
-    ):
-        out[name] = train_ranked(rank, world, options)
-    return out
+    return {name: train_ranked(rank, world, SPDOptions.from_schedule(**kw)) for name, kw in SCHEDULES.items()}
 
 
 def one_process():
@@ -80,42 +85,61 @@ def one_process():
     return [p.detach() for p in model.parameters()]
 
 
-def test_schedules_agree_with_each_other_and_with_one_process():
+@pytest.fixture(scope="module")
+def job():
+    """One 2-rank job for every schedule (process start-ups: once per module) and the one-process run.
+
+    ``results[rank][name]`` is (parameters, plan) with the plan's phase times taken out into
+    ``phases[name]`` (one dict per rank), so that the plans compare without them.
+    """
     results = run_distributed(all_schedules, 2, timeout=120)
-    reference = one_process()
-    for name in ("dkfac", "mpd", "spd", "spd_replan"):
-        params = [r[name][0] for r in results]
+    phases = {name: [r[name][1].pop("last_phases") for r in results] for name in SCHEDULES}
+    return SimpleNamespace(results=results, phases=phases, reference=one_process())
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_schedule_agrees_with_dkfac_and_with_one_process(job, name):
+    results, reference = job.results, job.reference
+    params = [r[name][0] for r in results]
+    if name == "spd_bf16":
+        # bf16 messages (factors and inverses rounded to 8 mantissa bits): the replicas still agree
+        # exactly, and the training moved the parameters nearly where fp32 did.
+        assert all(torch.equal(a, b) for a, b in zip(*params))
+        init = list(make_model().parameters())
+        moved = torch.cat([(b - i).flatten() for b, i in zip(reference, init)]).norm()
+        off = torch.cat([(a - b).flatten() for a, b in zip(params[0], reference)]).norm()
+        print(f"bf16 relative deviation {float(off / moved):.4f}")
+        assert off / moved < 0.1
+    else:
         for a, b in zip(params[0], params[1]):
             assert torch.equal(a, b), f"{name}: the replicas differ"
         for a, b in zip(params[0], results[0]["dkfac"][0]):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7, msg=f"{name} vs dkfac")
         for a, b in zip(params[0], reference):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=f"{name} vs one process")
-    # bf16 messages (factors and inverses rounded to 8 mantissa bits): the replicas still agree
-    # exactly, and the training moved the parameters nearly where fp32 did.
-    bf16 = [r["spd_bf16"][0] for r in results]
-    assert all(torch.equal(a, b) for a, b in zip(*bf16))
-    init = list(make_model().parameters())
-    moved = torch.cat([(b - i).flatten() for b, i in zip(reference, init)]).norm()
-    off = torch.cat([(a - b).flatten() for a, b in zip(bf16[0], reference)]).norm()
-    print(f"bf16 relative deviation {float(off / moved):.4f}")
-    assert off / moved < 0.1
 
-    phases = [r[name][1].pop("last_phases") for r in results for name in r]
-    for p in phases:  # the last step (6) is an inverse step: every phase of a distributed step ran
-        for name in ("factor_compute", "factor_comm_inflight", "factor_pack", "inverse_compute", "precondition"):
-            assert p[name] > 0, (name, p)
-    assert max(p["inverse_comm_wait"] for p in phases) > 0  # mpd / spd broadcast inverses
-    replan = results[0]["spd_replan"][1]
-    assert replan["pipelined"] and not replan["measuring"] and replan == results[1]["spd_replan"][1]
-    plans = {name: results[0][name][1] for name in ("dkfac", "mpd", "spd")}
-    assert plans == {name: results[1][name][1] for name in plans}  # every rank planned the same
+    for p in job.phases[name]:  # the last step (6) is an inverse step: every phase of a distributed step ran
+        for phase in ("factor_compute", "factor_comm_inflight", "factor_pack", "inverse_compute", "precondition"):
+            assert p[phase] > 0, (phase, p)
+
+    plan = results[0][name][1]
     n_factors = 8
-    assert plans["dkfac"]["owners"] == [-1] * n_factors and not plans["dkfac"]["pipelined"]
-    assert sorted(plans["mpd"]["owners"]) == [0, 0, 0, 0, 1, 1, 1, 1]
-    spd = plans["spd"]
-    assert spd["pipelined"] and not spd["measuring"]
-    assert sorted(i for g in spd["groups"] for i in g) == list(range(n_factors))
-    # measured ready order: the A factors come in forward order before the G factors
-    assert [k for k in spd["order"] if k[1] == "A"] == [(0, "A"), (1, "A"), (2, "A"), (3, "A")]
-    assert spd["order"].index((3, "A")) < spd["order"].index((3, "G"))
+    if name in ("dkfac", "mpd", "spd"):
+        assert plan == results[1][name][1]  # every rank planned the same
+    if name == "dkfac":
+        assert plan["owners"] == [-1] * n_factors and not plan["pipelined"]
+    elif name == "mpd":
+        assert sorted(plan["owners"]) == [0, 0, 0, 0, 1, 1, 1, 1]
+    elif name == "spd":
+        assert plan["pipelined"] and not plan["measuring"]
+        assert sorted(i for g in plan["groups"] for i in g) == list(range(n_factors))
+        # measured ready order: the A factors come in forward order before the G factors
+        assert [k for k in plan["order"] if k[1] == "A"] == [(0, "A"), (1, "A"), (2, "A"), (3, "A")]
+        assert plan["order"].index((3, "A")) < plan["order"].index((3, "G"))
+    elif name == "spd_replan":
+        assert plan["pipelined"] and not plan["measuring"] and plan == results[1][name][1]
+
+
+def test_some_schedule_waits_for_broadcast_inverses(job):
+    phases = [p for per_rank in job.phases.values() for p in per_rank]
+    assert max(p["inverse_comm_wait"] for p in phases) > 0  # mpd / spd broadcast inverses

@@ -8,41 +8,10 @@ import warnings
 import pytest
 import pytorch_lightning as pl
 import torch
-from test_callback import KW, Tiny, data, trainer
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from helpers.lightning_models import KW, Tiny, data, fit_on_ranks, trainer
 
 from lightning_spdkfac import KFAC, KFACPreconditioner, SPDKFACStrategy
 from lightning_spdkfac.multiprocess import run_distributed
-
-
-class TinyInterleaved(Tiny):
-    """Rank r of W reads samples r, r+W, r+2W, ...: together one step sees the joint batch."""
-
-    def train_dataloader(self):
-        ds = TensorDataset(*data(self.n))
-        return DataLoader(ds, batch_size=self.batch_size, sampler=DistributedSampler(ds, shuffle=False))
-
-
-def fit_on_ranks(rank, world, schedule, steps, accumulate=1):
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world))
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    model = TinyInterleaved(batch_size=4 // accumulate)
-    strategy = SPDKFACStrategy(schedule=schedule, profile_steps=(1, 3))
-    cb = KFAC(**KW)
-    plans = []
-
-    class Plan(pl.Callback):
-        def on_train_end(self, trainer, pl_module):
-            plan = cb.preconditioner.distributor.describe()
-            plan.pop("models")
-            plan["factor_steps"] = cb.preconditioner.distributor.factor_steps
-            plans.append(plan)
-
-    t = trainer(max_steps=steps, devices=world, strategy=strategy, callbacks=[cb, Plan()],
-                use_distributed_sampler=False, accumulate_grad_batches=accumulate)
-    t.fit(model)
-    return [p.detach().clone() for p in model.net.parameters()], plans[0]
 
 
 def one_process(steps, batch):
