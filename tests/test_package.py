@@ -11,8 +11,14 @@ import textwrap
 import pytest
 import torch
 
-from lightning_spdkfac import KFAC, KFACOptions, KFACPreconditioner, SPDKFACDeepSpeedStrategy, SPDKFACStrategy
-from lightning_spdkfac import SPDOptions
+from lightning_spdkfac import (
+    KFAC,
+    KFACOptions,
+    KFACPreconditioner,
+    SPDKFACDeepSpeedStrategy,
+    SPDKFACStrategy,
+    SPDOptions,
+)
 from lightning_spdkfac.kfac.options import dtype
 from lightning_spdkfac.vocabulary import SCHEDULE_PARTS
 
