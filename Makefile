@@ -34,8 +34,11 @@ test: install
 test-no-cpu-fp16: install
 	$(PY) -m pytest -q --cpu-fp16=off $(PYTEST_ARGS)
 
+# ruff on everything, a complexity ceiling of 15 on the package, mypy (strict on kfac/, schedule/, comm/).
 lint: install
 	$(PY) -m ruff check lightning_spdkfac tests examples benchmarks
+	$(PY) -m ruff check --select C901 --config 'lint.mccabe.max-complexity=15' lightning_spdkfac
+	$(PY) -m mypy
 
 bench: install
 	$(PY) benchmarks/overhead.py
