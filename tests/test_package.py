@@ -96,3 +96,13 @@ def test_both_strategies_take_their_defaults_from_spd_options(strategy):
         else:
             assert shown[name].default == value, name
     assert strategy().spd_options == defaults
+
+
+@pytest.mark.parametrize("strategy", [SPDKFACStrategy, SPDKFACDeepSpeedStrategy])
+def test_both_strategies_document_every_spd_argument_from_one_text(strategy):
+    from lightning_spdkfac.lightning.strategy import SPD_ARGUMENTS, SPD_ARGUMENTS_DOC, SPD_RULES_DOC
+
+    doc = strategy.__doc__
+    assert "{spd_" not in doc and SPD_ARGUMENTS_DOC in doc and SPD_RULES_DOC in doc
+    for name in ("schedule", *SPD_ARGUMENTS):
+        assert f"\n        {name}: " in "\n" + SPD_ARGUMENTS_DOC, name

@@ -46,7 +46,7 @@ from torch.distributed.constants import default_pg_timeout
 from .. import validation as val
 from ..kfac.gradients import GradAccess
 from ..vocabulary import DEEPSPEED_STRATEGY_NAMES, CommDtypeName, FusionName, PlacementName, ScheduleName
-from .strategy import SPD_ARGUMENTS, SPD_DEFAULTS, _spd_options, _SPDKFACStrategyMixin
+from .strategy import SPD_ARGUMENTS, SPD_DEFAULTS, _spd_options, _SPDKFACStrategyMixin, spd_documented
 
 
 class DeepSpeedGradAccess(GradAccess):
@@ -183,13 +183,12 @@ def _fusable(params: list[torch.nn.Parameter]) -> bool:
     )
 
 
+@spd_documented
 class SPDKFACDeepSpeedStrategy(_SPDKFACStrategyMixin, DeepSpeedStrategy):
     """DeepSpeed ZeRO stage 0, 1 or 2 plus the SPD-KFAC scheduler for the ``KFAC`` callback.
 
     Args:
-        schedule, pipelining, fusion, placement, bucket_mb, profile_steps, replan_every,
-        small_factor, comm_dtype, comm_timeout_s: the K-FAC communication schedule, exactly as for
-            :class:`~lightning_spdkfac.SPDKFACStrategy`.
+{spd_arguments}
         stage: ZeRO stage: 0 (plain data parallel), 1 (optimizer states partitioned) or 2
             (gradients too). Stage 3 is refused: K-FAC preconditions whole layers.
         config: a DeepSpeed config dict or the path of a JSON file; it overrides ``stage`` and
@@ -200,9 +199,7 @@ class SPDKFACDeepSpeedStrategy(_SPDKFACStrategyMixin, DeepSpeedStrategy):
         timeout: timeout of the process groups, a positive ``datetime.timedelta``.
         **kwargs: everything Lightning's ``DeepSpeedStrategy`` accepts.
 
-    Every argument above is checked at construction, without a process group, under the rules of
-    :class:`~lightning_spdkfac.SPDKFACStrategy`: ``TypeError`` for a wrong type, ``ValueError`` for a
-    value or a combination that is not accepted, the message naming the argument.
+{spd_rules} The DeepSpeed arguments above are checked at construction too, under the same rule.
     """
 
     strategy_name = "spdkfac_deepspeed"

@@ -45,6 +45,42 @@ def _spd_options(arguments: dict[str, Any]) -> SPDOptions:
     return SPDOptions.from_schedule(arguments["schedule"], **options)
 
 
+# The K-FAC schedule arguments as both strategies document them (LightningCLI's --help reads these):
+# written once here and put into each strategy's docstring by ``spd_documented``.
+SPD_ARGUMENTS_DOC = """        schedule: ``"spd"``, ``"mpd"`` or ``"dkfac"`` (see :mod:`lightning_spdkfac.lightning.strategy`).
+        pipelining: launch factor reductions from the hooks (default: True for ``spd``).
+        fusion: how factor reductions are grouped: ``"dtf"`` (planned from the cost model; the
+            default for ``spd``), ``"layerwise"`` (one per factor; the default otherwise),
+            ``"all"`` (one for all) or ``"bucket"`` (consecutive factors up to ``bucket_mb``).
+        placement: who inverts what: ``"lbp_channel"`` (default for ``spd``: the paper's
+            load-balanced placement that also weighs the broadcast channel all ranks share, chosen
+            from the cluster simulator, see docs/simulator.md), ``"lbp"`` (the paper's),
+            ``"round_robin"`` (``mpd``) or ``"replicated"`` (every rank inverts everything; ``dkfac``).
+        bucket_mb: bucket size of ``fusion="bucket"``, in MiB.
+        profile_steps: optimizer steps whose factor ready times are measured before the plan is
+            made (the steps before it are warm-up); the plan is then fixed until a re-plan.
+        replan_every: re-measure and re-plan every this many steps (None: never).
+        small_factor: factors with a side below this are inverted on every rank; None lets
+            the cost model decide (inverting is cheaper than broadcasting the inverse).
+        comm_dtype: dtype of factor and inverse messages ("float32" or "bfloat16").
+        comm_timeout_s: seconds any rank waits for one K-FAC factor all-reduce or inverse broadcast
+            before raising ``KFACCommError`` (naming the collective and phase) instead of hanging
+            when a peer crashed or stalls; keep it below ``timeout``."""
+SPD_RULES_DOC = """    The K-FAC arguments are checked at construction (no process group is needed for that), by
+    :class:`~lightning_spdkfac.comm.scheduler.SPDOptions`: a wrong type raises ``TypeError``, a value
+    that is not accepted ``ValueError``, naming the argument. The schedule only picks the defaults of
+    ``pipelining``, ``fusion`` and ``placement``; options the resulting combination would ignore are
+    refused: ``bucket_mb`` without ``fusion="bucket"``, ``replan_every`` without ``pipelining=True``
+    and ``fusion="dtf"``, ``small_factor`` without a load-balanced placement (``"lbp"`` or ``"lbp_channel"``)."""
+
+
+def spd_documented(cls: type) -> type:
+    """Fill ``{spd_arguments}`` and ``{spd_rules}`` in a strategy's docstring."""
+    doc = cls.__doc__ or ""
+    cls.__doc__ = doc.replace("{spd_arguments}", SPD_ARGUMENTS_DOC).replace("{spd_rules}", SPD_RULES_DOC)
+    return cls
+
+
 class _SPDKFACStrategyMixin:
     """What every K-FAC-aware strategy adds: SPD options, a factor process group, the distributor."""
 
@@ -76,39 +112,17 @@ class _SPDKFACStrategyMixin:
         self._factor_group = None
 
 
+@spd_documented
 class SPDKFACStrategy(_SPDKFACStrategyMixin, DDPStrategy):
     """DDP plus the SPD-KFAC scheduler for the ``KFAC`` callback.
 
     Args:
-        schedule: ``"spd"``, ``"mpd"`` or ``"dkfac"`` (see the module docstring).
-        pipelining: launch factor reductions from the hooks (default: True for ``spd``).
-        fusion: how factor reductions are grouped: ``"dtf"`` (planned from the cost model; the
-            default for ``spd``), ``"layerwise"`` (one per factor; the default otherwise),
-            ``"all"`` (one for all) or ``"bucket"`` (consecutive factors up to ``bucket_mb``).
-        placement: who inverts what: ``"lbp_channel"`` (default for ``spd``: the paper's
-            load-balanced placement that also weighs the broadcast channel all ranks share, chosen
-            from the cluster simulator, see docs/simulator.md), ``"lbp"`` (the paper's),
-            ``"round_robin"`` (``mpd``) or ``"replicated"`` (every rank inverts everything; ``dkfac``).
-        bucket_mb: bucket size of ``fusion="bucket"``, in MiB.
-        profile_steps: optimizer steps whose factor ready times are measured before the plan is
-            made (the steps before it are warm-up); the plan is then fixed until a re-plan.
-        replan_every: re-measure and re-plan every this many steps (None: never).
-        small_factor: factors with a side below this are inverted on every rank; None lets
-            the cost model decide (inverting is cheaper than broadcasting the inverse).
-        comm_dtype: dtype of factor and inverse messages ("float32" or "bfloat16").
-        comm_timeout_s: seconds any rank waits for one K-FAC factor all-reduce or inverse broadcast
-            before raising ``KFACCommError`` (naming the collective and phase) instead of hanging
-            when a peer crashed or stalls; keep it below ``timeout``.
+{spd_arguments}
         timeout: timeout of the process groups (DDP's and the K-FAC factor group), a positive
             ``datetime.timedelta``.
         **kwargs: everything ``DDPStrategy`` accepts.
 
-    The K-FAC arguments are checked at construction (no process group is needed for that), by
-    :class:`~lightning_spdkfac.comm.scheduler.SPDOptions`: a wrong type raises ``TypeError``, a value
-    that is not accepted ``ValueError``, naming the argument. The schedule only picks the defaults of
-    ``pipelining``, ``fusion`` and ``placement``; options the resulting combination would ignore are
-    refused: ``bucket_mb`` without ``fusion="bucket"``, ``replan_every`` without ``pipelining=True``
-    and ``fusion="dtf"``, ``small_factor`` without a load-balanced placement (``"lbp"`` or ``"lbp_channel"``).
+{spd_rules}
     """
 
     strategy_name = "spdkfac"
