@@ -161,11 +161,6 @@ class InverseBroadcaster:
         self._t_wait_start = [NAN] * n
         self._t_wait_end = [NAN] * n
 
-    def is_owner(self, index: int) -> bool:
-        """True when this rank computes factor ``index``'s inverse (owned here, or replicated)."""
-        o = self.owners[val.check_index("index", index, len(self.sides))]
-        return o == -1 or o == self.rank
-
     @property
     def next_index(self) -> int | None:
         """The non-replicated factor whose publish/expect comes next in the global order (None: done)."""

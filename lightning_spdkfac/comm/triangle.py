@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["clear_triu_cache", "pack_triu", "triu_size", "unpack_triu"]
+__all__ = ["pack_triu", "triu_size", "unpack_triu"]
 
 _INDEX_CACHE_SIZE = 64
 
@@ -56,12 +56,6 @@ def _device_key(device: torch.device) -> torch.device:
     if device.type != "cpu" and device.index is None:
         return torch.device(device.type, torch.empty(0, device=device).device.index)
     return device
-
-
-def clear_triu_cache() -> None:
-    """Drop the cached index tensors (they hold ~6 n^2 bytes per distinct side and device)."""
-    _triu_index.cache_clear()
-    _mirror_index.cache_clear()
 
 
 def _check_square(name: str, m: torch.Tensor) -> int:
