@@ -17,6 +17,8 @@ from collections.abc import Sequence
 
 import torch
 
+from .. import validation as val
+
 __all__ = ["pack_triu", "triu_size", "unpack_triu"]
 
 _INDEX_CACHE_SIZE = 64
@@ -109,17 +111,17 @@ def unpack_triu(
     buffer's device. Element ``(i, j)`` and ``(j, i)`` are copies of the same packed value, so the
     results are exactly symmetric.
     """
-    sides = [int(n) for n in sides]
-    total = sum(triu_size(n) for n in sides)
+    ns = val.check_ints("sides", sides, low=0)
+    total = sum(triu_size(n) for n in ns)
     if flat.dim() != 1 or flat.numel() != total:
-        raise ValueError(f"flat must be a flat tensor of {total} elements for sides {sides}, "
+        raise ValueError(f"flat must be a flat tensor of {total} elements for sides {ns}, "
                          f"got shape {tuple(flat.shape)}")
-    if out is not None and len(out) != len(sides):
-        raise ValueError(f"out must hold one matrix per side ({len(sides)}), got {len(out)}")
+    if out is not None and len(out) != len(ns):
+        raise ValueError(f"out must hold one matrix per side ({len(ns)}), got {len(out)}")
     dtype = flat.dtype if dtype is None else dtype
     results: list[torch.Tensor] = []
     offset = 0
-    for k, n in enumerate(sides):
+    for k, n in enumerate(ns):
         size = triu_size(n)
         seg = flat[offset:offset + size]
         offset += size
