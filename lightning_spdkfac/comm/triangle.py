@@ -38,8 +38,8 @@ def _index_dtype(n: int) -> torch.dtype:
 @functools.lru_cache(maxsize=_INDEX_CACHE_SIZE)
 def _triu_index(n: int, device: torch.device) -> torch.Tensor:
     """Flat positions ``i * n + j`` (i <= j) of the upper triangle, row-major; length n(n+1)/2."""
-    rows, cols = torch.triu_indices(n, n, device=device)
-    return (rows * n + cols).to(_index_dtype(n))
+    rows_cols = torch.triu_indices(n, n, device=device)
+    return (rows_cols[0] * n + rows_cols[1]).to(_index_dtype(n))
 
 
 @functools.lru_cache(maxsize=_INDEX_CACHE_SIZE)
