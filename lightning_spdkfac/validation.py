@@ -27,10 +27,13 @@ import types
 import typing
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, TypeVar, overload
 
 # A hyperparameter given as a number or as a function of the optimizer step.
 HParam = float | Callable[[int], float]
+
+# The choices of check_choice (e.g. a Literal of names): what it returns is one of them.
+_Choice = TypeVar("_Choice", bound=str)
 
 _repr = reprlib.Repr()
 _repr.maxstring = _repr.maxother = 120
@@ -162,6 +165,12 @@ def resolve(name: str, value: HParam, step: int, bound: Bound) -> float:
 
 
 # ---------------------------------------------------------------------- plain arguments
+@overload
+def check_int(name: str, value: object, low: int | None = None, optional: Literal[False] = False,
+              accepted: str | None = None) -> int: ...
+@overload
+def check_int(name: str, value: object, low: int | None = None, optional: bool = False,
+              accepted: str | None = None) -> int | None: ...
 def check_int(name: str, value: object, low: int | None = None, optional: bool = False,
               accepted: str | None = None) -> int | None:
     """An integer >= ``low`` (None too with ``optional``); bools and floats are type errors."""
@@ -181,6 +190,10 @@ def check_positive_int(name: str, value: object) -> int:
     return check_int(name, value, low=1, accepted="a positive integer")
 
 
+@overload
+def check_real(name: str, value: object, bound: Bound = Bound(), optional: Literal[False] = False) -> float: ...
+@overload
+def check_real(name: str, value: object, bound: Bound = Bound(), optional: bool = False) -> float | None: ...
 def check_real(name: str, value: object, bound: Bound = Bound(), optional: bool = False) -> float | None:
     """A finite real number in ``bound`` (None too with ``optional``)."""
     if value is None and optional:
@@ -193,6 +206,10 @@ def check_real(name: str, value: object, bound: Bound = Bound(), optional: bool 
     return float(value)
 
 
+@overload
+def check_bool(name: str, value: object, optional: Literal[False] = False) -> bool: ...
+@overload
+def check_bool(name: str, value: object, optional: bool = False) -> bool | None: ...
 def check_bool(name: str, value: object, optional: bool = False) -> bool | None:
     if value is None and optional:
         return None
@@ -201,6 +218,12 @@ def check_bool(name: str, value: object, optional: bool = False) -> bool | None:
     return value
 
 
+@overload
+def check_choice(name: str, value: object, choices: Iterable[_Choice],
+                 optional: Literal[False] = False) -> _Choice: ...
+@overload
+def check_choice(name: str, value: object, choices: Iterable[_Choice],
+                 optional: bool = False) -> _Choice | None: ...
 def check_choice(name: str, value: object, choices: Iterable[str], optional: bool = False) -> str | None:
     """One of ``choices`` (strings); None too with ``optional``. A non-string is a type error."""
     choices = tuple(choices)
@@ -224,13 +247,13 @@ def check_sequence(name: str, values: object, what: str) -> Sequence[Any]:
 def check_reals(name: str, values: object, bound: Bound = Bound()) -> list[float]:
     """Each item checked with :func:`check_real`; messages name the index, e.g. ``seconds[3]``."""
     seq = check_sequence(name, values, f"numbers {bound.describe()}")
-    return [float(check_real(f"{name}[{i}]", v, bound)) for i, v in enumerate(seq)]  # type: ignore[arg-type]
+    return [float(check_real(f"{name}[{i}]", v, bound)) for i, v in enumerate(seq)]
 
 
 def check_ints(name: str, values: object, low: int | None = None) -> list[int]:
     """Each item checked with :func:`check_int`; messages name the index."""
     seq = check_sequence(name, values, "integers" + ("" if low is None else f" >= {low}"))
-    return [int(check_int(f"{name}[{i}]", v, low=low)) for i, v in enumerate(seq)]  # type: ignore[arg-type]
+    return [int(check_int(f"{name}[{i}]", v, low=low)) for i, v in enumerate(seq)]
 
 
 def check_same_length(name_a: str, a: Sequence[object], name_b: str, b: Sequence[object]) -> None:

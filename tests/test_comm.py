@@ -132,6 +132,41 @@ def test_inverse_broadcaster_single_process_order_checks():
         InverseBroadcaster([1], [2])
 
 
+def test_executor_arguments_follow_the_package_rule():
+    """A wrong type raises TypeError, a wrong value ValueError, each naming the argument (a float or a
+    string where a factor index is expected used to be truncated or to raise ValueError)."""
+    for kwargs, error, match in [
+        ({"groups": [[0, 1.0]]}, TypeError, r"groups\[0\]\[1\] must be an integer, got float"),
+        ({"groups": "01"}, TypeError, "groups must be a sequence"),
+        ({"names": "ab"}, TypeError, "names must be a sequence"),
+        ({"names": ["a"]}, ValueError, "names must give one label per factor"),
+        ({"op": "avg"}, ValueError, "op must be one of 'average', 'sum', got 'avg'"),
+        ({"op": 1}, TypeError, "op must be one of"),
+        ({"allow_missing": 1}, TypeError, "allow_missing must be True or False"),
+    ]:
+        with pytest.raises(error, match=match):
+            FusedAllReduce(**({"groups": [[0, 1]], "sides": [2, 2]} | kwargs))
+    for kwargs, error, match in [
+        ({"owners": ["0"]}, TypeError, r"owners\[0\] must be an integer, got str"),
+        ({"owners": [0, -1]}, ValueError, "owners and sides must have the same length"),
+        ({"order": [0.0]}, TypeError, r"order\[0\] must be an integer"),
+    ]:
+        with pytest.raises(error, match=match):
+            InverseBroadcaster(**({"owners": [0], "sides": [2]} | kwargs))
+    fused = FusedAllReduce([[0]], [2])
+    fused.begin_step()
+    with pytest.raises(TypeError, match="matrix must be a Tensor"):
+        fused.submit(0, [[1.0, 0.0], [0.0, 1.0]])
+    bc = InverseBroadcaster([0], [2])
+    bc.begin_round()
+    with pytest.raises(TypeError, match="inverse must be a Tensor"):
+        bc.publish(0, [[1.0, 0.0], [0.0, 1.0]])
+    with pytest.raises(TypeError, match=r"sides\[0\] must be an integer"):
+        unpack_triu(torch.zeros(3), ["2"])
+    with pytest.raises(TypeError, match=r"sizes_bytes\[0\] must be an integer"):
+        measure_allreduce([4096.0])
+
+
 # -------------------------------------------------------------------------------- distributed workers
 def _check_step(fused: FusedAllReduce, step: int, rank: int, world: int, order) -> list[torch.Tensor]:
     """Submit this rank's factors of ``step`` in ``order``, checking launches; verify the averages."""

@@ -108,3 +108,11 @@ def test_fuse_g_false_reduces_every_g_factor_alone():
 
     assert groups(False) == [(0, 1), (2,), (3,)]
     assert groups(True) == [(0, 1, 2, 3)]
+
+
+def test_spd_distributor_takes_spd_options_by_the_package_rule():
+    """A wrong type of options is a TypeError naming it (it was an AttributeError at setup)."""
+    from lightning_spdkfac.comm.scheduler import SPDDistributor
+
+    with pytest.raises(TypeError, match="options must be a SPDOptions, got dict"):
+        SPDDistributor({"schedule": "spd"})

@@ -97,6 +97,10 @@ def test_fusion_plan_and_simulation_validate() -> None:
         FusionPlan(groups=((0,), (2, 1)), policy="dtf")
     with pytest.raises(ValueError, match=r"groups\[1\] is empty"):
         FusionPlan(groups=((0,), ()), policy="dtf")
+    with pytest.raises(TypeError, match=r"groups\[1\]\[0\] must be an integer, got float"):
+        FusionPlan(groups=((0,), (1.0,)), policy="dtf")  # a wrong type: TypeError, not "not consecutive"
+    with pytest.raises(TypeError, match="groups must be a sequence"):
+        FusionPlan(groups="01", policy="dtf")
     with pytest.raises(ValueError, match="policy"):
         FusionPlan(groups=((0,),), policy="nope")
     plan = FusionPlan(groups=((0, 1), (2,)), policy="dtf")

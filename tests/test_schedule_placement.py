@@ -132,6 +132,12 @@ def test_plan_placement_rejects_bad_input(kwargs: dict, error: type, match: str)
 def test_placement_validates_owners_and_ranks() -> None:
     with pytest.raises(ValueError, match=r"owners\[1\]"):
         Placement(owners=(0, 2), policy="lbp", load=(0.0, 0.0))
+    # A wrong type is a TypeError (it used to be a ValueError, or a float owner slipped through).
+    for owners in ((0, True), (0, 1.0), (0, "1")):
+        with pytest.raises(TypeError, match=r"owners\[1\] must be an integer"):
+            Placement(owners=owners, policy="lbp", load=(0.0, 0.0))
+    with pytest.raises(TypeError, match=r"load\[1\] must be a number"):
+        Placement(owners=(0, 1), policy="lbp", load=(0.0, "0.5"))
     p = Placement(owners=(0, REPLICATED), policy="lbp", load=(0.0, 0.0))
     with pytest.raises(ValueError, match="rank"):
         owned_by(p, 2)

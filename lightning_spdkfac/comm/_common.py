@@ -15,7 +15,9 @@ WIRE_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
 def check_wire_dtype(name: str, dtype: object) -> torch.dtype:
-    return val.check_member(name, dtype, WIRE_DTYPES, torch.dtype)  # type: ignore[no-any-return]
+    checked: torch.dtype = val.check_member(name, dtype, WIRE_DTYPES, torch.dtype)
+    return checked
+
 
 NAN = math.nan
 
@@ -29,14 +31,14 @@ def distributed_ready(process_group: object | None) -> bool:
     return False
 
 
-def global_rank(process_group: object | None, rank_in_group: int) -> int:
+def global_rank(process_group: dist.ProcessGroup | None, rank_in_group: int) -> int:
     """The global rank of ``rank_in_group`` (what ``src=`` of collectives expects)."""
     if process_group is None or process_group is dist.GroupMember.WORLD:
         return rank_in_group
     return dist.get_global_rank(process_group, rank_in_group)
 
 
-def default_device(process_group: object | None) -> torch.device:
+def default_device(process_group: dist.ProcessGroup | None) -> torch.device:
     """Where receive buffers live when no tensor says otherwise: the current GPU for NCCL, else CPU."""
     if distributed_ready(process_group) and dist.get_backend(process_group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())

@@ -27,12 +27,12 @@ seconds. A broadcast that fails (its owner or a receiver crashed) or does not co
 factor, its owner, this rank and the timeout. The round is then abandoned: no pending broadcast is waited
 again and no receive buffer of the round is read (gloo may still fill one when a late owner arrives);
 until :meth:`InverseBroadcaster.reset` acknowledges the failure, every call raises. Every round receives
-into freshly allocated buffers.
+into freshly allocated buffers. That protocol is :class:`~lightning_spdkfac.comm.executor.CollectiveExecutor`'s,
+shared with the fused factor all-reduces.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -41,21 +41,9 @@ import torch
 import torch.distributed as dist
 
 from .. import validation as val
-from ._common import (
-    NAN,
-    check_wire_dtype,
-    default_device,
-    distributed_ready,
-    global_rank,
-)
-from .faults import (
-    INVERSE_BROADCAST,
-    TIMEOUT_ACCEPTED,
-    KFACCommError,
-    comm_error,
-    refuse_if_failed,
-    wait_work,
-)
+from ._common import NAN, check_wire_dtype, default_device, global_rank
+from .executor import CollectiveExecutor
+from .faults import INVERSE_BROADCAST, Work
 from .triangle import pack_triu, triu_size, unpack_triu
 
 __all__ = ["InverseBroadcaster", "RoundTimings"]
@@ -79,11 +67,11 @@ class RoundTimings:
 @dataclass
 class _Entry:
     buffer: torch.Tensor | None = None  # packed triangle in flight (non-replicated)
-    work: object | None = None
+    work: Work | None = None
     value: torch.Tensor | None = None  # replicated inverse, or the owner's rebuilt copy
 
 
-class InverseBroadcaster:
+class InverseBroadcaster(CollectiveExecutor):
     """Owners broadcast inverses asynchronously, receivers post matching receives, in one global order.
 
     Args:
@@ -101,6 +89,10 @@ class InverseBroadcaster:
         names: a label per factor index for error messages (e.g. ``"layer 3 G"``); default: the index.
     """
 
+    unit = "round"
+    collective = "broadcast"
+    phase = INVERSE_BROADCAST
+
     def __init__(
         self,
         owners: Sequence[int],
@@ -113,19 +105,11 @@ class InverseBroadcaster:
         timeout: float = 600.0,
         names: Sequence[str] | None = None,
     ) -> None:
-        self.sides = val.check_ints("sides", sides, low=1)
-        self.timeout = val.check_seconds("timeout", timeout, TIMEOUT_ACCEPTED)
-        if names is not None and (isinstance(names, str) or len(names) != len(self.sides)):
-            raise ValueError(f"names must give one label per factor ({len(self.sides)}), got {names!r}")
-        self.names = (tuple(str(x) for x in names) if names is not None
-                      else tuple(str(i) for i in range(len(self.sides))))
-        if len(owners) != len(self.sides):
-            raise ValueError(f"owners and sides must have the same length, got {len(owners)} and {len(self.sides)}")
-        self.process_group = process_group
-        self._distributed = distributed_ready(process_group)
-        self.world_size = dist.get_world_size(process_group) if self._distributed else 1
-        self.rank = dist.get_rank(process_group) if self._distributed else 0
-        self.owners = tuple(int(o) for o in owners)
+        super().__init__(sides, timeout, names)
+        self.owners = tuple(val.check_ints("owners", owners))
+        if len(self.owners) != len(self.sides):
+            raise ValueError(f"owners and sides must have the same length, got {len(self.owners)} and {len(self.sides)}")
+        self._join(process_group)
         for i, o in enumerate(self.owners):
             if not -1 <= o < self.world_size:
                 raise ValueError(f"owners[{i}] must be -1 or a rank in [0, {self.world_size}), got {o}")
@@ -136,16 +120,13 @@ class InverseBroadcaster:
         if order is None:
             self.order = tuple(sent)
         else:
-            self.order = tuple(int(i) for i in order)
+            self.order = tuple(val.check_ints("order", order))
             if sorted(self.order) != sent:
                 raise ValueError(f"order must list every non-replicated factor exactly once ({sent}), "
                                  f"got {list(self.order)}")
         self.replicated = tuple(i for i, o in enumerate(self.owners) if o == -1)
         self.owned = tuple(i for i in self.order if self.owners[i] == self.rank)
         self._src = {i: global_rank(process_group, self.owners[i]) for i in sent} if self._distributed else {}
-        self._lock = threading.Lock()
-        self._active = False
-        self._failure: KFACCommError | None = None
         self.last_timings: RoundTimings | None = None
         self._clear()
 
@@ -153,18 +134,13 @@ class InverseBroadcaster:
     def _clear(self) -> None:
         n = len(self.sides)
         self._pos = 0
-        self._sends: list[tuple[int, object]] = []  # (factor, work) of own broadcasts already returned
+        self._sends: list[tuple[int, Work]] = []  # (factor, work) of own broadcasts already returned
         self._entries: dict[int, _Entry] = {}
         self._returned = [False] * n
         self._t_begin = NAN
         self._t_post = [NAN] * n
         self._t_wait_start = [NAN] * n
         self._t_wait_end = [NAN] * n
-
-    def is_owner(self, index: int) -> bool:
-        """True when this rank computes factor ``index``'s inverse (owned here, or replicated)."""
-        o = self.owners[val.check_index("index", index, len(self.sides))]
-        return o == -1 or o == self.rank
 
     @property
     def next_index(self) -> int | None:
@@ -180,34 +156,13 @@ class InverseBroadcaster:
         return RoundTimings(self._t_begin, tuple(self._t_post), tuple(self._t_wait_start),
                             tuple(self._t_wait_end))
 
-    @property
-    def failure(self) -> KFACCommError | None:
-        """The communication error that abandoned a round, until :meth:`reset` (None: usable)."""
-        return self._failure
-
-    def _check_usable(self, call: str) -> None:
-        """Raise if a failed round was not acknowledged by :meth:`reset` (called with the lock held)."""
-        refuse_if_failed(self._failure, f"InverseBroadcaster.{call}", "round")
-
-    def _describe(self, index: int) -> str:
-        owner = self.owners[index]
+    def _describe(self, key: int) -> str:
+        owner = self.owners[key]
         who = "this rank" if owner == self.rank else f"rank {owner}"
-        return f"the inverse of factor {self.names[index]} (from its owner, {who})"
+        return f"the inverse of factor {self.names[key]} (from its owner, {who})"
 
-    def _wait_work(self, index: int, work: object) -> None:
-        try:
-            wait_work(work, self.timeout, collective="broadcast", phase=INVERSE_BROADCAST,
-                      what=self._describe(index), rank=self.rank, world_size=self.world_size)
-        except KFACCommError as error:
-            self._fail(error)
-            raise
-
-    def _fail(self, error: KFACCommError) -> None:
-        """Abandon the round: pending broadcasts are not waited again, their buffers are never read."""
-        with self._lock:
-            self._failure = error
-            self._clear()
-            self._active = False
+    def _in_flight(self) -> list[tuple[int, Work]]:
+        return [(i, e.work) for i, e in self._entries.items() if e.work is not None] + self._sends
 
     # ----------------------------------------------------------------------------------------- round
     def begin_round(self) -> None:
@@ -224,7 +179,7 @@ class InverseBroadcaster:
             if self._active and any(self._returned):  # the previous round ended by wait(i) calls
                 self.last_timings = self.timings()
         for i, w in sends:  # the previous round's own broadcasts, if only wait(i) was used
-            self._wait_work(i, w)
+            self._wait(i, w)
         with self._lock:
             self._clear()
             self._active = True
@@ -251,6 +206,7 @@ class InverseBroadcaster:
         """
         index = val.check_index("index", index, len(self.sides))
         n = self.sides[index]
+        val.check_instance("inverse", inverse, torch.Tensor)
         if tuple(inverse.shape) != (n, n):
             raise ValueError(f"inverse {index} must have shape ({n}, {n}), got {tuple(inverse.shape)}")
         owner = self.owners[index]
@@ -290,19 +246,12 @@ class InverseBroadcaster:
             self._entries[index] = _Entry(buffer=buf, work=work)
             self._t_post[index] = time.perf_counter()
 
-    def _launch(self, index: int, buf: torch.Tensor) -> object | None:
-        """Issue the broadcast of ``index`` (called with the lock held)."""
+    def _launch(self, index: int, buf: torch.Tensor) -> Work | None:
+        """Issue the broadcast of ``index`` (called with the lock held); None: one process, nothing sent."""
         if not self._distributed:
             return None
-        try:
-            return dist.broadcast(buf, src=self._src[index], group=self.process_group, async_op=True)
-        except Exception as exc:  # noqa: BLE001 - e.g. the backend already knows a peer is gone
-            error = comm_error(exc, collective="broadcast", phase=INVERSE_BROADCAST, what=self._describe(index),
-                               rank=self.rank, world_size=self.world_size, timeout_s=self.timeout, launching=True)
-            self._failure = error
-            self._clear()
-            self._active = False
-            raise error from exc
+        return self._issue(index, lambda: dist.broadcast(buf, src=self._src[index], group=self.process_group,
+                                                         async_op=True))
 
     def exchange(self, invert: Callable[[int], torch.Tensor]) -> None:
         """Post the rest of the round: for each factor left in :attr:`order`, ``publish(i, invert(i))`` on
@@ -333,12 +282,13 @@ class InverseBroadcaster:
         own_send = entry.work is not None and self.owners[index] == self.rank
         if entry.value is None:
             if entry.work is not None and not own_send:
-                self._wait_work(index, entry.work)
+                self._wait(index, entry.work)
             assert entry.buffer is not None
             entry.value = unpack_triu(entry.buffer, [self.sides[index]], dtype=self.result_dtype)[0]
         value = entry.value
         with self._lock:
             if own_send:
+                assert entry.work is not None
                 self._sends.append((index, entry.work))  # may still be in flight: wait_all ends it
             del self._entries[index]
             self._returned[index] = True
@@ -361,28 +311,9 @@ class InverseBroadcaster:
         with self._lock:
             sends, self._sends = self._sends, []
         for i, w in sends:
-            self._wait_work(i, w)
+            self._wait(i, w)
         with self._lock:
             if self._pos == len(self.order) and not self._entries:
                 self.last_timings = self.timings()
-                self._clear()
-                self._active = False
+                self._end()
         return dict(sorted(out.items()))
-
-    def reset(self) -> None:
-        """Discard the round: wait for every issued broadcast (each bounded by ``timeout``), drop all.
-
-        Also acknowledges a failure (:attr:`failure`): the abandoned round's broadcasts are not waited
-        again, and the next round receives into new buffers. If a wait here fails, the round is dropped all
-        the same and the KFACCommError is raised (and kept in :attr:`failure`; a second reset() clears it).
-
-        Only consistent when every rank resets at the same point of the order.
-        """
-        with self._lock:
-            works = [(i, e.work) for i, e in self._entries.items() if e.work is not None] + self._sends
-            self._failure = None
-        for i, w in works:
-            self._wait_work(i, w)
-        with self._lock:
-            self._clear()
-            self._active = False

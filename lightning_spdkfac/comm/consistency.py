@@ -18,12 +18,13 @@ from __future__ import annotations
 import hashlib
 import pickle
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ._common import default_device, distributed_ready
-from .faults import PLAN_CHECK, wait_work
+from .faults import PLAN_CHECK, Work, wait_work
 
 __all__ = ["PLAN_PARTS", "PlanMismatchError", "check_plan_consistency", "plan_fingerprint"]
 
@@ -43,8 +44,8 @@ class PlanMismatchError(RuntimeError):
         self.ranks = ranks
 
 
-def _plan_parts(order: Sequence, groups: Sequence[Sequence[int]], owners: Sequence[int],
-                sides: Sequence[int]) -> dict[str, list]:
+def _plan_parts(order: Sequence[object], groups: Sequence[Sequence[int]], owners: Sequence[int],
+                sides: Sequence[int]) -> dict[str, list[Any]]:
     return {
         "order": [tuple(k) if isinstance(k, (tuple, list)) else k for k in order],
         "groups": [[int(i) for i in g] for g in groups],
@@ -53,7 +54,7 @@ def _plan_parts(order: Sequence, groups: Sequence[Sequence[int]], owners: Sequen
     }
 
 
-def plan_fingerprint(order: Sequence, groups: Sequence[Sequence[int]], owners: Sequence[int],
+def plan_fingerprint(order: Sequence[object], groups: Sequence[Sequence[int]], owners: Sequence[int],
                      sides: Sequence[int]) -> dict[str, int]:
     """A 63-bit hash of each plan part (a non-negative int64), identical for equal plans on any rank,
     Python process or platform (the hash of the part's ``repr``, not Python's salted ``hash``)."""
@@ -63,20 +64,22 @@ def plan_fingerprint(order: Sequence, groups: Sequence[Sequence[int]], owners: S
 
 
 def _gather_objects(obj: object, process_group: dist.ProcessGroup | None, device: torch.device,
-                    world_size: int, rank: int, timeout_s: float) -> list:
+                    world_size: int, rank: int, timeout_s: float) -> list[Any]:
     """Every rank's ``obj`` (picklable), with bounded waits (only used on the mismatch path)."""
+
+    def wait(work: Work, what: str) -> None:
+        wait_work(work, timeout_s, collective="all_gather", phase=PLAN_CHECK, what=what, rank=rank,
+                  world_size=world_size)
+
     data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
     size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
     sizes = [torch.empty_like(size) for _ in range(world_size)]
-    what = dict(collective="all_gather", phase=PLAN_CHECK, rank=rank, world_size=world_size)
-    wait_work(dist.all_gather(sizes, size, group=process_group, async_op=True), timeout_s,
-              what="the sizes of the plans", **what)
+    wait(dist.all_gather(sizes, size, group=process_group, async_op=True), "the sizes of the plans")
     longest = max(int(s.item()) for s in sizes)
     padded = torch.zeros(longest, dtype=torch.uint8, device=device)
     padded[:data.numel()] = data
     out = [torch.empty_like(padded) for _ in range(world_size)]
-    wait_work(dist.all_gather(out, padded, group=process_group, async_op=True), timeout_s,
-              what="the plans", **what)
+    wait(dist.all_gather(out, padded, group=process_group, async_op=True), "the plans")
     return [pickle.loads(o[:int(s.item())].cpu().numpy().tobytes()) for o, s in zip(out, sizes)]
 
 
@@ -86,7 +89,7 @@ def _show(value: object) -> str:
 
 
 def check_plan_consistency(
-    order: Sequence,
+    order: Sequence[object],
     groups: Sequence[Sequence[int]],
     owners: Sequence[int],
     sides: Sequence[int],

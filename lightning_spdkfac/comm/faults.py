@@ -9,7 +9,7 @@ stalls (or issued a different collective), the wait ends at the timeout. Either 
 rank, the world size and the timeout, with the backend's exception as ``__cause__``.
 
 Backends: with gloo (CPU tensors) ``Work.wait(timeout)`` blocks the host and raises at the deadline,
-leaving the collective queued in gloo (the executors then abandon it: see their ``reset``). With NCCL,
+leaving the collective queued in gloo (the executors then abandon it: see :mod:`.executor`). With NCCL,
 ``Work.wait`` only orders the current CUDA stream behind the collective unless ``TORCH_NCCL_BLOCKING_WAIT=1``
 is set, so the bound that applies there is the process group's own timeout (NCCL's watchdog); the error
 path is the same.
@@ -18,6 +18,7 @@ path is the same.
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Protocol
 
 FACTOR_ALLREDUCE = "K-FAC factor all-reduce"
 INVERSE_BROADCAST = "K-FAC inverse broadcast"
@@ -29,9 +30,16 @@ __all__ = [
     "PLAN_CHECK",
     "KFACCommError",
     "TIMEOUT_ACCEPTED",
+    "Work",
     "comm_error",
     "wait_work",
 ]
+
+
+class Work(Protocol):
+    """What an asynchronous collective returns (``torch.distributed.Work``): something to wait on."""
+
+    def wait(self, timeout: timedelta = ...) -> bool: ...
 
 
 class KFACCommError(RuntimeError):
@@ -94,7 +102,7 @@ def comm_error(exc: BaseException, *, collective: str, phase: str, what: str, ra
                          world_size=world_size, timeout_s=timeout_s, timed_out=timed_out)
 
 
-def wait_work(work: object, timeout_s: float, *, collective: str, phase: str, what: str, rank: int,
+def wait_work(work: Work, timeout_s: float, *, collective: str, phase: str, what: str, rank: int,
               world_size: int) -> None:
     """``work.wait()``, bounded by ``timeout_s`` seconds; a failure or timeout raises :class:`KFACCommError`
     (with the backend's exception as ``__cause__``)."""
@@ -105,15 +113,3 @@ def wait_work(work: object, timeout_s: float, *, collective: str, phase: str, wh
     except Exception as exc:  # noqa: BLE001 - every backend error becomes one that names the collective
         raise comm_error(exc, collective=collective, phase=phase, what=what, rank=rank, world_size=world_size,
                          timeout_s=timeout_s) from exc
-
-
-def refuse_if_failed(failure: KFACCommError | None, where: str, unit: str) -> None:
-    """Raise if an executor abandoned a ``unit`` ("step", "round") after ``failure`` and was not
-    ``reset()``: its buffers were dropped and the process group may still hold that collective."""
-    if failure is not None:
-        raise RuntimeError(
-            f"{where}: this executor abandoned a {unit} after a failed collective ({failure.phase}, "
-            f"{failure.what}); its buffers were dropped and the process group may still have that collective "
-            "pending. Restart the job (or re-create the process group); call reset() on every rank only if "
-            "you know all ranks are back in step"
-        ) from failure

@@ -28,12 +28,12 @@ does not complete in time raises :class:`~lightning_spdkfac.comm.faults.KFACComm
 abandoned: the collectives still pending are not waited again, and their buffers (which gloo may still
 write into when a late peer arrives) are dropped, never read or reused. Until :meth:`reset` acknowledges
 the failure, every call raises instead of starting a step on a process group in an unknown state; after
-it, each step packs into freshly allocated buffers.
+it, each step packs into freshly allocated buffers. That protocol is
+:class:`~lightning_spdkfac.comm.executor.CollectiveExecutor`'s, shared with the inverse broadcasts.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -43,8 +43,9 @@ import torch
 import torch.distributed as dist
 
 from .. import validation as val
-from ._common import NAN, check_wire_dtype, default_device, distributed_ready
-from .faults import FACTOR_ALLREDUCE, TIMEOUT_ACCEPTED, KFACCommError, comm_error, refuse_if_failed, wait_work
+from ._common import NAN, check_wire_dtype, default_device
+from .executor import CollectiveExecutor
+from .faults import FACTOR_ALLREDUCE, Work
 from .triangle import pack_triu, triu_size, unpack_triu
 
 __all__ = ["FusedAllReduce", "StepTimings"]
@@ -78,7 +79,7 @@ class _LocalWork:
         return True
 
 
-class FusedAllReduce:
+class FusedAllReduce(CollectiveExecutor):
     """Executes a fusion plan: each group of factors is one asynchronous all-reduce of upper triangles.
 
     Args:
@@ -101,6 +102,10 @@ class FusedAllReduce:
         names: a label per factor index for error messages (e.g. ``"layer 3 G"``); default: the index.
     """
 
+    unit = "step"
+    collective = "all_reduce"
+    phase = FACTOR_ALLREDUCE
+
     def __init__(
         self,
         groups: Sequence[Sequence[int]],
@@ -114,13 +119,10 @@ class FusedAllReduce:
         timeout: float = 600.0,
         names: Sequence[str] | None = None,
     ) -> None:
-        self.sides = val.check_ints("sides", sides, low=1)
+        super().__init__(sides, timeout, names)
         n = len(self.sides)
-        self.timeout = val.check_seconds("timeout", timeout, TIMEOUT_ACCEPTED)
-        if names is not None and (isinstance(names, str) or len(names) != n):
-            raise ValueError(f"names must give one label per factor ({n}), got {names!r}")
-        self.names = tuple(str(x) for x in names) if names is not None else tuple(str(i) for i in range(n))
-        self.groups: tuple[tuple[int, ...], ...] = tuple(tuple(int(i) for i in g) for g in groups)
+        plan = val.check_sequence("groups", groups, "groups of factor indices")
+        self.groups = tuple(tuple(val.check_ints(f"groups[{g}]", members)) for g, members in enumerate(plan))
         self._group_of = [-1] * n
         for g, members in enumerate(self.groups):
             if not members:
@@ -134,16 +136,11 @@ class FusedAllReduce:
         missing = [i for i, g in enumerate(self._group_of) if g == -1]
         if missing:
             raise ValueError(f"groups must cover every factor index; missing {missing}")
-        if op not in ("average", "sum"):
-            raise ValueError(f"op must be 'average' or 'sum', got {op!r}")
+        self.op = val.check_choice("op", op, ("average", "sum"))
         self.dtype = check_wire_dtype("dtype", dtype)
-        self.op = op
-        self.allow_missing = bool(allow_missing)
+        self.allow_missing = val.check_bool("allow_missing", allow_missing)
         self.result_dtype = None if result_dtype is None else check_wire_dtype("result_dtype", result_dtype)
-        self.process_group = process_group
-        self._distributed = distributed_ready(process_group)
-        self.world_size = dist.get_world_size(process_group) if self._distributed else 1
-        self.rank = dist.get_rank(process_group) if self._distributed else 0
+        self._join(process_group)
         if self.allow_missing and self.dtype == torch.bfloat16 and self.world_size > 256:
             raise ValueError("allow_missing with dtype=bfloat16 needs a world size <= 256 (exact counts)")
         self.device = torch.device(device) if device is not None else default_device(process_group)
@@ -158,9 +155,6 @@ class FusedAllReduce:
                 off += triu_size(self.sides[i])
             self._numel.append(off + (len(members) if self.allow_missing else 0))
 
-        self._lock = threading.Lock()
-        self._active = False
-        self._failure: KFACCommError | None = None
         self.last_timings: StepTimings | None = None
         self._clear()
 
@@ -168,7 +162,7 @@ class FusedAllReduce:
     def _clear(self) -> None:
         n, m = len(self.sides), len(self.groups)
         self._buffers: list[torch.Tensor | None] = [None] * m
-        self._works: list[object | None] = [None] * m
+        self._works: list[Work | None] = [None] * m
         self._remaining = [len(g) for g in self.groups]
         self._submitted = [False] * n
         self._present = [False] * n
@@ -185,30 +179,13 @@ class FusedAllReduce:
         self._t_work_end = [NAN] * m
         self._t_wait_end = [NAN] * m
 
-    @property
-    def active(self) -> bool:
-        """True between :meth:`begin_step` and the end of :meth:`wait` (or :meth:`reset`)."""
-        return self._active
+    def _describe(self, key: int) -> str:
+        labels = ", ".join(self.names[i] for i in self.groups[key])
+        return f"fusion group {key} of {len(self.groups)} (factors {labels})"
 
-    @property
-    def failure(self) -> KFACCommError | None:
-        """The communication error that abandoned a step, until :meth:`reset` (None: usable)."""
-        return self._failure
-
-    def _check_usable(self, call: str) -> None:
-        """Raise if a failed step was not acknowledged by :meth:`reset` (called with the lock held)."""
-        refuse_if_failed(self._failure, f"FusedAllReduce.{call}", "step")
-
-    def _describe(self, g: int) -> str:
-        labels = ", ".join(self.names[i] for i in self.groups[g])
-        return f"fusion group {g} of {len(self.groups)} (factors {labels})"
-
-    def _fail(self, error: KFACCommError) -> None:
-        """Abandon the step: pending works are not waited again, and their buffers are never read."""
-        with self._lock:
-            self._failure = error
-            self._clear()
-            self._active = False
+    def _in_flight(self) -> list[tuple[int, Work]]:
+        return [(g, work) for g in self._launch_order
+                if not self._waited[g] and (work := self._works[g]) is not None]
 
     def group_of(self, index: int) -> int:
         return self._group_of[val.check_index("index", index, len(self.sides))]
@@ -271,6 +248,7 @@ class FusedAllReduce:
                     raise ValueError(f"submit({index}, None) needs allow_missing=True")
                 out_dtype = self.result_dtype or torch.float32
             else:
+                val.check_instance("matrix", matrix, torch.Tensor)
                 if tuple(matrix.shape) != (n, n):
                     raise ValueError(f"factor {index} must have shape ({n}, {n}), got {tuple(matrix.shape)}")
                 if not matrix.is_floating_point():
@@ -311,17 +289,10 @@ class FusedAllReduce:
         if self.allow_missing:
             flags = torch.tensor([1.0 if self._present[i] else 0.0 for i in members], dtype=self.dtype)
             buf[self._numel[g] - len(members):].copy_(flags)
+        work: Work
         if self._distributed:
-            try:
-                work = dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.process_group, async_op=True)
-            except Exception as exc:  # noqa: BLE001 - e.g. the backend already knows that a peer is gone
-                error = comm_error(exc, collective="all_reduce", phase=FACTOR_ALLREDUCE, what=self._describe(g),
-                                   rank=self.rank, world_size=self.world_size, timeout_s=self.timeout,
-                                   launching=True)
-                self._failure = error
-                self._clear()
-                self._active = False
-                raise error from exc
+            work = self._issue(g, lambda: dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.process_group,
+                                                          async_op=True))
         else:
             work = _LocalWork()
         self._works[g] = work
@@ -347,13 +318,9 @@ class FusedAllReduce:
             if not self._launched[group]:
                 raise RuntimeError(self._missing_message(self.groups[group]))
             work = self._works[group]
+            assert work is not None  # launched, not waited
         t0 = time.perf_counter()
-        try:
-            wait_work(work, self.timeout, collective="all_reduce", phase=FACTOR_ALLREDUCE,
-                      what=self._describe(group), rank=self.rank, world_size=self.world_size)
-        except KFACCommError as error:
-            self._fail(error)
-            raise
+        self._wait(group, work)
         t1 = time.perf_counter()
         with self._lock:
             results = self._finish(group)
@@ -413,30 +380,5 @@ class FusedAllReduce:
         with self._lock:
             results = [self._results[i] for i in range(len(self.sides))]
             self.last_timings = self.timings()
-            self._clear()
-            self._active = False
+            self._end()
         return results
-
-    def reset(self) -> None:
-        """Discard the current step: wait for its issued works (each bounded by ``timeout``), drop all.
-
-        Also acknowledges a failure (:attr:`failure`): the abandoned step's works are not waited again,
-        and the next step packs into new buffers. If a wait here fails, the step is dropped all the same
-        and the KFACCommError is raised (and kept in :attr:`failure`; a second reset() clears it).
-
-        Only consistent when every rank resets at the same point: a group launched on some ranks but not
-        on others leaves the process group's collective sequence mismatched, which nothing local can fix.
-        """
-        with self._lock:
-            works = [(g, self._works[g]) for g in self._launch_order if not self._waited[g]]
-            self._failure = None
-        try:
-            for g, w in works:
-                wait_work(w, self.timeout, collective="all_reduce", phase=FACTOR_ALLREDUCE,
-                          what=self._describe(g), rank=self.rank, world_size=self.world_size)
-        except KFACCommError as error:
-            self._fail(error)
-            raise
-        with self._lock:
-            self._clear()
-            self._active = False

@@ -46,10 +46,7 @@ def _measure(
     dtype: torch.dtype,
     device: torch.device | str | None,
 ) -> list[float]:
-    sizes = [int(s) for s in sizes_bytes]
-    for k, s in enumerate(sizes):
-        if s < 0:
-            raise ValueError(f"sizes_bytes[{k}] must be >= 0, got {s}")
+    sizes = val.check_ints("sizes_bytes", sizes_bytes, low=0)
     val.check_int("repeats", repeats, low=1)
     val.check_int("warmup", warmup, low=0)
     check_wire_dtype("dtype", dtype)

@@ -25,6 +25,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -56,7 +57,7 @@ from ..vocabulary import (
 from ._common import distributed_ready
 from .broadcast import InverseBroadcaster
 from .consistency import check_plan_consistency
-from .fused import FusedAllReduce
+from .fused import FusedAllReduce, StepTimings
 from .profile import broadcast_object, measure_allreduce, measure_broadcast, probe_sizes
 from .triangle import triu_size
 
@@ -97,9 +98,9 @@ class SPDOptions:
     fuse_g: bool = True  # False: G factors each reduced alone (the original SPD-KFAC code; for ablations)
 
     @classmethod
-    def from_schedule(cls, schedule: str = "spd", **overrides) -> SPDOptions:
+    def from_schedule(cls, schedule: str = "spd", **overrides: Any) -> SPDOptions:
         """The options of ``schedule``; ``pipelining``, ``fusion`` or ``placement`` None: the schedule's own."""
-        val.check_choice("schedule", schedule, SCHEDULES)
+        name = val.check_choice("schedule", schedule, SCHEDULES)
         fields = {f.name for f in dataclasses.fields(cls)} - {"schedule"}
         unknown = sorted(set(overrides) - fields)
         if unknown:
@@ -110,10 +111,10 @@ class SPDOptions:
         val.check_choice("fusion", overrides.get("fusion"), FUSIONS, optional=True)
         val.check_choice("placement", overrides.get("placement"), PLACEMENTS, optional=True)
         values = dict(overrides)
-        for k, default in SCHEDULE_PARTS[schedule].items():
+        for k, default in SCHEDULE_PARTS[name].items():
             if values.get(k) is None:
                 values[k] = default
-        return cls(schedule=schedule, **values)
+        return cls(schedule=name, **values)
 
     def __post_init__(self) -> None:
         # Each option alone first, then the combinations (so a combination error always means
@@ -189,7 +190,8 @@ class SPDDistributor(Distributor):
     """K-FAC's cross-rank work under one of the schedules of :class:`SPDOptions`."""
 
     def __init__(self, options: SPDOptions, process_group: dist.ProcessGroup | None = None,
-                 device: torch.device | str | None = None):
+                 device: torch.device | str | None = None) -> None:
+        val.check_instance("options", options, SPDOptions)
         self.options = options
         self.process_group = process_group
         self._dist = distributed_ready(process_group)
@@ -197,7 +199,7 @@ class SPDDistributor(Distributor):
         self.rank = dist.get_rank(process_group) if self._dist else 0
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.pipelined = False
-        self.timer = StepTimer()  # replaced by the preconditioner's
+        self.timer: StepTimer = StepTimer()  # replaced by the preconditioner's
         self.models: Models | None = None
         self.factor_steps = 0  # steps in which factors were reduced
         self._measuring = False
@@ -264,6 +266,7 @@ class SPDDistributor(Distributor):
         elements = [triu_size(self._side(k)) for k in order]
         # fuse_g=False: the original SPD-KFAC code, G factors each on their own, runs of A factors fused.
         alone = () if opts.fuse_g else [pos for pos, key in enumerate(order) if key[1] == "G"]
+        assert self.models is not None  # measured in setup()
         plan = plan_fusion(elements, ready, self.models.allreduce, policy=opts.fusion,
                            bucket_bytes=int(opts.bucket_mb * 2**20), bytes_per_element=opts.bytes_per_element,
                            alone=alone)
@@ -274,6 +277,7 @@ class SPDDistributor(Distributor):
         ns = [self._side(k) for k in self.keys]
         if not ns:
             return ()
+        assert self.models is not None  # measured in setup()
         placement = plan_placement(ns, self.world_size, self.models.inverse, self.models.broadcast,
                                    policy=opts.placement, bytes_per_element=opts.bytes_per_element,
                                    small_threshold=opts.small_factor)
@@ -349,7 +353,7 @@ class SPDDistributor(Distributor):
         self.factor_steps += 1
         return {key: reduced[self.position[key]] for key in self.order}
 
-    def _account_factor_comm(self, t, pack_seconds: float) -> None:
+    def _account_factor_comm(self, t: StepTimings | None, pack_seconds: float) -> None:
         """Split the step's factor communication into exposed wait, packing and in-flight time."""
         if t is None:
             return
@@ -400,7 +404,7 @@ class SPDDistributor(Distributor):
         with self.timer.phase("inverse_comm_wait"):
             bc.wait_all()  # this rank's own broadcasts
 
-    def describe(self) -> dict:
+    def describe(self) -> dict[str, Any]:
         """The current plan, for logs and tests."""
         return {
             "schedule": self.options.schedule,

@@ -17,7 +17,9 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["clear_triu_cache", "pack_triu", "triu_size", "unpack_triu"]
+from .. import validation as val
+
+__all__ = ["pack_triu", "triu_size", "unpack_triu"]
 
 _INDEX_CACHE_SIZE = 64
 
@@ -36,8 +38,8 @@ def _index_dtype(n: int) -> torch.dtype:
 @functools.lru_cache(maxsize=_INDEX_CACHE_SIZE)
 def _triu_index(n: int, device: torch.device) -> torch.Tensor:
     """Flat positions ``i * n + j`` (i <= j) of the upper triangle, row-major; length n(n+1)/2."""
-    rows, cols = torch.triu_indices(n, n, device=device)
-    return (rows * n + cols).to(_index_dtype(n))
+    rows_cols = torch.triu_indices(n, n, device=device)
+    return (rows_cols[0] * n + rows_cols[1]).to(_index_dtype(n))
 
 
 @functools.lru_cache(maxsize=_INDEX_CACHE_SIZE)
@@ -56,12 +58,6 @@ def _device_key(device: torch.device) -> torch.device:
     if device.type != "cpu" and device.index is None:
         return torch.device(device.type, torch.empty(0, device=device).device.index)
     return device
-
-
-def clear_triu_cache() -> None:
-    """Drop the cached index tensors (they hold ~6 n^2 bytes per distinct side and device)."""
-    _triu_index.cache_clear()
-    _mirror_index.cache_clear()
 
 
 def _check_square(name: str, m: torch.Tensor) -> int:
@@ -115,17 +111,17 @@ def unpack_triu(
     buffer's device. Element ``(i, j)`` and ``(j, i)`` are copies of the same packed value, so the
     results are exactly symmetric.
     """
-    sides = [int(n) for n in sides]
-    total = sum(triu_size(n) for n in sides)
+    ns = val.check_ints("sides", sides, low=0)
+    total = sum(triu_size(n) for n in ns)
     if flat.dim() != 1 or flat.numel() != total:
-        raise ValueError(f"flat must be a flat tensor of {total} elements for sides {sides}, "
+        raise ValueError(f"flat must be a flat tensor of {total} elements for sides {ns}, "
                          f"got shape {tuple(flat.shape)}")
-    if out is not None and len(out) != len(sides):
-        raise ValueError(f"out must hold one matrix per side ({len(sides)}), got {len(out)}")
+    if out is not None and len(out) != len(ns):
+        raise ValueError(f"out must hold one matrix per side ({len(ns)}), got {len(out)}")
     dtype = flat.dtype if dtype is None else dtype
     results: list[torch.Tensor] = []
     offset = 0
-    for k, n in enumerate(sides):
+    for k, n in enumerate(ns):
         size = triu_size(n)
         seg = flat[offset:offset + size]
         offset += size

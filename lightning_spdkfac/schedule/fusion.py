@@ -38,7 +38,8 @@ class FusionPlan:
     def __post_init__(self) -> None:
         val.check_choice("policy", self.policy, _POLICIES)
         # Accept lists (e.g. a plan received from rank 0) but store hashable, comparable tuples.
-        object.__setattr__(self, "groups", tuple(tuple(g) for g in self.groups))
+        plan = val.check_sequence("groups", self.groups, "groups of factor indices")
+        object.__setattr__(self, "groups", tuple(tuple(val.check_ints(f"groups[{k}]", g)) for k, g in enumerate(plan)))
         expected = 0
         for k, g in enumerate(self.groups):
             if not g:

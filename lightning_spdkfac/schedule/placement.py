@@ -55,13 +55,13 @@ class Placement:
 
     def __post_init__(self) -> None:
         val.check_choice("policy", self.policy, _POLICIES)
-        object.__setattr__(self, "owners", tuple(self.owners))
-        object.__setattr__(self, "load", tuple(float(v) for v in self.load))
+        object.__setattr__(self, "owners", tuple(val.check_ints("owners", self.owners)))
+        object.__setattr__(self, "load", tuple(val.check_reals("load", self.load)))
         if not self.load:
             raise ValueError("load must have one entry per rank (world_size >= 1)")
         world = len(self.load)
         for i, o in enumerate(self.owners):
-            if isinstance(o, bool) or not isinstance(o, int) or not (o == REPLICATED or 0 <= o < world):
+            if not (o == REPLICATED or 0 <= o < world):
                 raise ValueError(f"owners[{i}] must be a rank in [0, {world}) or REPLICATED (-1), got {o!r}")
 
     @property
