@@ -27,7 +27,7 @@ import types
 import typing
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar, overload
+from typing import Any, Literal, TypeGuard, TypeVar, overload
 
 # A hyperparameter given as a number or as a function of the optimizer step.
 HParam = float | Callable[[int], float]
@@ -85,12 +85,15 @@ POSITIVE = Bound(low=0.0, low_open=True)
 DECAY = Bound(low=0.0, high=1.0, high_open=True)
 
 
-def is_real(value: object) -> bool:
-    """A real number that is not a bool (``True`` is an int in Python, never a hyperparameter)."""
+def is_real(value: object) -> TypeGuard[float]:
+    """A real number that is not a bool (``True`` is an int in Python, never a hyperparameter).
+
+    (Typed as a float guard: every ``numbers.Real`` converts with ``float()``.)"""
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
-def is_int(value: object) -> bool:
+def is_int(value: object) -> TypeGuard[int]:
+    """An integral number that is not a bool (numpy integers too)."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
@@ -118,7 +121,7 @@ def check_schedule(name: str, value: object, bound: Bound, fix: str = "", probe:
         raise ValueError(f"{name} must be {bound.describe()}, got {value!r}{fix}")
 
 
-def _probe_schedule(name: str, fn: Callable, bound: Bound) -> None:
+def _probe_schedule(name: str, fn: Callable[..., Any], bound: Bound) -> None:
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):  # some builtins have none: calling is the only check
@@ -147,7 +150,7 @@ def schedule_value(name: str, out: object, step: int, bound: Bound) -> float:
         v = None
     else:
         try:
-            v = float(out)
+            v = float(typing.cast(typing.SupportsFloat, out))  # whatever it is: float() decides
         except (TypeError, ValueError, RuntimeError):  # RuntimeError: a tensor of several elements
             v = None
     if v is None:
@@ -266,18 +269,18 @@ def check_index(name: str, value: object, count: int) -> int:
     what = f"an integer in [0, {count})"
     if not is_int(value):
         raise TypeError(f"{name} must be {what}, got {show(value)}")
-    if not 0 <= value < count:  # type: ignore[operator]
+    if not 0 <= value < count:
         raise ValueError(f"{name} must be {what}, got {value!r}")
-    return int(value)  # type: ignore[call-overload]
+    return int(value)
 
 
 def check_seconds(name: str, value: object, what: str = "a positive, finite number of seconds") -> float:
     """Positive, finite seconds (a timeout): TypeError unless a real number, ValueError otherwise."""
     if not is_real(value):
         raise TypeError(f"{name} must be {what}, got {show(value)}")
-    if not POSITIVE.ok(float(value)):  # type: ignore[arg-type]
+    if not POSITIVE.ok(float(value)):
         raise ValueError(f"{name} must be {what}, got {value!r}")
-    return float(value)  # type: ignore[arg-type]
+    return float(value)
 
 
 def check_timedelta(name: str, value: object) -> None:
@@ -342,7 +345,7 @@ def _matches(value: object, hint: Any) -> bool | None:
     return None
 
 
-def _literals(hint: Any) -> list:
+def _literals(hint: Any) -> list[Any]:
     origin = typing.get_origin(hint)
     if origin is typing.Literal:
         return list(typing.get_args(hint))
@@ -373,7 +376,7 @@ def check_annotation(name: str, value: object, hint: Any) -> None:
     raise TypeError(f"{name} must be {_describe_hint(hint)}, got {show(value)}")
 
 
-def check_annotations(fn: Callable, arguments: dict[str, Any], skip: Iterable[str] = ()) -> None:
+def check_annotations(fn: Callable[..., Any], arguments: dict[str, Any], skip: Iterable[str] = ()) -> None:
     """:func:`check_annotation` for every parameter of ``fn`` in ``arguments`` except ``skip``."""
     try:
         hints = typing.get_type_hints(fn)
