@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 
@@ -33,13 +33,13 @@ class CheckpointState:
     factor_dtype: torch.dtype
     inv_dtype: torch.dtype
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         """Everything the next step needs: counters, running factors and current inverses.
 
         ``layer_dims`` names every registered layer with its factor sides ``[A, G]``, layers without
         factors yet included, so that :meth:`load_state_dict` recognizes a state of another model.
         """
-        layers = {}
+        layers: dict[str, dict[str, torch.Tensor | None]] = {}
         for name, ly in self.layers.items():
             if ly.A is None:
                 continue
@@ -57,11 +57,11 @@ class CheckpointState:
             "layers": layers,
         }
 
-    def check_state_dict(self, state: Mapping) -> None:
+    def check_state_dict(self, state: Mapping[str, Any]) -> None:
         """Raise the ValueError :meth:`load_state_dict` would raise for ``state``; change nothing."""
         self._verify_state(state)
 
-    def load_state_dict(self, state: Mapping) -> None:
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`.
 
         Everything is verified before anything changes: a state of another model (layers missing or
@@ -96,7 +96,7 @@ class CheckpointState:
         dims = None
         if "layer_dims" in state:
             dims = _layer_dims(state["layer_dims"], corrupt)
-        elif _is_count(version) and version >= 2:
+        elif _is_count(version) and int(version) >= 2:
             corrupt.append("missing 'layer_dims' (every version-2 state has it)")
         layers = state["layers"]
         if not isinstance(layers, Mapping):
@@ -172,7 +172,7 @@ def _check_header(state: object) -> object:
             f"keys found: {', '.join(map(repr, list(state)[:10])) or 'none'}). " + _SKIP_HINT
         )
     version = state["version"]
-    if _is_count(version) and version > STATE_VERSION:
+    if _is_count(version) and int(version) > STATE_VERSION:
         raise ValueError(
             f"K-FAC state version {version} was written by a newer lightning-spdkfac; this one reads "
             f"versions up to {STATE_VERSION}: upgrade lightning-spdkfac. " + _SKIP_HINT
@@ -181,7 +181,7 @@ def _check_header(state: object) -> object:
 
 
 def _check_counters(state: Mapping[str, Any], version: object, corrupt: list[str]) -> None:
-    if not _is_count(version) or version < 1:  # type: ignore[operator]
+    if not _is_count(version) or int(version) < 1:
         corrupt.append(f"'version' must be a positive integer, got {version!r}")
     for key in ("steps",) + COUNTERS:
         if key in state and not _is_count(state[key]):
@@ -199,21 +199,21 @@ _SKIP_HINT = (
 )
 
 
-def _is_count(value) -> bool:
-    """A non-negative integer (not a bool)."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 0
+def _is_count(value: object) -> TypeGuard[numbers.Integral]:
+    """A non-negative integer (not a bool): an ``int`` or another ``numbers.Integral`` such as numpy's."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and int(value) >= 0
 
 
-def _layer_dims(dims, corrupt: list[str]) -> dict[str, tuple[int, int]] | None:
+def _layer_dims(dims: object, corrupt: list[str]) -> dict[str, tuple[int, int]] | None:
     """``layer_dims`` as {name: (A side, G side)}; None (and a problem noted) if malformed."""
     if not isinstance(dims, Mapping):
         corrupt.append(f"'layer_dims' must be a dict of layer name -> [A side, G side], got a {type(dims).__name__}")
         return None
-    out = {}
+    out: dict[str, tuple[int, int]] = {}
     for name, d in dims.items():
         if (
             not isinstance(name, str) or not isinstance(d, (list, tuple)) or len(d) != 2
-            or not all(_is_count(v) and v > 0 for v in d)
+            or not all(_is_count(v) and int(v) > 0 for v in d)
         ):
             corrupt.append(f"'layer_dims' entry {name!r}: expected [A side, G side] (positive integers), got {d!r}")
             return None
@@ -221,7 +221,8 @@ def _layer_dims(dims, corrupt: list[str]) -> dict[str, tuple[int, int]] | None:
     return out
 
 
-def _layer_factors(name, entry, corrupt: list[str]):
+def _layer_factors(name: object, entry: object,
+                   corrupt: list[str]) -> tuple[tuple[int, int], tuple[Any, ...]] | None:
     """((A side, G side), (A, G, A_inv, G_inv)) of one saved layer, or None with the problems noted."""
     if not isinstance(name, str):
         corrupt.append(f"layer names must be strings, got {name!r}")

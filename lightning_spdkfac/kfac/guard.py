@@ -9,6 +9,7 @@ such steps in a row. It is a part of :class:`~lightning_spdkfac.kfac.KFACPrecond
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 from torch import nn
@@ -28,10 +29,10 @@ class NonFiniteGuard:
     skipped_factor_steps: int
     skipped_precondition_steps: int
     consecutive_bad_steps: int
-    last_bad_step: dict | None
-    _grads: dict
+    last_bad_step: dict[str, Any] | None
+    _grads: dict[nn.Parameter, torch.Tensor | None]
     _grads_finite: bool
-    _other_params: list
+    _other_params: list[nn.Parameter]
 
     def _grad_sums(self) -> list[torch.Tensor]:
         """One scalar per gradient, non-finite exactly where the gradient holds an inf or NaN."""
@@ -91,7 +92,9 @@ class NonFiniteGuard:
 
         Layers in registration order (their factors, then their gradient), then other parameters.
         """
-        places: list[tuple[str, object]] = [(layer.name, (which, received, layer)) for layer, which, received in labels]
+        # (layer or parameter, "gradient" or the (which, received, layer) of a factor)
+        places: list[tuple[str, str | tuple[str, bool, KFACLayer]]] = [
+            (layer.name, (which, received, layer)) for layer, which, received in labels]
         scalars: list[torch.Tensor] = list(extra)
         for layer in self.layers.values():
             for p in layer.helper.params():

@@ -79,6 +79,8 @@ def eigh_inverse(factor: torch.Tensor, damping: float, dtype: torch.dtype) -> to
     """
     f = factor.to(torch.float64)
     f = 0.5 * (f + f.T)  # exact symmetry for eigh
+    evals: torch.Tensor  # torch.linalg's functions are untyped in torch's stubs
+    evecs: torch.Tensor
     evals, evecs = torch.linalg.eigh(f)
     evals = evals.clamp(min=0.0) + damping
     top = float(evals.max())
@@ -120,6 +122,7 @@ def robust_inverse(factor: torch.Tensor, damping: float, dtype: torch.dtype,
     if not _finite(factor):
         reasons.append("the factor holds non-finite values")
         return scaled_identity(factor, damping, dtype), "identity", damping, "; ".join(reasons)
+    inv: torch.Tensor | None
     try:
         inv = eigh_inverse(factor, damping, dtype)
         if _finite(inv):

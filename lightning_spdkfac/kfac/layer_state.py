@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from .layers import LayerHelper
 
@@ -34,13 +35,13 @@ class KFACLayer:
     mb_a_calls: int = 0
     mb_g_calls: int = 0
     calls_per_micro_batch: int = 0
-    submitted: dict = field(default_factory=dict)  # "A"/"G" -> calls counted at submission
+    submitted: dict[str, int] = field(default_factory=dict)  # "A"/"G" -> calls counted at submission
     # Running averages and inverses.
     A: torch.Tensor | None = None
     G: torch.Tensor | None = None
     A_inv: torch.Tensor | None = None
     G_inv: torch.Tensor | None = None
-    handles: list = field(default_factory=list)
+    handles: list[RemovableHandle] = field(default_factory=list)
 
     def reset_accumulators(self) -> None:
         self.rows = self.examples = self.a_calls = self.g_calls = 0
@@ -55,12 +56,19 @@ class KFACLayer:
         return all(p.requires_grad for p in self.helper.params())
 
     def step_a(self) -> torch.Tensor:
-        """This step's A_new as a new matrix (the distributed path sends it)."""
+        """This step's A_new as a new matrix (the distributed path sends it).
+
+        Called once this step's A was accumulated (``a_calls > 0``), so ``xx`` (and ``x_sum`` with a
+        bias) hold this step's sums.
+        """
         n = self.helper.in_features
+        xx = self.xx
+        assert xx is not None
         if not self.helper.has_bias:
-            return self.xx / self.rows
-        A = torch.empty(n + 1, n + 1, dtype=self.xx.dtype, device=self.xx.device)
-        torch.div(self.xx, self.rows, out=A[:n, :n])
+            return xx / self.rows
+        A = torch.empty(n + 1, n + 1, dtype=xx.dtype, device=xx.device)
+        torch.div(xx, self.rows, out=A[:n, :n])
+        assert self.x_sum is not None
         x_mean = self.x_sum / self.rows
         A[:n, n] = x_mean
         A[n, :n] = x_mean
@@ -68,12 +76,15 @@ class KFACLayer:
         return A
 
     def step_g(self, g_scale: float) -> torch.Tensor:
-        """This step's G_new as a new matrix."""
+        """This step's G_new as a new matrix (once this step's G was accumulated: ``g_calls > 0``)."""
+        assert self.dd is not None
         return self.dd * (self.examples * g_scale)
 
     def fold(self, A_new: torch.Tensor, G_new: torch.Tensor, decay: float) -> None:
         """Running averages from explicit step factors (the distributed path)."""
-        if self.A is None or self.A.shape != A_new.shape or self.G.shape != G_new.shape or decay == 0.0:
+        # A and G are set together: both None before the first fold or update.
+        if (self.A is None or self.G is None or self.A.shape != A_new.shape or self.G.shape != G_new.shape
+                or decay == 0.0):
             self.A, self.G = A_new.clone(), G_new.clone()
         else:
             self.A.lerp_(A_new, 1.0 - decay)
@@ -90,6 +101,7 @@ class KFACLayer:
         entry is below 1.2e-38 (fp32), so zero is exact to the factor's precision. One elementwise pass.
         """
         for t in (self.A, self.G):
+            assert t is not None  # called right after A and G were set
             t.masked_fill_(t.abs() < torch.finfo(t.dtype).tiny, 0.0)
 
     def gram_diagonals(self) -> list[torch.Tensor]:
@@ -98,6 +110,7 @@ class KFACLayer:
         Enough to detect any non-finite value: a NaN or inf in the rows lands on the diagonal,
         and by Cauchy-Schwarz a finite diagonal bounds every off-diagonal entry and the bias sum.
         """
+        assert self.xx is not None and self.dd is not None  # a collected layer: a_calls == g_calls > 0
         return [self.xx.diagonal().sum(), self.dd.diagonal().sum()]
 
     def update_factors(self, decay: float, g_scale: float) -> None:
@@ -108,19 +121,26 @@ class KFACLayer:
         """
         n = self.helper.in_features
         side = self.helper.a_dim
-        first = self.A is None or self.A.shape[0] != side or self.G.shape != self.dd.shape
-        if first:
-            self.A = torch.empty(side, side, dtype=self.xx.dtype, device=self.xx.device)
-            self.G = torch.empty_like(self.dd)
+        # A collected layer (a_calls == g_calls > 0): this step's sums are there.
+        assert self.xx is not None and self.dd is not None
+        A, G = self.A, self.G  # set together: both None before the first update
+        if A is None or G is None or A.shape[0] != side or G.shape != self.dd.shape:
+            first = True
+            A = self.A = torch.empty(side, side, dtype=self.xx.dtype, device=self.xx.device)
+            G = self.G = torch.empty_like(self.dd)
+        else:
+            first = False
         weight = 1.0 if first else 1.0 - decay
         xx = self.xx.mul_(1.0 / self.rows)
         dd = self.dd.mul_(self.examples * g_scale)
+        parts: tuple[tuple[torch.Tensor, torch.Tensor], ...]
         if self.helper.has_bias:
+            assert self.x_sum is not None
             x_mean = self.x_sum.mul_(1.0 / self.rows)
-            parts = ((self.A[:n, :n], xx), (self.A[:n, n], x_mean), (self.A[n, :n], x_mean), (self.G, dd))
-            self.A[n, n] = 1.0  # the mean of the constant 1s, in every step's factor
+            parts = ((A[:n, :n], xx), (A[:n, n], x_mean), (A[n, :n], x_mean), (G, dd))
+            A[n, n] = 1.0  # the mean of the constant 1s, in every step's factor
         else:
-            parts = ((self.A, xx), (self.G, dd))
+            parts = ((A, xx), (G, dd))
         for running, new in parts:
             if weight == 1.0:
                 running.copy_(new)

@@ -9,6 +9,9 @@ See docs/math.md for the definitions.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -17,9 +20,18 @@ from torch import nn
 class LayerHelper:
     """Math of one supported module. Subclasses fill in the row extraction."""
 
-    def __init__(self, module: nn.Module):
+    def __init__(self, module: nn.Linear | nn.Conv2d) -> None:
         self.module = module
         self.has_bias = getattr(module, "bias", None) is not None
+
+    # The parameters, read from the module at each use. torch's stubs type ``weight`` as a Tensor and
+    # leave ``nn.Linear.bias`` to ``Module.__getattr__``; both are the module's Parameters.
+    def _weight(self) -> nn.Parameter:
+        return cast(nn.Parameter, self.module.weight)
+
+    def _bias(self) -> nn.Parameter:
+        """The bias (only where ``has_bias``)."""
+        return cast(nn.Parameter, self.module.bias)
 
     # -- shapes -----------------------------------------------------------------------
     @property
@@ -58,31 +70,39 @@ class LayerHelper:
     # -- gradient as a matrix ---------------------------------------------------------
     def params(self) -> list[torch.nn.Parameter]:
         """The parameters whose gradients form :meth:`grad_matrix`: the weight, then the bias."""
-        return [self.module.weight] + ([self.module.bias] if self.has_bias else [])
+        return [self._weight()] + ([self._bias()] if self.has_bias else [])
 
-    def grad_matrix(self, grads: dict) -> torch.Tensor | None:
+    def grad_matrix(self, grads: Mapping[nn.Parameter, torch.Tensor | None]) -> torch.Tensor | None:
         """``[dW, db]`` as one ``out x a_dim`` matrix, from ``grads`` (parameter -> gradient
         tensor, see :mod:`lightning_spdkfac.kfac.gradients`); None when one of them has none."""
-        w = self.module.weight
+        w = self._weight()
         wg = grads.get(w)
         if wg is None:
             return None
         g = wg.reshape(w.shape[0], -1)
         if self.has_bias:
-            bg = grads.get(self.module.bias)
+            bg = grads.get(self._bias())
             if bg is None:
                 return None
             g = torch.cat([g, bg.reshape(-1, 1)], dim=1)
         return g
 
-    def write_grad(self, matrix: torch.Tensor, scale: torch.Tensor | None, grads: dict) -> None:
-        """Write ``scale * matrix`` back into the gradient tensors of ``grads``, in place."""
-        w = self.module.weight
+    def write_grad(self, matrix: torch.Tensor, scale: torch.Tensor | None,
+                   grads: Mapping[nn.Parameter, torch.Tensor | None]) -> None:
+        """Write ``scale * matrix`` back into the gradient tensors of ``grads``, in place.
+
+        ``matrix`` came from :meth:`grad_matrix` of the same ``grads``, so every gradient is there.
+        """
+        w = self._weight()
         n_in = self.in_features
-        w_view = grads[w].view(w.shape[0], n_in)
+        wg = grads[w]
+        assert wg is not None  # grad_matrix returned a matrix: the weight has a gradient
+        w_view = wg.view(w.shape[0], n_in)
         _scaled_copy(w_view, matrix[:, :n_in], scale)
         if self.has_bias:
-            _scaled_copy(grads[self.module.bias].view(-1), matrix[:, n_in], scale)
+            bg = grads[self._bias()]
+            assert bg is not None  # likewise for the bias
+            _scaled_copy(bg.view(-1), matrix[:, n_in], scale)
 
 
 def _scaled_copy(dst: torch.Tensor, src: torch.Tensor, scale: torch.Tensor | None) -> None:
@@ -98,6 +118,10 @@ class LinearHelper(LayerHelper):
     """``nn.Linear`` with inputs of any number of leading dimensions (contiguous or not)."""
 
     unbatched_dim = 1
+    module: nn.Linear
+
+    def __init__(self, module: nn.Linear) -> None:
+        super().__init__(module)
 
     @property
     def in_features(self) -> int:
@@ -118,8 +142,9 @@ class Conv2dHelper(LayerHelper):
     """``nn.Conv2d`` (groups=1) with any stride, padding, dilation and padding mode (KFC rows)."""
 
     unbatched_dim = 3
+    module: nn.Conv2d
 
-    def __init__(self, module: nn.Conv2d):
+    def __init__(self, module: nn.Conv2d) -> None:
         super().__init__(module)
         m = module
         self._explicit_pad = isinstance(m.padding, str) or m.padding_mode != "zeros"
@@ -147,7 +172,7 @@ class Conv2dHelper(LayerHelper):
             # module's forward does.
             mode = "constant" if m.padding_mode == "zeros" else m.padding_mode
             x = F.pad(x, m._reversed_padding_repeated_twice, mode=mode)
-        elif m.padding[0] or m.padding[1]:
+        elif not isinstance(m.padding, str) and (m.padding[0] or m.padding[1]):  # str: explicit above
             x = F.pad(x, (m.padding[1], m.padding[1], m.padding[0], m.padding[0]))
         x = x.contiguous()
         (kh, kw), (sh, sw), (dh, dw) = m.kernel_size, m.stride, m.dilation

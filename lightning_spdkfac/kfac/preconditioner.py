@@ -22,7 +22,7 @@ import re
 import warnings
 from collections.abc import Callable
 from contextlib import nullcontext
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import nn
@@ -61,13 +61,16 @@ def _in_backward() -> bool:
     return task_id is not None and task_id() != -1
 
 
-def _eager(fn: Callable) -> Callable:
+_Fn = TypeVar("_Fn", bound=Callable[..., Any])
+
+
+def _eager(fn: _Fn) -> _Fn:
     """``fn`` excluded from torch.compile tracing (run as plain Python; a graph break under compile)."""
     disable = getattr(getattr(torch, "compiler", None), "disable", None)
-    return fn if disable is None else disable(fn, recursive=True)
+    return fn if disable is None else cast(_Fn, disable(fn, recursive=True))
 
 
-def _autocast_off(device_type: str):
+def _autocast_off(device_type: str) -> torch.autocast | nullcontext[None]:
     """Autocast disabled for factor statistics (fp32 factors under bf16/fp16 autocast)."""
     if torch.is_autocast_enabled(device_type):
         return torch.autocast(device_type, enabled=False)
@@ -119,7 +122,7 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
         self.max_bad_steps = o.max_bad_steps
         self.factor_update_steps = o.factor_update_steps
         self.inv_update_steps = o.inv_update_steps
-        self.skip_layers = tuple(re.compile(p) for p in o.skip_layers)  # type: ignore[union-attr]
+        self.skip_layers = tuple(re.compile(p) for p in o.skip_layers)
         self.model = model
         self.damping = o.damping
         self.factor_decay = o.factor_decay
@@ -135,8 +138,9 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
         # Set False on micro-batches that do not end the optimizer step (gradient accumulation)
         # so that pipelined factor reductions wait for the last one.
         self.final_micro_batch = True
-        self._preconditioned: dict[int, tuple] = {}
-        self._g_scale_value: float | None = None  # layer index -> (layer, P, grad matrix) of this step
+        # layer index -> (layer, P, grad matrix) of this step
+        self._preconditioned: dict[int, tuple[KFACLayer, torch.Tensor, torch.Tensor]] = {}
+        self._g_scale_value: float | None = None
         # Per-phase seconds of the last step in ``timer.last`` (see lightning_spdkfac.telemetry).
         self.timer = StepTimer()
         self.distributor.timer = self.timer
@@ -145,9 +149,11 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
         self.skipped_factor_steps = 0  # factor updates skipped for non-finite values
         self.skipped_precondition_steps = 0  # steps left unpreconditioned: non-finite gradients
         self.consecutive_bad_steps = 0  # factor steps skipped in a row (max_bad_steps bounds it)
-        self.last_bad_step: dict | None = None  # {"step": k, "bad": {where: [what, ...]}} of the last one
+        # {"step": k, "bad": {where: [what, ...]}} of the last one
+        self.last_bad_step: dict[str, Any] | None = None
         self.inverse_fallbacks = 0  # factor inversions Cholesky could not do (see kfac.inverse)
-        self._grads: dict = {}  # parameter -> gradient tensor, while step() runs
+        # parameter -> gradient tensor, while step() runs
+        self._grads: dict[nn.Parameter, torch.Tensor | None] = {}
         self._grads_finite = True
         self._micro_batch = 0
         self._backward_seen = False
@@ -204,8 +210,8 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
         return self.steps % self.factor_update_steps == 0
 
     # ------------------------------------------------------------------ hooks
-    def _make_forward_hook(self, layer: KFACLayer) -> Callable:
-        def forward_hook(module, inputs, output):
+    def _make_forward_hook(self, layer: KFACLayer) -> Callable[[nn.Module, tuple[Any, ...], Any], None]:
+        def forward_hook(module: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
             if not module.training:
                 return
             if not torch.is_grad_enabled():
@@ -238,7 +244,7 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
                 if final:
                     layer.submitted["A"] = layer.a_calls
                     A_new = layer.step_a()
-            output.register_hook(self._make_grad_hook(layer, x))
+            output.register_hook(self._make_grad_hook(layer, x))  # type: ignore[no-untyped-call]
             if final:
                 self.distributor.factor_final(layer.index, "A", A_new)
 
@@ -247,11 +253,11 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
         # in-place updates of persistent buffers replayed as side effects.
         return _eager(forward_hook)
 
-    def _make_grad_hook(self, layer: KFACLayer, x: torch.Tensor) -> Callable:
+    def _make_grad_hook(self, layer: KFACLayer, x: torch.Tensor) -> Callable[[torch.Tensor], None]:
         batch = layer.helper.batch_size(x)
         micro_batch = self._micro_batch
 
-        def grad_hook(grad_output):
+        def grad_hook(grad_output: torch.Tensor) -> None:
             self._backward_seen = True
             with self.timer.phase("factor_compute"):
                 with _autocast_off(grad_output.device.type):
@@ -272,9 +278,11 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
                 layer.xx = torch.empty(a.shape[1], a.shape[1], dtype=self.factor_dtype, device=a.device)
             torch.mm(a.T, a, out=layer.xx)
             layer.x_sum = a.sum(0) if layer.helper.has_bias else None
-        else:
+        else:  # set by this step's first call
+            assert layer.xx is not None
             layer.xx.addmm_(a.T, a)
             if layer.helper.has_bias:
+                assert layer.x_sum is not None
                 layer.x_sum.add_(a.sum(0))
         layer.rows += a.shape[0]
         layer.a_calls += 1
@@ -286,7 +294,8 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
             if layer.dd is None or layer.dd.shape[0] != d.shape[1] or layer.dd.device != d.device:
                 layer.dd = torch.empty(d.shape[1], d.shape[1], dtype=self.factor_dtype, device=d.device)
             torch.mm(d.T, d, out=layer.dd)
-        else:
+        else:  # set by this step's first call
+            assert layer.dd is not None
             layer.dd.addmm_(d.T, d)
         if micro_batch != layer.last_micro_batch:  # several calls in one forward share examples
             layer.examples += batch
@@ -435,6 +444,7 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
         g = layer.helper.grad_matrix(self._grads)
         if g is None:
             return
+        assert layer.G_inv is not None  # the inverses are set together (both arrive before this is called)
         if layer.A_inv.shape[0] != g.shape[1] or layer.G_inv.shape[0] != g.shape[0]:
             return  # the layer changed shape since its factors were taken
         gi = g.to(self.inv_dtype)
