@@ -44,7 +44,8 @@ def _our_error(err: BaseException) -> BaseException | None:
     """The TypeError/ValueError raised by this package among the exceptions ``err`` was raised from
     (its ``__cause__``/``__context__`` graph), or None: jsonargparse tries every member of a Union and
     chains each attempt's failure, so the innermost exception is not necessarily ours."""
-    stack, seen = [err], set()
+    stack: list[BaseException | None] = [err]
+    seen: set[int] = set()
     while stack:
         e = stack.pop()
         if e is None or id(e) in seen:

@@ -65,8 +65,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(fn, rank, world_size, port, backend, timeout, threads, args, kwargs, conn,
-               final_barrier=True) -> None:
+def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, backend: str, timeout: float,
+               threads: int, args: tuple[Any, ...], kwargs: dict[str, Any], conn: mpc.Connection[Any, Any],
+               final_barrier: bool = True) -> None:
     """Entry point of one rank: init, run ``fn``, report ("ok", result) or ("error", traceback).
 
     ``final_barrier=False`` (fault injection: a peer may be gone) skips the barrier before teardown."""
@@ -139,7 +140,8 @@ def _stop(procs: list[mp.process.BaseProcess], patience: float) -> None:
             p.join(_STOP_S)
 
 
-def _collect(procs, pipes, timeout: float, grace: bool = True) -> tuple[dict[int, Any], list[tuple[int, str]]]:
+def _collect(procs: list[mp.process.BaseProcess], pipes: list[mpc.Connection[Any, Any]], timeout: float,
+             grace: bool = True) -> tuple[dict[int, Any], list[tuple[int, str]]]:
     """Read every rank's report until all reported, the timeout passes, or a failure's grace ends
     (``grace=False``: a failure does not shorten the wait for the other ranks)."""
     waiting = {pipe: rank for rank, pipe in enumerate(pipes)}
@@ -206,13 +208,14 @@ def run_distributed(
     ctx = _context(start_method, fn)
     port = free_port()
     procs: list[mp.process.BaseProcess] = []
-    pipes: list[Any] = []
+    pipes: list[mpc.Connection[Any, Any]] = []
     clean = False
     try:
         for rank in range(world_size):
             recv, send = ctx.Pipe(duplex=False)
             pipes.append(recv)
-            p = ctx.Process(target=_rank_main, name=f"rank{rank}", daemon=True,
+            # (typeshed declares Process on the concrete contexts only, not on the BaseContext get_context returns)
+            p = ctx.Process(target=_rank_main, name=f"rank{rank}", daemon=True,  # type: ignore[attr-defined]
                             args=(fn, rank, world_size, port, backend, pg_timeout or timeout, threads, args,
                                   kwargs, send, not allow_failures))
             p.start()

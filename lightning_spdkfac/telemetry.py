@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -52,7 +53,7 @@ class StepTimer:
         self.last: dict[str, float] = {}
 
     @contextmanager
-    def phase(self, name: str):
+    def phase(self, name: str) -> Iterator[None]:
         # A record_function range costs microseconds even with no profiler running, and phases sit
         # in per-layer hooks: open one only while a profiler is recording.
         with record_function(f"kfac/{name}") if _profiler_enabled() else nullcontext():

@@ -16,6 +16,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 import yaml
@@ -148,6 +149,7 @@ def main(argv: list[str] | None = None) -> dict:
         warnings.filterwarnings("ignore", message=".*LeafSpec.*")
     extra = [] if args.epochs is None else [f"--trainer.max_epochs={args.epochs}"]
     t0 = time.perf_counter()
+    results: dict[Any, dict[str, Any]]  # optimizer -> its results, or seed -> optimizer -> its results
     if args.seeds is None:
         results = {}
         for name, sub, config in RUNS:

@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
 
-from .digits import NUM_CLASSES, DigitsCNN, DigitsDataModule, load_digits_tensors, stratified_split
+from .digits import NUM_CLASSES, DigitsDataModule, _sgd_with_schedule, load_digits_tensors, stratified_split
 
 
 # ------------------------------------------------------------------------------ model
@@ -35,7 +35,7 @@ class BasicBlock(nn.Module):
     convolutions get biases.
     """
 
-    def __init__(self, cin: int, cout: int, stride: int = 1, batch_norm: bool = True):
+    def __init__(self, cin: int, cout: int, stride: int = 1, batch_norm: bool = True) -> None:
         super().__init__()
         bias = not batch_norm
         self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=bias)
@@ -102,7 +102,7 @@ class ResNetCIFAR(pl.LightningModule):
         batch_norm: bool = True,
         num_classes: int = NUM_CLASSES,
         in_channels: int = 3,
-    ):
+    ) -> None:
         super().__init__()
         widths, blocks = tuple(widths), tuple(blocks)
         if not widths or len(widths) != len(blocks):
@@ -152,10 +152,10 @@ class ResNetCIFAR(pl.LightningModule):
         self.log("val_acc", self.val_acc, on_epoch=True, batch_size=len(y))
 
     def configure_optimizers(self) -> Any:
-        # The optimizer and schedules of DigitsCNN: it reads only hyperparameters both modules
+        # The optimizer and schedules of DigitsCNN: they read only hyperparameters both modules
         # share (lr, momentum, weight_decay, nesterov, lr_schedule, warmup_epochs, step_epochs,
         # gamma), self.parameters() and self.trainer.
-        return DigitsCNN.configure_optimizers(self)
+        return _sgd_with_schedule(self)
 
 
 # ------------------------------------------------------------------------------ data
@@ -197,7 +197,7 @@ class SmallImagesDataModule(DigitsDataModule):
         num_workers: int = 0,
         image_size: int = 32,
         normalize: bool = True,
-    ):
+    ) -> None:
         if image_size < 8:
             raise ValueError(f"image_size must be at least 8 (the digits are 8x8), got {image_size!r}")
         super().__init__(batch_size=batch_size, val_fraction=val_fraction, seed=seed, num_workers=num_workers)
@@ -244,7 +244,7 @@ class SyntheticCIFARDataModule(pl.LightningDataModule):
         channels: int = 3,
         seed: int = 0,
         num_workers: int = 0,
-    ):
+    ) -> None:
         super().__init__()
         for name, value in (("num_train", num_train), ("num_val", num_val), ("batch_size", batch_size),
                             ("num_classes", num_classes), ("image_size", image_size), ("channels", channels)):
@@ -274,6 +274,7 @@ class SyntheticCIFARDataModule(pl.LightningDataModule):
         self.val_set = TensorDataset(x[self.num_train :], y[self.num_train :])
 
     def train_dataloader(self) -> DataLoader:
+        assert self.train_set is not None  # built by setup(), which Lightning calls first
         gen = torch.Generator().manual_seed(self.seed)
         return DataLoader(
             self.train_set, batch_size=self.batch_size, shuffle=True, generator=gen,
@@ -281,4 +282,5 @@ class SyntheticCIFARDataModule(pl.LightningDataModule):
         )
 
     def val_dataloader(self) -> DataLoader:
+        assert self.val_set is not None  # built by setup(), which Lightning calls first
         return DataLoader(self.val_set, batch_size=self.batch_size, num_workers=self.num_workers)

@@ -11,11 +11,12 @@ import json
 import math
 import os
 import time
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
+from pytorch_lightning.utilities import AttributeDict
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
@@ -56,7 +57,9 @@ class DigitsDataModule(pl.LightningDataModule):
         num_workers: DataLoader workers (0 is fastest for this tiny in-memory data set).
     """
 
-    def __init__(self, batch_size: int = 64, val_fraction: float = 0.2, seed: int = 0, num_workers: int = 0):
+    def __init__(
+        self, batch_size: int = 64, val_fraction: float = 0.2, seed: int = 0, num_workers: int = 0
+    ) -> None:
         super().__init__()
         if batch_size <= 0:
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
@@ -79,6 +82,7 @@ class DigitsDataModule(pl.LightningDataModule):
         self.val_set = TensorDataset(x[val_idx], y[val_idx])
 
     def train_dataloader(self) -> DataLoader:
+        assert self.train_set is not None  # built by setup(), which Lightning calls first
         # An explicit generator: the shuffling order depends on `seed` alone.
         gen = torch.Generator().manual_seed(self.seed)
         return DataLoader(
@@ -86,6 +90,7 @@ class DigitsDataModule(pl.LightningDataModule):
         )
 
     def val_dataloader(self) -> DataLoader:
+        assert self.val_set is not None  # built by setup(), which Lightning calls first
         return DataLoader(self.val_set, batch_size=len(self.val_set), num_workers=self.num_workers)
 
 
@@ -120,7 +125,7 @@ class DigitsCNN(pl.LightningModule):
         gamma: float = 0.1,
         channels: tuple[int, int] = (16, 32),
         hidden: int = 64,
-    ):
+    ) -> None:
         super().__init__()
         self.save_hyperparameters()
         c1, c2 = channels
@@ -154,33 +159,42 @@ class DigitsCNN(pl.LightningModule):
         self.log("val_acc", self.val_acc, on_epoch=True, batch_size=len(y))
 
     def configure_optimizers(self) -> Any:
-        h = self.hparams
-        opt = torch.optim.SGD(
-            self.parameters(), lr=h.lr, momentum=h.momentum, weight_decay=h.weight_decay, nesterov=h.nesterov
-        )
-        trainer = self.trainer
-        total = trainer.estimated_stepping_batches  # also loads the train dataloader
-        if not math.isfinite(total):
-            if h.lr_schedule == "cosine":
-                raise ValueError("lr_schedule='cosine' needs a finite run: set trainer.max_epochs or max_steps")
-            total = 0
-        total = max(1, int(total))
-        per_epoch = max(1, math.ceil(trainer.num_training_batches / trainer.accumulate_grad_batches))
-        warmup = int(round(h.warmup_epochs * per_epoch))
-        schedule, step_epochs, gamma = h.lr_schedule, h.step_epochs, h.gamma
+        return _sgd_with_schedule(self)
 
-        def factor(step: int) -> float:  # multiplier of the peak lr at optimizer step `step`
-            if step < warmup:
-                return (step + 1) / warmup
-            if schedule == "cosine":
-                t = (step - warmup) / max(1, total - warmup)
-                return 0.5 * (1.0 + math.cos(math.pi * min(1.0, t)))
-            if schedule == "step":
-                return gamma ** (step // (step_epochs * per_epoch))
-            return 1.0
 
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+def _sgd_with_schedule(module: pl.LightningModule) -> dict[str, Any]:
+    """The optimizer and LR schedule of :class:`DigitsCNN` (and of ``ResNetCIFAR``) for ``module``.
+
+    Reads only the hyperparameters ``lr``, ``momentum``, ``weight_decay``, ``nesterov``, ``lr_schedule``,
+    ``warmup_epochs``, ``step_epochs`` and ``gamma`` of ``module``, its parameters and its trainer.
+    """
+    h = cast(AttributeDict, module.hparams)  # what save_hyperparameters() stores
+    opt = torch.optim.SGD(
+        module.parameters(), lr=h.lr, momentum=h.momentum, weight_decay=h.weight_decay, nesterov=h.nesterov
+    )
+    trainer = module.trainer
+    total = trainer.estimated_stepping_batches  # also loads the train dataloader
+    if not math.isfinite(total):
+        if h.lr_schedule == "cosine":
+            raise ValueError("lr_schedule='cosine' needs a finite run: set trainer.max_epochs or max_steps")
+        total = 0
+    total = max(1, int(total))
+    per_epoch = max(1, math.ceil(trainer.num_training_batches / trainer.accumulate_grad_batches))
+    warmup = int(round(h.warmup_epochs * per_epoch))
+    schedule, step_epochs, gamma = h.lr_schedule, h.step_epochs, h.gamma
+
+    def factor(step: int) -> float:  # multiplier of the peak lr at optimizer step `step`
+        if step < warmup:
+            return (step + 1) / warmup
+        if schedule == "cosine":
+            t = (step - warmup) / max(1, total - warmup)
+            return 0.5 * (1.0 + math.cos(math.pi * min(1.0, t)))
+        if schedule == "step":
+            return gamma ** (step // (step_epochs * per_epoch))
+        return 1.0
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+    return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
 class JSONRecord(pl.Callback):
@@ -192,7 +206,7 @@ class JSONRecord(pl.Callback):
             ``--trainer.default_root_dir`` moves it too. Only global rank 0 writes.
     """
 
-    def __init__(self, path: str | None = None):
+    def __init__(self, path: str | None = None) -> None:
         super().__init__()
         self.path = path
         self.results: dict[str, Any] = {}
@@ -236,7 +250,7 @@ class TimeToAccuracy(JSONRecord):
         monitor: name of the logged accuracy metric.
     """
 
-    def __init__(self, target: float = 0.97, path: str | None = None, monitor: str = "val_acc"):
+    def __init__(self, target: float = 0.97, path: str | None = None, monitor: str = "val_acc") -> None:
         if not 0.0 < target <= 1.0:
             raise ValueError(f"target must be in (0, 1], got {target!r}")
         super().__init__(path)

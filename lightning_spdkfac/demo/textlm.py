@@ -23,11 +23,12 @@ import os
 import sysconfig
 import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
+from pytorch_lightning.utilities import AttributeDict
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, RandomSampler
 
@@ -87,7 +88,7 @@ class _Windows(Dataset):
     Indexed by the start itself (``starts`` None: every valid start) or by position in ``starts``.
     """
 
-    def __init__(self, tokens: torch.Tensor, block_size: int, starts: torch.Tensor | None = None):
+    def __init__(self, tokens: torch.Tensor, block_size: int, starts: torch.Tensor | None = None) -> None:
         self.tokens = tokens
         self.block_size = block_size
         self.starts = starts
@@ -132,7 +133,7 @@ class StdlibTextDataModule(pl.LightningDataModule):
         val_windows: int | None = 256,
         batches_per_epoch: int = 100,
         num_workers: int = 0,
-    ):
+    ) -> None:
         super().__init__()
         for name, value in (("block_size", block_size), ("batch_size", batch_size),
                             ("batches_per_epoch", batches_per_epoch)):
@@ -180,6 +181,7 @@ class StdlibTextDataModule(pl.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         # The generator is made once per fit (Lightning calls this once): the crops of epoch e are
         # the e-th stretch of one seeded stream, the same for every run with this seed.
+        assert self.train_tokens is not None  # read by setup(), which Lightning calls first
         gen = torch.Generator().manual_seed(self.seed)
         data = _Windows(self.train_tokens, self.block_size)
         sampler = RandomSampler(
@@ -188,6 +190,7 @@ class StdlibTextDataModule(pl.LightningDataModule):
         return DataLoader(data, batch_size=self.batch_size, sampler=sampler, num_workers=self.num_workers)
 
     def val_dataloader(self) -> DataLoader:
+        assert self.val_tokens is not None  # read by setup(), which Lightning calls first
         data = _Windows(self.val_tokens, self.block_size, self.val_starts)
         return DataLoader(data, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers)
 
@@ -196,7 +199,7 @@ class StdlibTextDataModule(pl.LightningDataModule):
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention with four plain ``nn.Linear`` projections (q, k, v, out)."""
 
-    def __init__(self, n_embd: int, n_head: int, dropout: float = 0.0, bias: bool = True):
+    def __init__(self, n_embd: int, n_head: int, dropout: float = 0.0, bias: bool = True) -> None:
         super().__init__()
         if n_embd % n_head != 0:
             raise ValueError(f"n_embd={n_embd} is not divisible by n_head={n_head}")
@@ -224,7 +227,9 @@ class CausalSelfAttention(nn.Module):
 class Block(nn.Module):
     """Pre-LayerNorm transformer block: ``x + attn(ln(x))``, then ``x + mlp(ln(x))``."""
 
-    def __init__(self, n_embd: int, n_head: int, mlp_ratio: int = 4, dropout: float = 0.0, bias: bool = True):
+    def __init__(
+        self, n_embd: int, n_head: int, mlp_ratio: int = 4, dropout: float = 0.0, bias: bool = True
+    ) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(n_embd)
         self.attn = CausalSelfAttention(n_embd, n_head, dropout, bias)
@@ -310,7 +315,7 @@ class TinyGPT(pl.LightningModule):
         min_lr_ratio: float = 0.1,
         init_seed: int | None = 0,
         loss_scale: float = 1.0,
-    ):
+    ) -> None:
         super().__init__()
         if optimizer not in ("adamw", "sgd"):
             raise ValueError(f"optimizer must be 'adamw' or 'sgd', got {optimizer!r}")
@@ -333,13 +338,14 @@ class TinyGPT(pl.LightningModule):
         self.tok_emb = nn.Embedding(vocab_size, n_embd)
         self.pos_emb = nn.Embedding(block_size, n_embd)
         self.drop = nn.Dropout(dropout)
-        self.blocks = nn.ModuleList(Block(n_embd, n_head, mlp_ratio, dropout, bias) for _ in range(n_layer))
+        blocks = [Block(n_embd, n_head, mlp_ratio, dropout, bias) for _ in range(n_layer)]
+        self.blocks = nn.ModuleList(blocks)
         self.ln_f = nn.LayerNorm(n_embd)
         self.head = nn.Linear(n_embd, vocab_size, bias=False)
         if tie_weights:
             self.head.weight = self.tok_emb.weight
         self.apply(self._init_weights)
-        for block in self.blocks:
+        for block in blocks:
             for proj in (block.attn.out, block.fc2):
                 nn.init.normal_(proj.weight, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
 
@@ -372,7 +378,8 @@ class TinyGPT(pl.LightningModule):
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self.loss(batch)
         self.log("train_loss", loss, on_step=False, on_epoch=True, batch_size=len(batch[0]), sync_dist=True)
-        return loss * self.hparams.loss_scale if self.hparams.loss_scale != 1.0 else loss
+        h = cast(AttributeDict, self.hparams)  # what save_hyperparameters() stores
+        return loss * h.loss_scale if h.loss_scale != 1.0 else loss
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         # Every window has T tokens, so the mean over batches weighted by batch size is the mean per token.
@@ -380,7 +387,9 @@ class TinyGPT(pl.LightningModule):
 
     def param_groups(self) -> list[dict[str, Any]]:
         """Weight decay on Linear weights and embeddings; none on biases and LayerNorm parameters."""
-        decay, no_decay, seen = [], [], set()
+        decay: list[nn.Parameter] = []
+        no_decay: list[nn.Parameter] = []
+        seen: set[int] = set()
         for module in self.modules():
             for name, p in module.named_parameters(recurse=False):
                 if id(p) in seen or not p.requires_grad:
@@ -389,12 +398,13 @@ class TinyGPT(pl.LightningModule):
                 is_matrix = name == "weight" and isinstance(module, (nn.Linear, nn.Embedding))
                 (decay if is_matrix else no_decay).append(p)
         return [
-            {"params": decay, "weight_decay": self.hparams.weight_decay},
+            {"params": decay, "weight_decay": cast(AttributeDict, self.hparams).weight_decay},
             {"params": no_decay, "weight_decay": 0.0},
         ]
 
     def configure_optimizers(self) -> Any:
-        h = self.hparams
+        h = cast(AttributeDict, self.hparams)  # what save_hyperparameters() stores
+        opt: torch.optim.Optimizer
         if h.optimizer == "adamw":
             opt = torch.optim.AdamW(self.param_groups(), lr=h.lr, betas=tuple(h.betas), eps=h.eps)
         else:
@@ -433,7 +443,7 @@ class LossHistory(JSONRecord):
         monitor: the logged validation metric.
     """
 
-    def __init__(self, path: str | None = "val_loss.json", monitor: str = "val_loss"):
+    def __init__(self, path: str | None = "val_loss.json", monitor: str = "val_loss") -> None:
         super().__init__(path)
         self.monitor = monitor
 

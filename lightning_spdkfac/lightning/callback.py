@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import pytorch_lightning as pl
 import torch
@@ -24,6 +24,9 @@ from ..kfac.gradients import GradAccess
 from ..kfac.options import KFACOptions
 from ..kfac.preconditioner import KFACPreconditioner
 from .protocol import KFACStrategy
+
+if TYPE_CHECKING:
+    from torch.profiler import profile
 
 _D = KFACOptions()  # the defaults of the K-FAC hyperparameters, shown in KFAC's signature
 _FACTOR_DTYPE = str(_D.factor_dtype).removeprefix("torch.")  # as a name: what a YAML config shows
@@ -97,7 +100,7 @@ class KFAC(Callback):
         trace_dir: str = "kfac_traces",
         max_bad_steps: int | None = _D.max_bad_steps,
         load_state: Literal["strict", "skip"] = "strict",
-    ):
+    ) -> None:
         super().__init__()
         # Every argument is checked here (TypeError: wrong type, ValueError: a value that is not
         # accepted; the message names the argument), so that a bad YAML value fails at construction:
@@ -119,7 +122,7 @@ class KFAC(Callback):
         self.log_step_time = val.check_bool("log_step_time", log_step_time)
         self.trace_step = val.check_int("trace_step", trace_step, low=0, optional=True)
         self.trace_dir = _folder("trace_dir", trace_dir)
-        self._profiler = None
+        self._profiler: profile | None = None  # recording trace_step
         self._t_step_start: float | None = None
         self.preconditioner: KFACPreconditioner | None = None
         self._pending_state: dict | None = None  # loaded before setup built the preconditioner
@@ -212,8 +215,9 @@ class KFAC(Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if self.preconditioner is not None and self.preconditioner.final_micro_batch:
             self._t_step_start = None
-            if self._profiler is not None:
-                self._stop_trace(trainer)
+            prof = self._profiler
+            if prof is not None:
+                self._stop_trace(trainer, prof)
 
     def _start_trace(self) -> None:
         from torch.profiler import ProfilerActivity, profile
@@ -221,11 +225,11 @@ class KFAC(Callback):
         activities = [ProfilerActivity.CPU]
         if torch.cuda.is_available():
             activities.append(ProfilerActivity.CUDA)
-        self._profiler = profile(activities=activities)
-        self._profiler.__enter__()
+        self._profiler = prof = profile(activities=activities)
+        prof.__enter__()
 
-    def _stop_trace(self, trainer: pl.Trainer) -> None:
-        prof, self._profiler = self._profiler, None
+    def _stop_trace(self, trainer: pl.Trainer, prof: profile) -> None:
+        self._profiler = None
         prof.__exit__(None, None, None)
         os.makedirs(self.trace_dir, exist_ok=True)
         path = os.path.join(self.trace_dir, f"kfac_step{self.trace_step}_rank{trainer.global_rank}.json")
@@ -233,6 +237,7 @@ class KFAC(Callback):
         self.trace_path = path
 
     def _optimizer_lr(self, step: int) -> float:
+        assert self._trainer is not None  # set by setup(), which hands this method to the preconditioner
         return float(self._trainer.optimizers[0].param_groups[0]["lr"])
 
     def on_before_optimizer_step(
@@ -312,11 +317,11 @@ class KFAC(Callback):
             self._unguard = None
             if vars(strategy).get("load_checkpoint") is load_checkpoint:
                 if had_own:
-                    strategy.load_checkpoint = previous
+                    own["load_checkpoint"] = previous  # (the instance's own attribute, as vars() reads it)
                 else:
                     del strategy.load_checkpoint
 
-        strategy.load_checkpoint = load_checkpoint
+        own["load_checkpoint"] = load_checkpoint  # strategy.load_checkpoint, on the instance only
         self._unguard = unguard
 
     def _inspect_checkpoint(self, trainer: pl.Trainer, checkpoint: Any) -> None:

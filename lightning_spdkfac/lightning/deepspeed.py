@@ -31,9 +31,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 import torch.distributed as dist
@@ -48,6 +48,22 @@ from ..kfac.gradients import GradAccess
 from ..vocabulary import DEEPSPEED_STRATEGY_NAMES, CommDtypeName, FusionName, PlacementName, ScheduleName
 from .strategy import SPD_ARGUMENTS, SPD_DEFAULTS, _spd_options, _SPDKFACStrategyMixin, spd_documented
 
+if TYPE_CHECKING:
+    import deepspeed
+    import pytorch_lightning as pl
+    from torch.nn import Module
+    from torch.optim import Optimizer
+    from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
+
+    class _ZeroParameter(torch.nn.Parameter):
+        """A parameter as DeepSpeed's ZeRO 1/2 and bf16 optimizers leave it: what they attach to it."""
+
+        _hp_mapping: Any  # its deepspeed.utils.tensor_fragment; None outside this rank's partition
+        _index_in_param_group: int
+        _dp_group: dist.ProcessGroup
+
+        def set_full_hp_grad(self, value: torch.Tensor) -> None: ...
+
 
 class DeepSpeedGradAccess(GradAccess):
     """Reduced gradients of a DeepSpeed engine at ZeRO stage 0, 1 or 2 (see the module docstring).
@@ -56,14 +72,14 @@ class DeepSpeedGradAccess(GradAccess):
     between the engine's backward and its step.
     """
 
-    def __init__(self, engine_fn, fused: bool = True):
+    def __init__(self, engine_fn: Callable[[], deepspeed.DeepSpeedEngine], fused: bool = True) -> None:
         self._engine_fn = engine_fn  # the engine exists only after the strategy's setup
         self.fused = fused
-        self._fragments: list[torch.nn.Parameter] = []
+        self._fragments: list[_ZeroParameter] = []
         self._fused_path = False  # which path open() took, so close() writes back the same way
 
     @property
-    def engine(self):
+    def engine(self) -> deepspeed.DeepSpeedEngine:
         return self._engine_fn()
 
     def loss_scale(self) -> float:
@@ -71,13 +87,13 @@ class DeepSpeedGradAccess(GradAccess):
         if not engine.fp16_enabled():
             return 1.0
         opt = engine.optimizer
-        scale = getattr(opt, "cur_scale", None)
+        scale: Any = getattr(opt, "cur_scale", None)
         if scale is None:
             scale = getattr(opt, "loss_scale", 1.0)
         return float(scale)
 
     @staticmethod
-    def _partitioned(p: torch.nn.Parameter) -> bool:
+    def _partitioned(p: torch.nn.Parameter) -> TypeGuard[_ZeroParameter]:
         """Does the optimizer read this parameter's gradient from its fp32 fragments?"""
         if hasattr(p, "ds_id"):
             raise RuntimeError("K-FAC does not support ZeRO stage 3 (partitioned parameters)")
@@ -94,13 +110,13 @@ class DeepSpeedGradAccess(GradAccess):
         return grads
 
     @staticmethod
-    def _gather_each(params: list[torch.nn.Parameter]) -> dict:
+    def _gather_each(params: list[_ZeroParameter]) -> dict[torch.nn.Parameter, torch.Tensor | None]:
         from deepspeed.utils import safe_get_full_grad
 
         return {p: safe_get_full_grad(p) for p in params}
 
     @staticmethod
-    def _gather_fused(params: list[torch.nn.Parameter]) -> dict:
+    def _gather_fused(params: list[_ZeroParameter]) -> dict[torch.nn.Parameter, torch.Tensor | None]:
         """Full fp32 gradients of ``params`` with one all-reduce: each rank fills in the fragments
         it owns, zeros elsewhere (what ``get_full_hp_grad`` does per parameter)."""
         numels = [p.numel() for p in params]
@@ -129,7 +145,8 @@ class DeepSpeedGradAccess(GradAccess):
         from deepspeed.utils import safe_set_full_grad
 
         for p in frag:
-            if grads.get(p) is None:
+            value = grads.get(p)
+            if value is None:
                 continue
             if getattr(p, "_hp_grad", None) is not None:
                 # safe_set_full_grad would write the bf16 optimizer's low-precision staging gradient,
@@ -138,12 +155,12 @@ class DeepSpeedGradAccess(GradAccess):
                 if _fusable([p]):
                     self._scatter([p], grads)
                 else:
-                    p.set_full_hp_grad(grads[p])
+                    p.set_full_hp_grad(value)
             else:
-                safe_set_full_grad(p, grads[p])
+                safe_set_full_grad(p, value)
 
     @staticmethod
-    def _scatter(params: list[torch.nn.Parameter], grads: dict) -> None:
+    def _scatter(params: list[_ZeroParameter], grads: dict[torch.nn.Parameter, torch.Tensor | None]) -> None:
         """Copy this rank's fragment of each full gradient back (local; the inverse of the fused gather).
 
         ``set_full_hp_grad`` does this too, but fails where the fragment is a full-size buffer
@@ -163,7 +180,7 @@ class DeepSpeedGradAccess(GradAccess):
                 p._zero_optimizer.update_offload_overflow_tracker(value)
 
 
-def _fusable(params: list[torch.nn.Parameter]) -> bool:
+def _fusable(params: Sequence[torch.nn.Parameter]) -> bool:
     """Do the engine's internals look like the ones the fused gather is written against?
 
     Decided only from what is the same on every rank (a parameter outside this rank's partition
@@ -221,7 +238,7 @@ class SPDKFACDeepSpeedStrategy(_SPDKFACStrategyMixin, DeepSpeedStrategy):
         fused_grad_gather: bool = True,
         timeout: timedelta | None = default_pg_timeout,
         **kwargs: Any,
-    ):
+    ) -> None:
         arguments = dict(locals())
         # Each argument alone first, then the K-FAC options with their combination rules.
         val.check_int("stage", stage, low=0, accepted="the ZeRO stage 0, 1 or 2")
@@ -231,7 +248,8 @@ class SPDKFACDeepSpeedStrategy(_SPDKFACStrategyMixin, DeepSpeedStrategy):
         config, origin = _load_config(config)
         if config is not None:
             _check_zero_stage(config, origin)
-        self.fused_grad_gather = val.check_bool("fused_grad_gather", fused_grad_gather)
+        val.check_bool("fused_grad_gather", fused_grad_gather)
+        self.fused_grad_gather = fused_grad_gather
         val.check_timedelta("timeout", timeout)
         val.check_annotations(SPDKFACDeepSpeedStrategy.__init__, arguments,
                              skip=("schedule", *SPD_ARGUMENTS, "stage", "config", "fused_grad_gather", "timeout"))
@@ -296,16 +314,22 @@ class SPDKFACDeepSpeedStrategy(_SPDKFACStrategyMixin, DeepSpeedStrategy):
             self.set_world_ranks()
             self._set_node_environment_variables()
             self._process_group_backend = self._get_process_group_backend()
+            assert self.cluster_environment is not None  # (asserted by _set_node_environment_variables too)
             _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout)
             deepspeed.init_distributed(self._process_group_backend, timeout=self._timeout)
         self._new_factor_group()
 
-    def setup(self, trainer) -> None:
+    def setup(self, trainer: pl.Trainer) -> None:
         self._init_config_if_needed()
         _check_zero_stage(self.config)
         super().setup(trainer)
 
-    def _setup_model_and_optimizer(self, model, optimizer, lr_scheduler=None):
+    def _setup_model_and_optimizer(
+        self,
+        model: Module,
+        optimizer: Optimizer | None,
+        lr_scheduler: LRScheduler | ReduceLROnPlateau | None = None,
+    ) -> tuple[deepspeed.DeepSpeedEngine, Optimizer]:
         import deepspeed
 
         # The engine compares device_rank with 0; a CPU device has index None: -1 means "no GPU".
@@ -321,7 +345,9 @@ class SPDKFACDeepSpeedStrategy(_SPDKFACStrategyMixin, DeepSpeedStrategy):
         )
         return deepspeed_engine, deepspeed_optimizer
 
-    def backward(self, closure_loss: torch.Tensor, optimizer, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def backward(
+        self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
+    ) -> torch.Tensor:
         # Lightning already divides the loss by accumulate_grad_batches; the engine would divide
         # it again by gradient_accumulation_steps (Lightning-AI/pytorch-lightning#6170), so that
         # accumulating k micro-batches would not equal one k-times larger batch as under DDP.
@@ -337,7 +363,7 @@ class SPDKFACDeepSpeedStrategy(_SPDKFACStrategyMixin, DeepSpeedStrategy):
         return DeepSpeedGradAccess(lambda: self.deepspeed_engine, fused=self.fused_grad_gather)
 
     def kfac_final_micro_batch(self) -> bool | None:
-        engine = self.model
+        engine: Any = self.model  # the DeepSpeedEngine once set up (DeepSpeed has no type information)
         if engine is None or not hasattr(engine, "is_gradient_accumulation_boundary"):
             return None
         return bool(engine.is_gradient_accumulation_boundary())

@@ -19,8 +19,9 @@ ablations of the paper). The ``KFAC`` callback asks the strategy for its distrib
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import torch
 import torch.distributed as dist
 from pytorch_lightning.strategies import DDPStrategy, StrategyRegistry
 from torch.distributed.constants import default_pg_timeout
@@ -86,6 +87,13 @@ class _SPDKFACStrategyMixin:
 
     spd_options: SPDOptions
     _factor_group: dist.ProcessGroup | None = None
+    # Provided by the strategy the mixin is combined with (DDPStrategy, DeepSpeedStrategy):
+    _timeout: timedelta | None  # of the process groups
+
+    if TYPE_CHECKING:
+
+        @property
+        def root_device(self) -> torch.device: ...
 
     def _new_factor_group(self) -> None:
         # K-FAC traffic gets a group of its own so that it runs beside the gradient reduction
@@ -141,7 +149,7 @@ class SPDKFACStrategy(_SPDKFACStrategyMixin, DDPStrategy):
         comm_timeout_s: float = SPD_DEFAULTS.comm_timeout_s,
         timeout: timedelta | None = default_pg_timeout,
         **kwargs: Any,
-    ):
+    ) -> None:
         arguments = dict(locals())
         # Each argument alone first, then the K-FAC options with their combination rules.
         val.check_timedelta("timeout", timeout)
