@@ -6,7 +6,9 @@ out in lightning_spdkfac/simulate/paper.py: the compute side (FF&BP, FactorComp,
 the gradient all-reduce) and the network (the fitted all-reduce model) are inputs; every other number of
 D-KFAC, MPD-KFAC and SPD-KFAC is a prediction.
 
-Prints, and writes to benchmarks/results/paper_table.json (and scaling_resnet50.png):
+Prints, and writes to benchmarks/results/paper_table.json (and scaling_resnet50.png beside it, and the committed
+figure docs/simulated_timeline.png); with ``--out PATH`` everything goes beside PATH instead (``--docs-figure``:
+the timeline figure still refreshes the committed one):
 
 1. per model, the simulated breakdown of D-KFAC, MPD-KFAC and SPD-KFAC (as the paper's code ran it:
    ``spd-paper``) beside the paper's, and the ratio of the totals (target: within 10%);
@@ -23,7 +25,9 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -41,7 +45,8 @@ PAPER_NAMES = {"dkfac": "D-KFAC", "mpd": "MPD-KFAC", "spd-paper": "SPD-KFAC"}
 # exposed factor communication, seconds: no pipelining / layer-wise without fusion / SPD with DTF
 PAPER_ABLATION = {"resnet50": (.170, .206, .098), "resnet152": (.436, .523, .276),
                   "densenet201": (.350, .455, .244), "inception_v4": (.290, .470, .199)}
-LADDER = (
+# (step, base schedule, its changed attributes)
+LADDER: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("paper's SPD-KFAC", "spd-paper", {}),
     ("+ no device sync before each reduction", "spd-paper", {"sync_before_launch": False}),
     ("+ G factors fused too", "spd-paper", {"sync_before_launch": False, "fuse_g": True, "plan_full_sizes": False}),
@@ -53,30 +58,51 @@ SCALING_SCHEDULES = ("dkfac", "mpd", "spd-paper", "spd-no-pipelining", "spd-no-d
                      "spd-bf16")
 WORLDS = (8, 16, 64, 256, 1024)
 SHOW = ("FF&BP", "GradComm", "FactorComp", "FactorComm", "InvComp", "InvComm")
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_OUT = REPO / "benchmarks" / "results" / "paper_table.json"
+DOCS_TIMELINE = REPO / "docs" / "simulated_timeline.png"  # committed, shown in README and docs/simulator.md
 
 
-def _row(values) -> str:
+def _row(values: Sequence[float]) -> str:
     return " ".join(f"{v:7.3f}" for v in values)
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "paper_table.json"))
-    ap.add_argument("--no-plot", action="store_true", help="skip the PNG")
-    args = ap.parse_args(argv)
+    ap.add_argument("--out", default=None, metavar="JSON",
+                    help=f"the JSON to write; the figures go beside it (default: {DEFAULT_OUT.relative_to(REPO)}, "
+                         f"and then the timeline figure refreshes the committed {DOCS_TIMELINE.relative_to(REPO)})")
+    ap.add_argument("--docs-figure", action="store_true",
+                    help=f"write the timeline figure to {DOCS_TIMELINE.relative_to(REPO)} even with --out "
+                         "(refresh the committed figure)")
+    ap.add_argument("--no-plot", action="store_true", help="skip the PNGs")
+    return ap
+
+
+def _outputs(args: argparse.Namespace) -> tuple[Path, Path, Path]:
+    """(the JSON, the scaling figure, the timeline figure): the committed files by default; everything
+    beside ``--out`` when it is given, the timeline figure in docs/ only with ``--docs-figure``."""
+    out = DEFAULT_OUT if args.out is None else Path(args.out)
+    timeline = DOCS_TIMELINE if args.out is None or args.docs_figure else out.with_name(DOCS_TIMELINE.name)
+    return out, out.with_name("scaling_resnet50.png"), timeline
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    out_json, scaling_png, timeline_png = _outputs(args)
     t0 = time.perf_counter()
     inv = paper_inverse()
     print("Cluster simulator vs the SPD-KFAC paper (64 GPUs, 16 nodes x 4, alpha=9.29e-4 s, beta=1.4335e-9 s/elem)")
     print(f"inversion model fitted to the four D-KFAC InvComp totals + the n=1024 threshold: "
           f"c0={inv.c0:.3g} s, c2={inv.c2:.3g} s, c3={inv.c3:.3g} s\n")
-    out: dict = {"inverse": inv.__dict__, "models": {}}
+    out: dict[str, Any] = {"inverse": inv.__dict__, "models": {}}
     worst_ratio, worst_speed = 0.0, 0.0
     for name in MODELS:
         case = paper_case(name)
         res = {s: simulate(case.workload, case.cluster, s) for s in ("dkfac", "mpd", "spd-paper")}
         print(f"== {name} (per-GPU batch {case.workload.batch_size}, {len(case.specs)} K-FAC layers)")
         print(f"{'':22s} " + " ".join(f"{c[:7]:>7s}" for c in SHOW) + "   total  sim/paper")
-        entry = {}
+        entry: dict[str, Any] = {}
         for sim_name, paper_key in (("dkfac", "dkfac"), ("mpd", "mpd"), ("spd-paper", "spd")):
             b = res[sim_name].breakdown
             sim_vals = [b[c] for c in SHOW]
@@ -126,16 +152,16 @@ def main(argv=None) -> int:
         print(f"{p:5d} " + " ".join(f"{tot[s]:9.3f} (x{tot['dkfac'] / tot[s]:4.2f})" for s in SCALING_SCHEDULES))
     out["scaling_resnet50"] = {str(p): v for p, v in scaling.items()}
     out["categories"] = list(CATEGORIES)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1, default=float))
+    out_json.parent.mkdir(parents=True, exist_ok=True)
+    out_json.write_text(json.dumps(out, indent=1, default=float))
     if not args.no_plot:
-        _plot(scaling, Path(args.out).with_name("scaling_resnet50.png"))
-        _plot_timelines(Path(__file__).resolve().parents[1] / "docs" / "simulated_timeline.png")
-    print(f"\nwrote {args.out} ({time.perf_counter() - t0:.1f} s)")
+        _plot(scaling, scaling_png)
+        _plot_timelines(timeline_png)
+    print(f"\nwrote {out_json} ({time.perf_counter() - t0:.1f} s)")
     return 0
 
 
-def _plot(scaling: dict, path: Path) -> None:
+def _plot(scaling: dict[int, dict[str, float]], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")

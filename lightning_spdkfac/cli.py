@@ -29,7 +29,7 @@ COMMANDS: dict[str, Callable[[list[str]], int | None]] = {}
 
 def _plan(argv: list[str]) -> int:
     """``spdkfac plan``: the recommended K-FAC schedule for a model on a cluster (the simulator)."""
-    from .simulate.plan import main as plan_main  # imported on use: the simulator is not needed to train
+    from .simulate.plan_cli import main as plan_main  # imported on use: the simulator is not needed to train
 
     return plan_main(argv)
 

@@ -1,4 +1,4 @@
-"""``spdkfac plan`` (lightning_spdkfac.simulate.plan): the recommendation equals the simulator's own
+"""``spdkfac plan`` (lightning_spdkfac.simulate.plan, .plan_cli): the recommendation equals the simulator's own
 result, user models / configs / the paper's models as input, clear exit-2 errors naming the flag, the
 ``--measure`` path on 2 gloo processes, and the ``--json`` content."""
 
@@ -18,15 +18,20 @@ from lightning_spdkfac.comm.scheduler import SPDOptions
 from lightning_spdkfac.demo.digits import DigitsCNN
 from lightning_spdkfac.multiprocess import run_distributed
 from lightning_spdkfac.schedule import InverseCost
-from lightning_spdkfac.simulate import SCHEDULES, Cluster, Workload, profile_layers, simulate
+from lightning_spdkfac.simulate import SIM_SCHEDULES, Cluster, Workload, profile_layers, simulate
 from lightning_spdkfac.simulate.paper import PAPER_ALLREDUCE, paper_case
 from lightning_spdkfac.simulate.plan import (
     DEFAULT_SCHEDULES,
-    main,
+    STRATEGY_CLASS,
+    PlanInputs,
+    plan,
     recommend,
     runtime_config,
     sim_schedule_from_options,
 )
+from lightning_spdkfac.simulate.plan_cli import main
+from lightning_spdkfac.simulate.plan_sources import _config_strategy
+from lightning_spdkfac.vocabulary import DDP_STRATEGY_NAMES, DEEPSPEED_STRATEGY_NAMES
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 DIGITS = "lightning_spdkfac.demo.digits:DigitsCNN"
@@ -98,15 +103,50 @@ def test_paper_resnet50_recommendation_is_the_simulators(tmp_path, capsys):
 
 
 def test_runtime_mapping():
-    args, notes = runtime_config(SCHEDULES["spd"])
+    args, notes = runtime_config(SIM_SCHEDULES["spd"])
     assert args["schedule"] == "spd" and args["placement"] == "lbp_channel" and args["comm_dtype"] == "float32"
     assert not notes
-    args, notes = runtime_config(SCHEDULES["spd-bf16"])
+    args, notes = runtime_config(SIM_SCHEDULES["spd-bf16"])
     assert args["comm_dtype"] == "bfloat16" and not notes
-    assert runtime_config(SCHEDULES["dkfac"])[0]["schedule"] == "dkfac"
-    assert runtime_config(SCHEDULES["mpd"])[0]["schedule"] == "mpd"
-    args, notes = runtime_config(SCHEDULES["spd-paper"])
+    assert runtime_config(SIM_SCHEDULES["dkfac"])[0]["schedule"] == "dkfac"
+    assert runtime_config(SIM_SCHEDULES["mpd"])[0]["schedule"] == "mpd"
+    args, notes = runtime_config(SIM_SCHEDULES["spd-paper"])
     assert any("fuse_g=False" in n for n in notes)  # no strategy argument runs it exactly
+
+
+def test_api_arguments_follow_the_package_rule():
+    """Wrong type: TypeError; wrong value: ValueError; the message names the argument."""
+    case = paper_case("resnet50")
+    with pytest.raises(TypeError, match=r"schedules\[1\] must be a SimSchedule or one of"):
+        recommend(case.workload, case.cluster, ["spd", 3])
+    with pytest.raises(ValueError, match=r"schedules\[0\] must be one of .*got 'warp'"):
+        recommend(case.workload, case.cluster, ["warp"])
+    with pytest.raises(TypeError, match="schedules must be a sequence"):
+        recommend(case.workload, case.cluster, "spd")
+    with pytest.raises(ValueError, match="schedules is empty"):
+        recommend(case.workload, case.cluster, [])
+    with pytest.raises(TypeError, match="schedule must be a SimSchedule"):
+        runtime_config("spd")
+    with pytest.raises(TypeError, match="options must be a SPDOptions"):
+        sim_schedule_from_options({"schedule": "spd"})
+    with pytest.raises(TypeError, match="inputs must be a PlanInputs"):
+        plan({"workload": case.workload})
+    with pytest.raises(TypeError, match=r"schedules\[0\] must be a SimSchedule"):
+        PlanInputs(case.workload, case.cluster, ["spd"])
+
+
+def test_registered_strategy_names_are_the_vocabulary():
+    """A config naming a registered strategy is compared with the arguments the name fixes; a name that is
+    not registered is not an SPD-KFAC strategy."""
+    for name, fixed in {**DDP_STRATEGY_NAMES, **DEEPSPEED_STRATEGY_NAMES}.items():
+        notes: list[str] = []
+        options, args, cls = _config_strategy({"trainer": {"strategy": name}}, notes)
+        assert options.schedule == fixed.get("schedule", "spd") == args["schedule"], name
+        assert cls.endswith("DeepSpeedStrategy") == (name in DEEPSPEED_STRATEGY_NAMES), name
+    for name in ("ddp", "spdkfac_bogus", "spdkfac_deepspeed_stage_9"):
+        notes = []
+        assert _config_strategy({"trainer": {"strategy": name}}, notes) == (None, None, STRATEGY_CLASS)
+        assert "not an SPD-KFAC strategy" in notes[0]
 
 
 def test_user_model_by_path(tmp_path, capsys):

@@ -16,6 +16,7 @@ from lightning_spdkfac.simulate import (
     Workload,
     profile_layers,
     simulate,
+    with_schedule,
 )
 from lightning_spdkfac.simulate.cluster import chain_collective, ring_allreduce
 
@@ -171,14 +172,62 @@ def test_ring_collectives_and_fit_round_trip():
 
 
 def test_bad_input_names_the_argument():
-    with pytest.raises(ValueError, match="schedule"):
+    """The package rule: a wrong value is a ValueError, a wrong type a TypeError, and the message names the
+    argument and the value."""
+    with pytest.raises(ValueError, match="schedule must be one of .*got 'nope'"):
         simulate(WORK, cluster(1.0), "nope")
+    with pytest.raises(TypeError, match="schedule must be a SimSchedule or one of .*got int 3"):
+        simulate(WORK, cluster(1.0), 3)
+    with pytest.raises(TypeError, match="workload must be a Workload"):
+        simulate(SPECS, cluster(1.0), "spd")
+    with pytest.raises(TypeError, match="cluster must be a Cluster"):
+        simulate(WORK, None, "spd", rank_events=None)
+    with pytest.raises(TypeError, match="rank_events must be"):
+        simulate(WORK, cluster(1.0), "spd", rank_events=1.5)
+    with pytest.raises(ValueError, match="base must be one of"):
+        with_schedule("nope")
     with pytest.raises(ValueError, match="batch_size"):
         Workload("x", SPECS, TIMES, batch_size=0)
+    with pytest.raises(ValueError, match="layers and times must have the same length, got 2 and 1"):
+        Workload("x", SPECS, TIMES[:1], batch_size=1)
+    with pytest.raises(TypeError, match=r"times\[0\] must be a LayerTimes"):
+        Workload("x", SPECS, (1.0, 2.0), batch_size=1)
     with pytest.raises(ValueError, match="world_size"):
         Cluster.ring(0, 1.0, 1.0, InverseCost())
+    with pytest.raises(TypeError, match="world_size must be an integer"):
+        Cluster.ring(2.0, 1.0, 1.0, InverseCost())
+    with pytest.raises(TypeError, match="inverse must be an InverseCost"):
+        Cluster.ring(2, 1.0, 1.0, 0.5)
+    with pytest.raises(TypeError, match="fit must be an AlphaBeta"):
+        Cluster.from_fit((1.0, 1.0), 64, 8, InverseCost())
     with pytest.raises(ValueError, match="input_shape"):
         profile_layers(nn.Linear(2, 2), ())
+    with pytest.raises(TypeError, match=r"input_shape\[1\] must be an integer"):
+        profile_layers(nn.Linear(2, 2), (1, "2"))
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        profile_layers("net", (2,))
+
+
+@pytest.mark.parametrize("field, value, error", [
+    ("fusion", "dtf2", ValueError), ("fusion", None, TypeError), ("placement", "lpb", ValueError),
+    ("pipelining", 1, TypeError), ("bucket_mb", 0.0, ValueError), ("bucket_mb", "64", TypeError),
+    ("lbp_metric", "cubic", ValueError), ("small_factor", 1024.0, TypeError), ("bytes_per_element", 0, ValueError),
+])
+def test_sim_schedule_checks_its_fields(field, value, error):
+    """Fusion and placement names are the runtime's (lightning_spdkfac.vocabulary)."""
+    with pytest.raises(error, match=f"{field} must be"):
+        SimSchedule("t", **{field: value})
+
+
+def test_paper_names_are_checked():
+    from lightning_spdkfac.simulate.paper import model_specs, paper_case
+
+    with pytest.raises(ValueError, match="name must be one of .*got 'resnet9'"):
+        model_specs("resnet9")
+    with pytest.raises(TypeError, match="name must be one of"):
+        model_specs(50)
+    with pytest.raises(ValueError, match="grad_comm must be one of 'paper', 'model', got 'measured'"):
+        paper_case("resnet50", grad_comm="measured")
 
 
 def test_resnet50_paper_row_within_ten_percent():

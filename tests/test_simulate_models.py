@@ -208,10 +208,18 @@ def test_cpu_forward_backward_smoke(name, hw):
 
 
 def test_bad_arguments_are_named():
-    with pytest.raises(ValueError, match="ResNet: layers"):
+    with pytest.raises(ValueError, match="layers must be four block counts"):
         models.ResNet((3, 4, 6))
-    with pytest.raises(ValueError, match="DenseNet: compression"):
+    with pytest.raises(ValueError, match=r"layers\[1\] must be an integer >= 1, got 0"):
+        models.ResNet((3, 0, 6, 3))
+    with pytest.raises(TypeError, match=r"layers\[0\] must be an integer"):  # a wrong type: TypeError
+        models.ResNet((3.0, 4, 6, 3))
+    with pytest.raises(TypeError, match="layers must be a sequence"):
+        models.ResNet(3)
+    with pytest.raises(ValueError, match=r"compression must be a number in \(0, 1\], got 0.0"):
         models.DenseNet(compression=0.0)
+    with pytest.raises(TypeError, match="compression must be a number"):
+        models.DenseNet(compression="half")
 
 
 def test_resnet_is_v1_5_stride_on_3x3():

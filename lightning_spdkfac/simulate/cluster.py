@@ -25,14 +25,14 @@ __all__ = ["Cluster", "ring_allreduce", "chain_collective"]
 
 def ring_allreduce(world: int, alpha: float, beta: float) -> AlphaBeta:
     """Ring all-reduce over ``world`` members with per-step latency ``alpha`` and per-byte link time ``beta``."""
-    if world <= 1:
+    if val.check_int("world", world, low=0) <= 1:
         return AlphaBeta(0.0, 0.0)
     return AlphaBeta(2 * (world - 1) * alpha, 2 * (world - 1) / world * beta)
 
 
 def chain_collective(world: int, alpha: float, beta: float) -> AlphaBeta:
     """Pipelined-chain broadcast (or reduce): ``world - 1`` latencies, the message once per link."""
-    if world <= 1:
+    if val.check_int("world", world, low=0) <= 1:
         return AlphaBeta(0.0, 0.0)
     return AlphaBeta((world - 1) * alpha, beta)
 
@@ -61,10 +61,9 @@ class Cluster:
         val.check_int("world_size", self.world_size, low=1)
         val.check_int("gpus_per_node", self.gpus_per_node, low=1)
         for n in ("allreduce", "broadcast", "reduce"):
-            if not isinstance(getattr(self, n), AlphaBeta):
-                raise TypeError(f"{n} must be an AlphaBeta, got {type(getattr(self, n)).__name__}")
-        if not isinstance(self.inverse, InverseCost):
-            raise TypeError(f"inverse must be an InverseCost, got {type(self.inverse).__name__}")
+            val.check_instance(n, getattr(self, n), AlphaBeta, "an AlphaBeta")
+        val.check_instance("inverse", self.inverse, InverseCost, "an InverseCost")
+        val.check_instance("name", self.name, str)
 
     @classmethod
     def ring(cls, world_size: int, link_alpha: float, link_beta: float, inverse: InverseCost, *,
@@ -99,6 +98,7 @@ class Cluster:
                  gpus_per_node: int = 1, name: str = "") -> Cluster:
         """Per-link numbers from an all-reduce fitted at ``fit_world_size`` GPUs (inverting
         :func:`ring_allreduce`), then every collective at ``world_size``."""
+        val.check_instance("fit", fit, AlphaBeta, "an AlphaBeta")
         p0 = val.check_int("fit_world_size", fit_world_size, low=2)
         link_alpha = fit.alpha / (2 * (p0 - 1))
         link_beta = fit.beta * p0 / (2 * (p0 - 1))

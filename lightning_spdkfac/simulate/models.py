@@ -23,6 +23,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from .. import validation as val
+
 __all__ = ["PAPER_MODELS", "densenet201", "inception_v4", "resnet50", "resnet152"]
 
 
@@ -65,10 +67,10 @@ class ResNet(nn.Module):
     64, 128, 256, 512 (the last three start with stride 2), global average pool, fc to ``num_classes``.
     A 224x224 input gives a 7x7x2048 final feature map."""
 
-    def __init__(self, layers: Sequence[int], num_classes: int = 1000):
+    def __init__(self, layers: Sequence[int], num_classes: int = 1000) -> None:
         super().__init__()
-        if len(layers) != 4 or any(int(n) < 1 for n in layers):
-            raise ValueError(f"ResNet: layers must be four block counts >= 1, got {tuple(layers)}")
+        if len(val.check_ints("layers", layers, low=1)) != 4:
+            raise ValueError(f"layers must be four block counts >= 1 (one per stage), got {tuple(layers)}")
         self.conv1 = nn.Conv2d(3, 64, 7, stride=2, padding=3, bias=False)
         self.bn1 = nn.BatchNorm2d(64)
         self.relu = nn.ReLU(inplace=True)
@@ -168,10 +170,9 @@ class DenseNet(nn.Module):
         bn_size: int = 4,
         compression: float = 0.5,
         num_classes: int = 1000,
-    ):
+    ) -> None:
         super().__init__()
-        if not 0.0 < compression <= 1.0:
-            raise ValueError(f"DenseNet: compression must be in (0, 1], got {compression}")
+        val.check_real("compression", compression, val.Bound(low=0.0, high=1.0, low_open=True))
         mods: OrderedDict[str, nn.Module] = OrderedDict(
             conv0=nn.Conv2d(3, init_features, 7, stride=2, padding=3, bias=False),
             norm0=nn.BatchNorm2d(init_features),

@@ -133,8 +133,7 @@ _SPECS: dict[str, tuple[LayerSpec, ...]] = {}
 
 def model_specs(name: str) -> tuple[LayerSpec, ...]:
     """K-FAC layer specs of one of the paper's models (built on the meta device; cached)."""
-    if name not in PAPER_MODELS:
-        raise ValueError(f"name must be one of {sorted(PAPER_MODELS)}, got {name!r}")
+    val.check_choice("name", name, PAPER_MODELS)
     if name not in _SPECS:
         import torch
 
@@ -148,8 +147,7 @@ def model_specs(name: str) -> tuple[LayerSpec, ...]:
 def paper_case(name: str, grad_comm: str = "paper") -> PaperCase:
     """The calibrated 64-GPU case of one model. ``grad_comm="paper"`` takes the measured gradient
     all-reduce time (identical for every algorithm); ``"model"`` derives it from the all-reduce model."""
-    if grad_comm not in ("paper", "model"):
-        raise ValueError(f"grad_comm must be 'paper' or 'model', got {grad_comm!r}")
+    val.check_choice("grad_comm", grad_comm, ("paper", "model"))
     specs = model_specs(name)
     _, _, batch = PAPER_MODELS[name]
     ffbp, gcomm, fcomp, _, _, _, _ = PAPER_BREAKDOWN[name]["dkfac"]

@@ -20,8 +20,10 @@ them from measured ones.
 
 from __future__ import annotations
 
+import typing
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Any, Literal
 
 from .. import validation as val
 from ..comm.triangle import triu_size
@@ -29,37 +31,45 @@ from ..schedule import (
     REPLICATED,
     AlphaBeta,
     InverseCost,
+    Placement,
     inverted_by,
     plan_fusion,
     plan_placement,
     simulate_placement,
 )
 from ..schedule.fusion import FusionPlan
+from ..vocabulary import FUSIONS, PLACEMENTS, FusionName, PlacementName
 from .cluster import Cluster
 from .workload import Workload
 
-__all__ = ["CATEGORIES", "SCHEDULES", "Event", "SimSchedule", "Timeline", "simulate"]
+__all__ = ["CATEGORIES", "SIM_SCHEDULES", "Event", "SimSchedule", "Timeline", "as_sim_schedule", "simulate",
+           "with_schedule"]
 
+# How a placement weighs a factor: the cluster's inversion and broadcast models, or ``n`` (the original code).
+LbpMetric = Literal["model", "linear"]
 CATEGORIES = ("FF&BP", "GradComm", "FactorComp", "FactorComm", "InvComp", "InvComm", "Precondition")
 
 
 @dataclass(frozen=True)
 class SimSchedule:
-    """How an iteration is scheduled. The named ones are in :data:`SCHEDULES`.
+    """How an iteration is scheduled. The named ones are in :data:`SIM_SCHEDULES`.
 
     Attributes:
         pipelining: factor reductions launched from the hooks as factors become ready.
-        fusion: fusion policy of the factor reductions (``dtf``, ``layerwise``, ``all``, ``bucket``).
+        fusion: fusion policy of the factor reductions, one of the runtime's
+            (:data:`~lightning_spdkfac.vocabulary.FUSIONS`).
         fuse_g: ``False`` reduces every G factor on its own whatever ``fusion`` says (the original
             SPD-KFAC code fused only A factors).
         bucket_mb: bucket size for ``fusion="bucket"`` (64 MiB: Horovod's default fusion buffer).
-        placement: ``lbp_channel`` (the runtime's ``spd`` default), ``lbp``, ``round_robin`` or ``replicated``.
+        placement: inversion placement, one of the runtime's (:data:`~lightning_spdkfac.vocabulary.PLACEMENTS`;
+            ``lbp_channel`` is the ``spd`` default).
         lbp_metric: ``"model"`` plans with the cluster's inversion and broadcast models (this project);
             ``"linear"`` with a load linear in ``n`` and no broadcast term (the original code).
         small_factor: factors with ``n`` below it are replicated (the original code: 1024).
         plan_full_sizes: DTF plans with ``n*n`` elements per factor while ``n(n+1)/2`` are sent (the
             original code's inconsistency).
-        bytes_per_element: of factor and inverse messages: 4 (fp32) or 2 (bf16).
+        bytes_per_element: of factor and inverse messages: 4 (fp32) or 2 (bf16) (any positive size can be
+            simulated; the runtime sends only these two).
         reduce_to_owner: factors that have an owner are reduced to it (a pipelined-chain reduce, half the
             link traffic of an all-reduce) instead of all-reduced; replicated ones are still all-reduced.
         early_inverse: a rank starts inverting a factor as soon as its reduction is complete, while the
@@ -71,11 +81,11 @@ class SimSchedule:
 
     name: str
     pipelining: bool = True
-    fusion: str = "dtf"
+    fusion: FusionName = "dtf"
     fuse_g: bool = True
     bucket_mb: float = 64.0
-    placement: str = "lbp_channel"
-    lbp_metric: Literal["model", "linear"] = "model"
+    placement: PlacementName = "lbp_channel"
+    lbp_metric: LbpMetric = "model"
     small_factor: int | None = None
     plan_full_sizes: bool = False
     bytes_per_element: int = 4
@@ -84,10 +94,25 @@ class SimSchedule:
     sync_before_launch: bool = False
     description: str = ""
 
+    def __post_init__(self) -> None:
+        val.check_instance("name", self.name, str)
+        for flag in ("pipelining", "fuse_g", "plan_full_sizes", "reduce_to_owner", "early_inverse",
+                     "sync_before_launch"):
+            val.check_bool(flag, getattr(self, flag))
+        val.check_choice("fusion", self.fusion, FUSIONS)
+        val.check_real("bucket_mb", self.bucket_mb, val.POSITIVE)
+        val.check_choice("placement", self.placement, PLACEMENTS)
+        val.check_choice("lbp_metric", self.lbp_metric, typing.get_args(LbpMetric))
+        val.check_int("small_factor", self.small_factor, low=0, optional=True)
+        val.check_int("bytes_per_element", self.bytes_per_element, low=1)
+        val.check_instance("description", self.description, str)
 
-_PAPER_BASE = dict(fusion="bucket", bucket_mb=64.0, pipelining=False)
-_PAPER_SPD = dict(fuse_g=False, placement="lbp", lbp_metric="linear", small_factor=1024, sync_before_launch=True)
-SCHEDULES: dict[str, SimSchedule] = {
+
+_PAPER_BASE: dict[str, Any] = dict(fusion="bucket", bucket_mb=64.0, pipelining=False)
+_PAPER_SPD: dict[str, Any] = dict(fuse_g=False, placement="lbp", lbp_metric="linear", small_factor=1024, sync_before_launch=True)
+# The simulator's named schedules (not the runtime's SCHEDULES of lightning_spdkfac.vocabulary): D-KFAC and
+# MPD-KFAC as the paper ran them, the paper's SPD-KFAC as its code ran, this project's spd and its variants.
+SIM_SCHEDULES: dict[str, SimSchedule] = {
     s.name: s
     for s in (
         SimSchedule("dkfac", placement="replicated", **_PAPER_BASE,
@@ -166,14 +191,15 @@ def _grad_comm(workload: Workload, cluster: Cluster) -> float:
     return full * cluster.allreduce.time(bucket) + (cluster.allreduce.time(rest) if rest else 0.0)
 
 
-def _fusion(schedule: SimSchedule, order, sides, ready, comm: AlphaBeta) -> FusionPlan:
+def _fusion(schedule: SimSchedule, order: list[tuple[int, str]], sides: list[int], ready: list[float],
+            comm: AlphaBeta) -> FusionPlan:
     elems = [s * s if schedule.plan_full_sizes else triu_size(s) for s in sides]
     alone = () if schedule.fuse_g else [pos for pos, key in enumerate(order) if key[1] == "G"]
     return plan_fusion(elems, ready, comm, policy=schedule.fusion, bucket_bytes=int(schedule.bucket_mb * 2**20),
                        bytes_per_element=schedule.bytes_per_element, alone=alone)
 
 
-def _placement(schedule: SimSchedule, cluster: Cluster, ns: list[int]):
+def _placement(schedule: SimSchedule, cluster: Cluster, ns: list[int]) -> Placement:
     bpe = schedule.bytes_per_element
     if schedule.lbp_metric == "linear":  # the original code: load n, small factors by threshold only
         return plan_placement(ns, cluster.world_size, InverseCost(c1=1.0), AlphaBeta(0.0, 0.0),
@@ -182,138 +208,214 @@ def _placement(schedule: SimSchedule, cluster: Cluster, ns: list[int]):
                           bytes_per_element=bpe, small_threshold=schedule.small_factor)
 
 
-def simulate(workload: Workload, cluster: Cluster, schedule: SimSchedule | str, *,
-             rank_events: int | None = 8) -> Timeline:
-    """Simulate one iteration of ``workload`` on ``cluster`` under ``schedule`` (an object or a name).
+def as_sim_schedule(name: str, value: object) -> SimSchedule:
+    """The argument ``name``: a :class:`SimSchedule`, or a name of :data:`SIM_SCHEDULES` (TypeError for
+    anything else, ValueError for an unknown name)."""
+    if isinstance(value, SimSchedule):
+        return value
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a SimSchedule or one of {', '.join(map(repr, SIM_SCHEDULES))}, "
+                        f"got {val.show(value)}")
+    val.check_choice(name, value, SIM_SCHEDULES)
+    return SIM_SCHEDULES[value]
 
-    ``rank_events``: the inversion events of ranks ``0 .. rank_events - 1`` are recorded (None: every
-    rank); the breakdown always accounts for every rank.
-    """
-    shown = cluster.world_size if rank_events is None else val.check_int("rank_events", rank_events, low=0)
-    if isinstance(schedule, str):
-        if schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {sorted(SCHEDULES)} or a SimSchedule, got {schedule!r}")
-        schedule = SCHEDULES[schedule]
-    if not isinstance(workload, Workload):
-        raise TypeError(f"workload must be a Workload, got {type(workload).__name__}")
-    if not isinstance(cluster, Cluster):
-        raise TypeError(f"cluster must be a Cluster, got {type(cluster).__name__}")
-    world = cluster.world_size
-    bpe = schedule.bytes_per_element
-    events: list[Event] = []
+
+# (category, label, seconds, factor key or None): one piece of work on the compute stream
+_Piece = tuple[str, str, float, tuple[int, str] | None]
+
+
+def _compute_pieces(workload: Workload) -> list[_Piece]:
+    """The compute stream in order: each layer's forward then its A factor; in backward, each layer's
+    backward then its G factor."""
     layers, times = workload.layers, workload.times
-
-    # -- compute stream, first without communication: the ready times the planner profiles
-    pieces = []  # (category, label, seconds, factor key or None), in stream order
+    pieces: list[_Piece] = []
     for i, (spec, lt) in enumerate(zip(layers, times)):
-        pieces += [("FF&BP", f"forward {spec.name}", lt.forward, None), ("FactorComp", f"A {spec.name}", lt.a_factor, (i, "A"))]
+        pieces += [("FF&BP", f"forward {spec.name}", lt.forward, None),
+                   ("FactorComp", f"A {spec.name}", lt.a_factor, (i, "A"))]
     for i in reversed(range(len(layers))):
         spec, lt = layers[i], times[i]
-        pieces += [("FF&BP", f"backward {spec.name}", lt.backward, None), ("FactorComp", f"G {spec.name}", lt.g_factor, (i, "G"))]
+        pieces += [("FF&BP", f"backward {spec.name}", lt.backward, None),
+                   ("FactorComp", f"G {spec.name}", lt.g_factor, (i, "G"))]
+    return pieces
+
+
+def _ready_times(pieces: list[_Piece]) -> tuple[dict[tuple[int, str], float], float]:
+    """When each factor is computed on a stream without communication (what the planner profiles), and
+    when that stream ends (FF&BP + FactorComp)."""
     ready: dict[tuple[int, str], float] = {}
     t = 0.0
     for _, _, sec, key in pieces:
         t += sec
         if key is not None:
             ready[key] = t
-    t_busy = t  # FF&BP + FactorComp
+    return ready, t
 
+
+class _Channel:
+    """The one communication channel: collectives run one at a time, in launch order."""
+
+    def __init__(self, events: list[Event]) -> None:
+        self.events = events
+        self.free = 0.0
+        self.done: dict[int, float] = {}  # factor position -> its reduction is complete
+
+    def run(self, category: str, label: str, launch: float, seconds: float) -> float:
+        start = max(self.free, launch)
+        self.free = start + seconds
+        self.events.append(Event("comm", category, label, start, self.free))
+        return self.free
+
+
+def _group_seconds(schedule: SimSchedule, cluster: Cluster, sides: list[int], owners: Sequence[int],
+                   group: Sequence[int]) -> float:
+    """Seconds on the channel of one fused factor reduction."""
+    bpe = schedule.bytes_per_element
+    if schedule.reduce_to_owner:
+        owned = sum(triu_size(sides[i]) for i in group if owners[i] != REPLICATED) * bpe
+        repl = sum(triu_size(sides[i]) for i in group if owners[i] == REPLICATED) * bpe
+        alpha = max(cluster.reduce.alpha if owned else 0.0, cluster.allreduce.alpha if repl else 0.0)
+        return alpha + cluster.reduce.beta * owned + cluster.allreduce.beta * repl
+    return cluster.allreduce.time(sum(triu_size(sides[i]) for i in group) * bpe)
+
+
+def _compute_and_reductions(schedule: SimSchedule, pieces: list[_Piece], order: list[tuple[int, str]],
+                            groups: Sequence[Sequence[int]], group_seconds: Callable[[Sequence[int]], float],
+                            channel: _Channel) -> float:
+    """The compute stream and the factor reductions together; returns when compute ends. Pipelined groups
+    launch when their last member is ready; a synchronize before a launch stalls compute until the channel
+    is free. Unpipelined groups launch when compute ends."""
+    position = {k: p for p, k in enumerate(order)}
+    closing = {g[-1]: k for k, g in enumerate(groups)}
+
+    def run_group(k: int, launch: float) -> None:
+        g = groups[k]
+        end = channel.run("FactorComm", f"factor group {k} ({len(g)} factors)", launch, group_seconds(g))
+        for i in g:
+            channel.done[i] = end
+
+    t = 0.0
+    for cat, label, sec, key in pieces:
+        channel.events.append(Event("compute", cat, label, t, t + sec))
+        t += sec
+        if key is None or not schedule.pipelining or position[key] not in closing:
+            continue
+        if schedule.sync_before_launch and channel.free > t:
+            channel.events.append(Event("compute", "FactorComm", "synchronize (stall)", t, channel.free))
+            t = channel.free
+        run_group(closing[position[key]], t)
+    if not schedule.pipelining:
+        for k in range(len(groups)):
+            run_group(k, t)
+    return t
+
+
+@dataclass
+class _Phase:
+    """What the inversion phase starts from."""
+
+    schedule: SimSchedule
+    cluster: Cluster
+    order: list[tuple[int, str]]
+    sides: list[int]
+    owners: tuple[int, ...]
+    done: dict[int, float]  # factor position -> its reduction is complete
+    t_compute: float
+    t_comm: float
+    shown: int  # ranks whose inversion events are recorded
+    events: list[Event]
+
+
+def _inversions_in_order(ph: _Phase, tasks_per_rank: list[list[int]]) -> tuple[list[float], float]:
+    """Each rank inverts its tasks in planned order (``early_inverse``: in reduction order, each no earlier
+    than its factor's reduction; otherwise all after the channel is free); owned inverses are broadcast
+    as soon as computed. Returns each rank's end and the end of the broadcasts."""
+    early = ph.schedule.early_inverse
+    rank_end = []
+    bcast_ready: dict[int, float] = {}
+    for r, tasks in enumerate(tasks_per_rank):
+        tr = ph.t_compute
+        for i in sorted(tasks, key=lambda i: (ph.done[i], tasks.index(i))) if early else tasks:
+            begin = max(tr, ph.done[i] if early else ph.t_comm)
+            tr = begin + ph.cluster.inverse.time(ph.sides[i])
+            if r < ph.shown:
+                ph.events.append(Event(f"rank {r}", "InvComp", f"invert {ph.order[i]}", begin, tr))
+            if ph.owners[i] == r:
+                bcast_ready[i] = tr
+        rank_end.append(tr if tasks else ph.t_comm)
+    bfree = bcast_end = ph.t_comm
+    for i in sorted(bcast_ready, key=lambda i: (bcast_ready[i], i)):
+        b0 = max(bfree, bcast_ready[i])
+        bfree = b0 + ph.cluster.broadcast.time(triu_size(ph.sides[i]) * ph.schedule.bytes_per_element)
+        ph.events.append(Event("comm", "InvComm", f"broadcast {ph.order[i]}", b0, bfree))
+        bcast_end = bfree
+    return rank_end, bcast_end
+
+
+def _inversions_planned(ph: _Phase, placement: Placement) -> tuple[list[float], float]:
+    """The runtime's own timeline of the inversion phase (:func:`~lightning_spdkfac.schedule.simulate_placement`),
+    started when the channel is free. Returns each rank's end and the end of the broadcasts."""
+    start, inv = ph.t_comm, ph.cluster.inverse
+    pt = simulate_placement(placement, ph.sides, inv, ph.cluster.broadcast,
+                            bytes_per_element=ph.schedule.bytes_per_element)
+    bcast_end = start
+    for i, s, e in zip(pt.broadcast_order, pt.broadcast_start, pt.broadcast_end):
+        ph.events.append(Event("comm", "InvComm", f"broadcast {ph.order[i]}", start + s, start + e))
+        bcast_end = start + e
+    for r in range(min(ph.cluster.world_size, ph.shown)):
+        tr = start
+        for i in inverted_by(placement, r):
+            ph.events.append(Event(f"rank {r}", "InvComp", f"invert {ph.order[i]}", tr, tr + inv.time(ph.sides[i])))
+            tr += inv.time(ph.sides[i])
+    return [start + e for e in pt.compute_end], bcast_end
+
+
+def simulate(workload: Workload, cluster: Cluster, schedule: SimSchedule | str, *,
+             rank_events: int | None = 8) -> Timeline:
+    """Simulate one iteration of ``workload`` on ``cluster`` under ``schedule`` (an object or a name of
+    :data:`SIM_SCHEDULES`).
+
+    ``rank_events``: the inversion events of ranks ``0 .. rank_events - 1`` are recorded (None: every
+    rank); the breakdown always accounts for every rank.
+    """
+    val.check_int("rank_events", rank_events, low=0, optional=True)
+    schedule = as_sim_schedule("schedule", schedule)
+    val.check_instance("workload", workload, Workload)
+    val.check_instance("cluster", cluster, Cluster)
+    shown = cluster.world_size if rank_events is None else rank_events
+    world = cluster.world_size
+    events: list[Event] = []
+    layers = workload.layers
+
+    # -- compute stream, first without communication: the ready times the planner profiles
+    pieces = _compute_pieces(workload)
+    ready, t_busy = _ready_times(pieces)
     order = [(i, "A") for i in range(len(layers))] + [(i, "G") for i in reversed(range(len(layers)))]
     sides = [layers[i].a_side if w == "A" else layers[i].g_side for i, w in order]
-    ready_list = [ready[k] for k in order]
 
     # -- placement (static: from sizes and models) and fusion (from the profiled ready times)
     placement = _placement(schedule, cluster, sides) if world > 1 else None
     owners = placement.owners if placement is not None else tuple([REPLICATED] * len(order))
-    plan = _fusion(schedule, order, sides, ready_list, cluster.allreduce) if world > 1 else FusionPlan((), "dtf")
+    plan = (_fusion(schedule, order, sides, [ready[k] for k in order], cluster.allreduce) if world > 1
+            else FusionPlan((), "dtf"))
 
-    def group_seconds(g) -> float:
-        if schedule.reduce_to_owner:
-            owned = sum(triu_size(sides[i]) for i in g if owners[i] != REPLICATED) * bpe
-            repl = sum(triu_size(sides[i]) for i in g if owners[i] == REPLICATED) * bpe
-            alpha = max(cluster.reduce.alpha if owned else 0.0, cluster.allreduce.alpha if repl else 0.0)
-            return alpha + cluster.reduce.beta * owned + cluster.allreduce.beta * repl
-        return cluster.allreduce.time(sum(triu_size(sides[i]) for i in g) * bpe)
-
-    # -- the run: compute and the channel together. Pipelined groups launch when their last member is
-    # ready; a synchronize before a launch stalls compute until the channel is free.
-    position = {k: p for p, k in enumerate(order)}
-    closing = {g[-1]: k for k, g in enumerate(plan.groups)}
-    free = 0.0
-    done: dict[int, float] = {}  # factor position -> its reduction is complete
-
-    def run_group(k: int, launch: float) -> None:
-        nonlocal free
-        g = plan.groups[k]
-        start = max(free, launch)
-        free = start + group_seconds(g)
-        events.append(Event("comm", "FactorComm", f"factor group {k} ({len(g)} factors)", start, free))
-        for i in g:
-            done[i] = free
-
-    t = 0.0
-    for cat, label, sec, key in pieces:
-        events.append(Event("compute", cat, label, t, t + sec))
-        t += sec
-        if key is None or not schedule.pipelining or position[key] not in closing:
-            continue
-        if schedule.sync_before_launch and free > t:
-            events.append(Event("compute", "FactorComm", "synchronize (stall)", t, free))
-            t = free
-        run_group(closing[position[key]], t)
-    t_compute = t
+    # -- the run: compute and the channel together, then the gradient all-reduce
+    channel = _Channel(events)
+    t_compute = _compute_and_reductions(schedule, pieces, order, plan.groups,
+                                        lambda g: _group_seconds(schedule, cluster, sides, owners, g), channel)
     grad = _grad_comm(workload, cluster)
-    if not schedule.pipelining:
-        for k in range(len(plan.groups)):
-            run_group(k, t_compute)
     if grad > 0:
-        start = max(free, t_compute)
-        free = start + grad
-        events.append(Event("comm", "GradComm", "gradient all-reduce", start, free))
-    t_comm = max(free, t_compute)
-    if world == 1:
-        done = {i: t_compute for i in range(len(order))}
+        channel.run("GradComm", "gradient all-reduce", t_compute, grad)
+    t_comm = max(channel.free, t_compute)
+    done = channel.done if world > 1 else {i: t_compute for i in range(len(order))}
 
     # -- inversions and broadcasts
-    inv = cluster.inverse
-    rank_end = []
-    bcast_ready: dict[int, float] = {}
-    start_all = t_comm
+    phase = _Phase(schedule, cluster, order, sides, tuple(owners), done, t_compute, t_comm, shown, events)
     if placement is None:
-        owners_for = [list(range(len(order)))]
+        rank_end, bcast_end = _inversions_in_order(phase, [list(range(len(order)))])
+    elif schedule.early_inverse:
+        rank_end, bcast_end = _inversions_in_order(phase, [inverted_by(placement, r) for r in range(world)])
     else:
-        owners_for = [inverted_by(placement, r) for r in range(world)]
-    if schedule.early_inverse or placement is None:
-        # each rank: its tasks in planned order, each no earlier than its factor's reduction
-        for r, tasks in enumerate(owners_for):
-            tr = t_compute
-            for i in sorted(tasks, key=lambda i: (done[i], tasks.index(i))) if schedule.early_inverse else tasks:
-                begin = max(tr, done[i] if schedule.early_inverse else start_all)
-                tr = begin + inv.time(sides[i])
-                if r < shown:
-                    events.append(Event(f"rank {r}", "InvComp", f"invert {order[i]}", begin, tr))
-                if owners[i] == r:
-                    bcast_ready[i] = tr
-            rank_end.append(tr if tasks else t_comm)
-        bfree = t_comm
-        bcast_end = t_comm
-        for i in sorted(bcast_ready, key=lambda i: (bcast_ready[i], i)):
-            b0 = max(bfree, bcast_ready[i])
-            bfree = b0 + cluster.broadcast.time(triu_size(sides[i]) * bpe)
-            events.append(Event("comm", "InvComm", f"broadcast {order[i]}", b0, bfree))
-            bcast_end = bfree
-    else:
-        pt = simulate_placement(placement, sides, inv, cluster.broadcast, bytes_per_element=bpe)
-        rank_end = [start_all + e for e in pt.compute_end]
-        bcast_end = start_all
-        for i, s, e in zip(pt.broadcast_order, pt.broadcast_start, pt.broadcast_end):
-            events.append(Event("comm", "InvComm", f"broadcast {order[i]}", start_all + s, start_all + e))
-            bcast_end = start_all + e
-        for r in range(min(world, shown)):
-            tr = start_all
-            for i in inverted_by(placement, r):
-                events.append(Event(f"rank {r}", "InvComp", f"invert {order[i]}", tr, tr + inv.time(sides[i])))
-                tr += inv.time(sides[i])
+        rank_end, bcast_end = _inversions_planned(phase, placement)
     t_inv = max(rank_end) if rank_end else t_comm
     t_end = max(t_inv, bcast_end, t_comm)
 
@@ -336,6 +438,7 @@ def simulate(workload: Workload, cluster: Cluster, schedule: SimSchedule | str, 
     )
 
 
-def with_schedule(base: str, **changes) -> SimSchedule:
+def with_schedule(base: str, **changes: Any) -> SimSchedule:
     """A named schedule with some attributes changed (e.g. ``with_schedule("spd", bytes_per_element=2)``)."""
-    return replace(SCHEDULES[base], **changes)
+    val.check_choice("base", base, SIM_SCHEDULES)
+    return replace(SIM_SCHEDULES[base], **changes)

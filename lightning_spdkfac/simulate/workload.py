@@ -13,8 +13,9 @@ factor. Inversion times are a property of the device and live in the cluster's `
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 from torch import nn
@@ -69,17 +70,17 @@ def profile_layers(model: nn.Module, input_shape: Sequence[int], *, dtype: torch
     runs one real sample under ``torch.no_grad()``. A layer called several times per forward (weight
     sharing) adds up its rows and FLOPs over the calls.
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    shape = tuple(val.check_int(f"input_shape[{i}]", v, low=1) for i, v in enumerate(input_shape))
+    val.check_instance("model", model, nn.Module, "a torch.nn.Module")
+    shape = tuple(val.check_ints("input_shape", input_shape, low=1))
+    val.check_instance("dtype", dtype, torch.dtype, "a torch.dtype")
     if not shape:
         raise ValueError("input_shape must hold at least one dimension (the sample's shape, without the batch)")
     found: dict[str, dict] = {}
     order: list[str] = []
     handles = []
 
-    def hook_for(name: str, module: nn.Module, helper):
-        def hook(mod, inputs, output):
+    def hook_for(name: str, helper: Any) -> Callable[..., None]:
+        def hook(mod: nn.Module, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
             x = inputs[0]
             if isinstance(mod, nn.Conv2d):
                 rows = output.shape[-1] * output.shape[-2]
@@ -100,7 +101,7 @@ def profile_layers(model: nn.Module, input_shape: Sequence[int], *, dtype: torch
         if helper is None:
             continue
         helpers[name] = helper
-        handles.append(module.register_forward_hook(hook_for(name, module, helper)))
+        handles.append(module.register_forward_hook(hook_for(name, helper)))
     was_training = model.training
     try:
         model.eval()  # one sample: batch norm in training mode would refuse a batch of 1
@@ -153,9 +154,14 @@ class Workload:
     other_params: int = 0
 
     def __post_init__(self) -> None:
-        if len(self.layers) != len(self.times):
-            raise ValueError(f"times has {len(self.times)} entries but layers has {len(self.layers)}")
+        val.check_instance("name", self.name, str)
+        for i, s in enumerate(val.check_sequence("layers", self.layers, "LayerSpecs")):
+            val.check_instance(f"layers[{i}]", s, LayerSpec)
+        for i, t in enumerate(val.check_sequence("times", self.times, "LayerTimes")):
+            val.check_instance(f"times[{i}]", t, LayerTimes)
+        val.check_same_length("layers", self.layers, "times", self.times)
         val.check_int("batch_size", self.batch_size, low=1)
+        val.check_int("other_params", self.other_params, low=0)
         if self.grad_comm is not None:
             val.check_real("grad_comm", self.grad_comm, val.Bound(low=0.0))
         val.check_real("precondition", self.precondition, val.Bound(low=0.0))
