@@ -113,7 +113,8 @@ class PaperCase:
         cluster = paper_cluster(p, self.cluster.inverse)
         modelled = replace(self.workload, grad_comm=None)
         ratio = _grad_comm(modelled, cluster) / _grad_comm(modelled, self.cluster)
-        return replace(self.workload, grad_comm=self.workload.grad_comm * ratio), cluster
+        measured = self.workload.grad_comm  # None: grad_comm="model", costed by the simulator at any size
+        return replace(self.workload, grad_comm=None if measured is None else measured * ratio), cluster
 
 
 def paper_cluster(world_size: int, inverse: InverseCost | None = None, name: str | None = None) -> Cluster:
