@@ -229,15 +229,10 @@ def check_choice(name: str, value: object, choices: Iterable[_Choice],
                  optional: bool = False) -> _Choice | None: ...
 def check_choice(name: str, value: object, choices: Iterable[str], optional: bool = False) -> str | None:
     """One of ``choices`` (strings); None too with ``optional``. A non-string is a type error."""
-    choices = tuple(choices)
     if value is None and optional:
         return None
-    what = f"one of {', '.join(repr(c) for c in choices)}{' (or None)' if optional else ''}"
-    if not isinstance(value, str):
-        raise TypeError(f"{name} must be {what}, got {show(value)}")
-    if value not in choices:
-        raise ValueError(f"{name} must be {what}, got {value!r}")
-    return value
+    return check_member(name, value, tuple(choices), str, shown=repr,  # type: ignore[no-any-return]
+                        note=" (or None)" if optional else "")
 
 
 def check_sequence(name: str, values: object, what: str) -> Sequence[Any]:
@@ -303,9 +298,12 @@ def check_instance(name: str, value: object, cls: type | tuple[type, ...], what:
     return value
 
 
-def check_member(name: str, value: object, allowed: Sequence[Any], kind: type | tuple[type, ...]) -> Any:
-    """One of ``allowed`` (e.g. torch dtypes): TypeError unless a ``kind``, ValueError unless allowed."""
-    what = f"one of {', '.join(str(a) for a in allowed)}"
+def check_member(name: str, value: object, allowed: Sequence[Any], kind: type | tuple[type, ...], *,
+                 shown: Callable[[Any], str] = str, note: str = "") -> Any:
+    """One of ``allowed`` (e.g. torch dtypes): TypeError unless a ``kind``, ValueError unless allowed.
+
+    ``shown`` writes each allowed value in the message; ``note`` is appended to the list."""
+    what = f"one of {', '.join(shown(a) for a in allowed)}{note}"
     if not isinstance(value, kind):
         raise TypeError(f"{name} must be {what}, got {show(value)}")
     if value not in allowed:
