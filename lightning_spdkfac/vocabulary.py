@@ -1,9 +1,9 @@
 """Every name the package accepts from a user, spelled once.
 
-The runtime (``SPDOptions``, the strategies and their registry names), the CLI, the planner's report and
-the simulator all read their choices from here, so a new schedule, fusion policy, placement or
-communication dtype is added in one place. Each tuple is derived from its ``Literal`` type, which is
-what signatures (and so LightningCLI and mypy) see.
+The runtime (``SPDOptions``, ``KFACOptions``, the strategies and their registry names), the CLI, the
+planner's report and the simulator all read their choices from here, so a new schedule, fusion policy,
+placement, communication dtype or factor approximation is added in one place. Each tuple is derived
+from its ``Literal`` type, which is what signatures (and so LightningCLI and mypy) see.
 """
 
 from __future__ import annotations
@@ -21,11 +21,15 @@ FusionName = Literal["dtf", "layerwise", "all", "bucket"]
 PlacementName = Literal["lbp", "lbp_channel", "round_robin", "replicated"]
 # The dtype factor and inverse messages are sent in, as users spell it.
 CommDtypeName = Literal["float32", "bfloat16"]
+# How K-FAC treats weight sharing (Conv2d locations, Linear positions beyond the batch dim): one factor row per
+# position ("expand") or one per example, aggregated over its positions ("reduce"). See docs/math.md.
+FactorApproxName = Literal["expand", "reduce"]
 
 SCHEDULES: tuple[ScheduleName, ...] = typing.get_args(ScheduleName)
 FUSIONS: tuple[FusionName, ...] = typing.get_args(FusionName)
 PLACEMENTS: tuple[PlacementName, ...] = typing.get_args(PlacementName)
 COMM_DTYPE_NAMES: tuple[CommDtypeName, ...] = typing.get_args(CommDtypeName)
+FACTOR_APPROXES: tuple[FactorApproxName, ...] = typing.get_args(FactorApproxName)
 # The placements that balance load by cost and so can replicate small factors (``small_factor``).
 LOAD_BALANCED_PLACEMENTS: tuple[PlacementName, ...] = ("lbp", "lbp_channel")
 

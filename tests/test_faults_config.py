@@ -215,6 +215,7 @@ KFAC_ORACLE = {
     "skip_layers": regexes,
     "factor_dtype": lambda v: dtype(v, ("float32", "float64", "bfloat16", "float16")),
     "inv_dtype": lambda v: dtype(v, ("float32", "float64")),
+    "factor_approx": lambda v: choice(v, ("expand", "reduce")),
     "log_step_time": boolean,
     "trace_step": lambda v: integer(v, low=0, optional=True),
     "trace_dir": folder,
@@ -232,6 +233,7 @@ KFAC_VALID = {
     "factor_dtype": st.sampled_from(["float32", "float64", "bfloat16", "float16", torch.float32, torch.float64,
                                      "torch.float64", "double"]),
     "inv_dtype": st.sampled_from(["float32", "float64", torch.float32, torch.float64, "torch.float32", "double"]),
+    "factor_approx": st.sampled_from(["expand", "reduce"]),
     "log_step_time": st.booleans(),
     "trace_step": st.one_of(st.none(), st.integers(0, 100)),
     "trace_dir": st.sampled_from(["kfac_traces", "/tmp/x", Path("traces")]),
@@ -245,6 +247,7 @@ KFAC_INVALID = {
     "skip_layers": st.sampled_from(["(", ["ok", "[a-"], [b"bytes"], {"a": 1}, 5, [None]]),
     "factor_dtype": st.sampled_from(["int32", "float33", "nn", "Tensor", torch.int64, torch.complex64, 32]),
     "inv_dtype": st.sampled_from(["float16", "bfloat16", torch.float16, "half", None]),
+    "factor_approx": st.sampled_from(["Expand", "", "kfc", "reduce ", None, 1, ["reduce"]]),
     "log_step_time": st.sampled_from([0, 1, "true", None]),
     "trace_step": st.one_of(st.integers(max_value=-1), st.sampled_from([1.0, True, "3"])),
     "trace_dir": st.sampled_from(["", "a\x00b", None, 3]),
@@ -405,6 +408,7 @@ def test_fuzz_kfac_arguments(data):
     cb = check(KFAC, args, invalid, unknown)
     if cb is not None:  # what was accepted is what the preconditioner will get
         assert cb.options.factor_update_steps == args["factor_update_steps"]
+        assert cb.options.factor_approx == args["factor_approx"]
         assert all(isinstance(p, str) for p in cb.options.skip_layers)
         assert isinstance(cb.options.factor_dtype, torch.dtype) and isinstance(cb.options.inv_dtype, torch.dtype)
 
@@ -651,6 +655,7 @@ def _what_the_user_sees(path, tmp_path, capsys) -> str:
         ("profile_steps: 5", "damping: 0.1", r'Parser key "profile_steps":\s+Expected a <class \'tuple\'>'),
         ("schedule: fast", "damping: 0.1", r'Parser key "schedule":\s+Expected a typing.Literal.*fast'),
         ("schedule: spd", "factor_update_steps: 2.5", r'Parser key "factor_update_steps":\s+Expected a <class \'int\'>'),
+        ("schedule: spd", "factor_approx: kfc", r'Parser key "factor_approx":\s+Expected a typing.Literal.*kfc'),
     ],
 )
 def test_invalid_yaml_values_name_the_argument(tmp_path, capsys, isolated, strategy_args, kfac_args, expected):

@@ -18,6 +18,7 @@ class KFACLayer:
     helper: LayerHelper
     index: int = 0  # registration order: the order every rank uses for collectives
     # Accumulators of the current optimizer step (sums over micro-batches and calls).
+    # Rows are positions (factor_approx="expand") or examples, their positions aggregated ("reduce").
     xx: torch.Tensor | None = None  # sum_r x_r x_r^T (without the bias column)
     x_sum: torch.Tensor | None = None  # sum_r x_r (the bias row/column of A)
     rows: int = 0  # R, rows seen by A

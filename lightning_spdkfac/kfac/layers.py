@@ -1,7 +1,8 @@
 """Per-layer-type math: how a module's input and output gradient become Kronecker-factor rows.
 
 Each helper knows, for one module type, how to turn the layer input into the rows ``a_r`` of
-the A factor and the output gradient into the rows ``d_r`` of the G factor, how to read the
+the A factor and the output gradient into the rows ``d_r`` of the G factor (one per position:
+K-FAC-expand; or one per example, aggregated over its positions: K-FAC-reduce), how to read the
 gradient of the weight (and bias) as one ``out x in`` matrix, and how to write a
 preconditioned matrix back. Nothing here keeps state across steps or touches torch.distributed.
 See docs/math.md for the definitions.
@@ -65,6 +66,15 @@ class LayerHelper:
 
     def g_rows(self, grad_output: torch.Tensor) -> torch.Tensor:
         """The output-gradient rows ``R x out``."""
+        raise NotImplementedError  # pragma: no cover
+
+    def a_reduced(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """K-FAC-reduce input rows ``B x in`` in ``dtype``: per example, the mean of its rows ``a_r``
+        (without the bias column, whose mean is 1)."""
+        raise NotImplementedError  # pragma: no cover
+
+    def g_reduced(self, grad_output: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """K-FAC-reduce output-gradient rows ``B x out`` in ``dtype``: per example, the sum of its rows ``d_r``."""
         raise NotImplementedError  # pragma: no cover
 
     # -- gradient as a matrix ---------------------------------------------------------
@@ -137,6 +147,17 @@ class LinearHelper(LayerHelper):
     def g_rows(self, grad_output: torch.Tensor) -> torch.Tensor:
         return grad_output.reshape(-1, grad_output.shape[-1])
 
+    # One position per example for inputs of at most two dims: the rows themselves, bit for bit.
+    def a_reduced(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if x.dim() <= 2:
+            return self.a_rows(x).to(dtype)
+        return x.reshape(x.shape[0], -1, x.shape[-1]).mean(1, dtype=dtype)
+
+    def g_reduced(self, grad_output: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if grad_output.dim() <= 2:
+            return self.g_rows(grad_output).to(dtype)
+        return grad_output.reshape(grad_output.shape[0], -1, grad_output.shape[-1]).sum(1, dtype=dtype)
+
 
 class Conv2dHelper(LayerHelper):
     """``nn.Conv2d`` (groups=1) with any stride, padding, dilation and padding mode (KFC rows)."""
@@ -158,12 +179,8 @@ class Conv2dHelper(LayerHelper):
     def out_features(self) -> int:
         return self.module.out_channels
 
-    def a_rows(self, x: torch.Tensor) -> torch.Tensor:
-        """Patch rows ``R x (C*kh*kw)``, columns in the order of ``weight.view(out, -1)``.
-
-        The patches are one strided view of the (padded) input, copied once by the final
-        reshape; ``F.unfold`` followed by the transpose to rows would copy them twice.
-        """
+    def _padded(self, x: torch.Tensor) -> torch.Tensor:
+        """The batched input, padded exactly as the module's forward pads it, contiguous."""
         m = self.module
         if x.dim() == 3:
             x = x.unsqueeze(0)
@@ -174,21 +191,58 @@ class Conv2dHelper(LayerHelper):
             x = F.pad(x, m._reversed_padding_repeated_twice, mode=mode)
         elif not isinstance(m.padding, str) and (m.padding[0] or m.padding[1]):  # str: explicit above
             x = F.pad(x, (m.padding[1], m.padding[1], m.padding[0], m.padding[0]))
-        x = x.contiguous()
+        return x.contiguous()
+
+    def _out_size(self, H: int, W: int) -> tuple[int, int]:
+        """(Ho, Wo) of a padded ``H x W`` input."""
+        (kh, kw), (sh, sw), (dh, dw) = self.module.kernel_size, self.module.stride, self.module.dilation
+        return (H - dh * (kh - 1) - 1) // sh + 1, (W - dw * (kw - 1) - 1) // sw + 1
+
+    def a_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """Patch rows ``R x (C*kh*kw)``, columns in the order of ``weight.view(out, -1)``.
+
+        The patches are one strided view of the (padded) input, copied once by the final
+        reshape; ``F.unfold`` followed by the transpose to rows would copy them twice.
+        """
+        m = self.module
+        x = self._padded(x)
         (kh, kw), (sh, sw), (dh, dw) = m.kernel_size, m.stride, m.dilation
         B, C, H, W = x.shape
-        ho, wo = (H - dh * (kh - 1) - 1) // sh + 1, (W - dw * (kw - 1) - 1) // sw + 1
+        ho, wo = self._out_size(H, W)
         patches = x.as_strided(
             (B, ho, wo, C, kh, kw),
             (C * H * W, sh * W, sw, H * W, dh * W, dw),
         )
         return patches.reshape(B * ho * wo, C * kh * kw)
 
+    def a_reduced(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Mean patch of each example ``B x (C*kh*kw)``, without forming the patches.
+
+        Entry (c, i, j) of the mean patch is the mean of ``x[c, i*dh + p*sh, j*dw + q*sw]`` over the
+        output locations (p, q); the sum separates: over p for each kernel row i (a strided view of
+        ``B x C x kh x W``), then over q for each kernel column j. That reads ``kh*Ho*W + kh*kw*Wo``
+        values per channel instead of the ``kh*kw*Ho*Wo`` of the patches, and does no GEMM.
+        """
+        m = self.module
+        x = self._padded(x)
+        (kh, kw), (sh, sw), (dh, dw) = m.kernel_size, m.stride, m.dilation
+        B, C, H, W = x.shape
+        ho, wo = self._out_size(H, W)
+        rows = x.as_strided((B, C, kh, W, ho), (C * H * W, H * W, dh * W, 1, sh * W)).sum(-1, dtype=dtype)
+        rows = rows.contiguous()  # (B, C, kh, W)
+        cols = rows.as_strided((B, C, kh, kw, wo), (C * kh * W, kh * W, W, dw, sw)).sum(-1)
+        return cols.reshape(B, C * kh * kw).mul_(1.0 / (ho * wo))
+
     def g_rows(self, grad_output: torch.Tensor) -> torch.Tensor:
         if grad_output.dim() == 3:
             grad_output = grad_output.unsqueeze(0)
         # (B, out, Ho, Wo) -> (B*Ho*Wo, out)
         return grad_output.flatten(2).transpose(1, 2).reshape(-1, grad_output.shape[1])
+
+    def g_reduced(self, grad_output: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if grad_output.dim() == 3:
+            grad_output = grad_output.unsqueeze(0)
+        return grad_output.sum((2, 3), dtype=dtype)  # (B, out, Ho, Wo) -> (B, out)
 
 
 def make_helper(module: nn.Module) -> tuple[LayerHelper | None, str | None]:

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from .. import validation as val
+from ..vocabulary import FACTOR_APPROXES, FactorApproxName
 
 FACTOR_DTYPES = ("float32", "float64", "bfloat16", "float16")
 INV_DTYPES = ("float32", "float64")
@@ -44,6 +45,10 @@ class KFACOptions:
         inv_dtype: dtype of the inversion and of the preconditioning matmuls (float32 or float64).
         max_bad_steps: consecutive factor steps with non-finite values after which ``step()``
             raises (None: never); see :class:`~lightning_spdkfac.kfac.KFACPreconditioner`.
+        factor_approx: how layers with weight sharing (Conv2d; Linear on inputs with more than two
+            dims) form their factors: ``"expand"`` (one row per position, KFC) or ``"reduce"`` (one row
+            per example, aggregated over its positions: ~positions times fewer factor flops). Both
+            are identical for 2-D Linear inputs. See docs/math.md.
     """
 
     damping: val.HParam = 1e-3
@@ -56,6 +61,7 @@ class KFACOptions:
     factor_dtype: str | torch.dtype = torch.float32
     inv_dtype: str | torch.dtype = torch.float32
     max_bad_steps: int | None = 100
+    factor_approx: FactorApproxName = "expand"
 
     def __post_init__(self) -> None:
         val.check_schedule("damping", self.damping, val.NONNEGATIVE)
@@ -69,6 +75,7 @@ class KFACOptions:
             val.check_int("max_bad_steps", self.max_bad_steps, low=1, accepted=(
                 "None (never raise) or a positive integer (consecutive factor steps with non-finite values "
                 "before K-FAC raises)"))
+        val.check_choice("factor_approx", self.factor_approx, FACTOR_APPROXES)
         object.__setattr__(self, "skip_layers", patterns("skip_layers", self.skip_layers))
         object.__setattr__(self, "factor_dtype", dtype("factor_dtype", self.factor_dtype, FACTOR_DTYPES))
         object.__setattr__(self, "inv_dtype", dtype("inv_dtype", self.inv_dtype, INV_DTYPES))

@@ -84,7 +84,7 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
         model: the module whose supported layers get K-FAC.
         options: the K-FAC hyperparameters (:class:`~lightning_spdkfac.kfac.options.KFACOptions`:
             damping, factor_decay, kl_clip, lr, factor_update_steps, inv_update_steps, skip_layers,
-            factor_dtype, inv_dtype, max_bad_steps); None: the defaults.
+            factor_dtype, inv_dtype, max_bad_steps, factor_approx); None: the defaults.
         grad_scaler: a ``torch.amp.GradScaler`` in use (fp16): G factors are unscaled with its scale.
             Call ``scaler.unscale_(optimizer)`` before :meth:`step`.
         distributor: where the cross-rank work runs (factor averaging, inverse placement); the
@@ -130,6 +130,8 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
         self.lr = o.lr
         self.factor_dtype: torch.dtype = o.factor_dtype  # type: ignore[assignment]
         self.inv_dtype: torch.dtype = o.inv_dtype  # type: ignore[assignment]
+        # K-FAC-reduce: one factor row per example (aggregated over its positions), not per position.
+        self._reduce = o.factor_approx == "reduce"
         self.grad_scaler = grad_scaler
         self.distributor = Distributor() if distributor is None else distributor
         self.grad_access = GradAccess() if grad_access is None else grad_access
@@ -272,7 +274,10 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
         return _eager(grad_hook)
 
     def _accumulate_a(self, layer: KFACLayer, x: torch.Tensor) -> None:
-        a = layer.helper.a_rows(x.detach()).to(self.factor_dtype)
+        if self._reduce:
+            a = layer.helper.a_reduced(x.detach(), self.factor_dtype)
+        else:
+            a = layer.helper.a_rows(x.detach()).to(self.factor_dtype)
         if layer.a_calls == 0:
             if layer.xx is None or layer.xx.shape[0] != a.shape[1] or layer.xx.device != a.device:
                 layer.xx = torch.empty(a.shape[1], a.shape[1], dtype=self.factor_dtype, device=a.device)
@@ -289,7 +294,10 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
         layer.mb_a_calls += 1
 
     def _accumulate_g(self, layer: KFACLayer, grad_output: torch.Tensor, batch: int, micro_batch: int) -> None:
-        d = layer.helper.g_rows(grad_output).to(self.factor_dtype)
+        if self._reduce:
+            d = layer.helper.g_reduced(grad_output, self.factor_dtype)
+        else:
+            d = layer.helper.g_rows(grad_output).to(self.factor_dtype)
         if layer.g_calls == 0:
             if layer.dd is None or layer.dd.shape[0] != d.shape[1] or layer.dd.device != d.device:
                 layer.dd = torch.empty(d.shape[1], d.shape[1], dtype=self.factor_dtype, device=d.device)

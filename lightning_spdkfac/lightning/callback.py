@@ -23,6 +23,7 @@ from ..kfac.distributor import Distributor
 from ..kfac.gradients import GradAccess
 from ..kfac.options import KFACOptions
 from ..kfac.preconditioner import KFACPreconditioner
+from ..vocabulary import FactorApproxName
 from .protocol import KFACStrategy
 
 if TYPE_CHECKING:
@@ -66,6 +67,11 @@ class KFAC(Callback):
             :class:`~lightning_spdkfac.kfac.KFACPreconditioner`); None never raises. The counters
             ``kfac/skipped_factor_steps``, ``kfac/skipped_precondition_steps`` and
             ``kfac/inverse_fallbacks`` (factor inversions Cholesky could not do) are logged every step.
+        factor_approx: how layers with weight sharing (Conv2d, and Linear on inputs with more than two
+            dims such as ``(batch, seq, features)``) form their factors: ``"expand"`` (default: one row
+            per position, KFC) or ``"reduce"`` (one row per example, its positions aggregated first:
+            the factor statistics cost about positions times fewer flops). 2-D Linear inputs are the
+            same under both. The formulas are in docs/math.md.
         load_state: what ``trainer.fit(ckpt_path=...)`` does with the checkpoint's K-FAC state.
             ``"strict"`` (default) restores it, and refuses a state saved for another model (layers
             missing or unexpected, other factor shapes) or a corrupt one (missing keys, wrong types,
@@ -99,6 +105,7 @@ class KFAC(Callback):
         trace_step: int | None = None,
         trace_dir: str = "kfac_traces",
         max_bad_steps: int | None = _D.max_bad_steps,
+        factor_approx: FactorApproxName = _D.factor_approx,
         load_state: Literal["strict", "skip"] = "strict",
     ) -> None:
         super().__init__()
@@ -117,6 +124,7 @@ class KFAC(Callback):
             damping=damping, factor_decay=factor_decay, kl_clip=kl_clip,
             factor_update_steps=factor_update_steps, inv_update_steps=inv_update_steps, skip_layers=skip_layers,
             factor_dtype=factor_dtype, inv_dtype=inv_dtype, max_bad_steps=max_bad_steps,
+            factor_approx=factor_approx,
         )
         self.lr = lr
         self.log_step_time = val.check_bool("log_step_time", log_step_time)
@@ -353,7 +361,7 @@ def _where(trainer: pl.Trainer) -> str:
 
 # Arguments KFAC.__init__ checks itself; any other is held to its annotation (val.check_annotations).
 _CHECKED = ("damping", "factor_decay", "kl_clip", "lr", "factor_update_steps", "inv_update_steps", "skip_layers",
-            "factor_dtype", "inv_dtype", "log_step_time", "trace_step", "trace_dir")
+            "factor_dtype", "inv_dtype", "factor_approx", "log_step_time", "trace_step", "trace_dir")
 def _folder(name: str, value: object) -> str:
     if not isinstance(value, (str, os.PathLike)):
         raise TypeError(f"{name} must be a folder path (a non-empty string), got {val.show(value)}")
