@@ -1,0 +1,136 @@
+"""K-FAC-expand versus K-FAC-reduce (``factor_approx``) versus plain SGD: time per training step.
+
+Run ``python benchmarks/factor_approx.py`` (``--help`` for options). Model: the CIFAR ResNet of the
+demo (``lightning_spdkfac.demo.cifar.ResNetCIFAR``, used as a plain ``nn.Module``; default ResNet-8,
+``--blocks 3`` for ResNet-20) on random ``(batch, 3, 32, 32)`` inputs with random labels (a fixed
+set of ``--n-batches`` batches, cycled), one torch thread by default. Three identical copies of the
+model, each with SGD (momentum 0.9, lr 0.01): one plain, one with ``KFACPreconditioner(
+factor_approx="expand")`` and one with ``factor_approx="reduce"`` (factors every step, inverses every
+``--inv-update-steps`` = 10 steps, library defaults otherwise).
+
+One step is zero_grad, forward, backward (the K-FAC hooks run here), ``pre.step()`` (K-FAC only) and
+``opt.step()``. Timing: ``--warmup`` steps of each, then ``--blocks-timed`` rounds of interleaved blocks
+(SGD, expand, reduce, SGD, ...); a block is ``inv_update_steps`` consecutive steps timed as a whole,
+so every K-FAC block holds exactly one inverse step. Reported: the median per-step time of each, the
+ratios to SGD, the K-FAC overhead (median minus SGD's median) of each and their ratio, and the mean
+per-step time of K-FAC's own phases (``pre.timer``: factor statistics in the hooks, factor update,
+inversion amortized over the block, preconditioning).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import statistics
+
+import torch
+import torch.nn.functional as F
+from _common import env_info, format_table, interleaved_blocks, set_seed
+
+from lightning_spdkfac import KFACPreconditioner
+from lightning_spdkfac.demo.cifar import ResNetCIFAR
+from lightning_spdkfac.telemetry import PHASES
+
+VARIANTS = ("sgd", "expand", "reduce")
+SHOWN_PHASES = ("factor_compute", "factor_update", "inverse_compute", "precondition")
+
+
+class Runner:
+    """One model copy, its optimizer and (unless ``approx`` is None) its preconditioner."""
+
+    def __init__(self, model: torch.nn.Module, data, args, approx: str | None):
+        self.model = model.train()
+        self.data = data
+        self.i = 0
+        self.opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+        self.pre = None if approx is None else KFACPreconditioner(
+            model, factor_approx=approx, factor_update_steps=1, inv_update_steps=args.inv_update_steps)
+        self.phases = dict.fromkeys(PHASES, 0.0)
+        self.steps = 0
+        self.loss = math.nan
+
+    def step(self) -> None:
+        x, y = self.data[self.i % len(self.data)]
+        self.i += 1
+        self.opt.zero_grad()
+        loss = F.cross_entropy(self.model(x), y)
+        loss.backward()
+        if self.pre is not None:
+            self.pre.step()
+            for name, seconds in self.pre.timer.last.items():
+                self.phases[name] += seconds
+        self.opt.step()
+        self.steps += 1
+        self.loss = float(loss.detach())
+
+    def reset_phases(self) -> None:
+        self.phases = dict.fromkeys(PHASES, 0.0)
+        self.steps = 0
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--blocks", type=int, default=1, help="basic blocks per ResNet stage (1: ResNet-8, 3: ResNet-20)")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--inv-update-steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=10, help="untimed steps of each variant first")
+    p.add_argument("--blocks-timed", type=int, default=15, help="interleaved blocks of each variant")
+    p.add_argument("--n-batches", type=int, default=4)
+    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+
+    torch.set_num_threads(args.threads)
+    set_seed(args.seed)
+    base = ResNetCIFAR(blocks=(args.blocks,) * 3)
+    g = torch.Generator().manual_seed(args.seed + 1)
+    data = [(torch.randn(args.batch, 3, 32, 32, generator=g), torch.randint(0, 10, (args.batch,), generator=g))
+            for _ in range(args.n_batches)]
+    runners = {v: Runner(copy.deepcopy(base), data, args, None if v == "sgd" else v) for v in VARIANTS}
+    k = args.inv_update_steps
+
+    for _ in range(args.warmup):
+        for r in runners.values():
+            r.step()
+    for r in runners.values():
+        r.reset_phases()
+    times = interleaved_blocks({v: r.step for v, r in runners.items()}, args.blocks_timed, k)
+
+    env = env_info()
+    print(f"ResNetCIFAR(blocks={args.blocks}) batch {args.batch} x 3x32x32, {env['threads']} thread(s), "
+          f"torch {env['torch']}, {env['cpu_model']}")
+    pre = runners["expand"].pre
+    assert pre is not None
+    print(f"{len(pre.layers)} K-FAC layers; factors every step, inverses every {k} steps; "
+          f"median of {args.blocks_timed} interleaved blocks of {k} steps")
+    med = {v: statistics.median(t) * 1e3 for v, t in times.items()}
+    q = {v: statistics.quantiles(t, n=4, method="inclusive") for v, t in times.items()}
+    rows = []
+    for v in VARIANTS:
+        r = runners[v]
+        row = {"variant": v, "ms": med[v], "q1": q[v][0] * 1e3, "q3": q[v][2] * 1e3,
+               "vs_sgd": med[v] / med["sgd"], "overhead": med[v] - med["sgd"], "loss": r.loss}
+        for ph in SHOWN_PHASES:
+            row[ph] = r.phases[ph] / r.steps * 1e3 if r.pre is not None and r.steps else None
+        rows.append(row)
+    print(format_table(rows, [
+        ("variant", "variant", ""), ("ms", "ms/step", ".1f"), ("q1", "q1", ".1f"), ("q3", "q3", ".1f"),
+        ("vs_sgd", "x SGD", ".2f"), ("overhead", "K-FAC ms", ".1f"),
+        ("factor_compute", "hooks ms", ".1f"), ("factor_update", "update ms", ".2f"),
+        ("inverse_compute", "inverse ms", ".2f"), ("precondition", "precond ms", ".2f"), ("loss", "last loss", ".3f"),
+    ]))
+    over_e, over_r = med["expand"] - med["sgd"], med["reduce"] - med["sgd"]
+    print(f"expand / reduce step time: {med['expand'] / med['reduce']:.2f}x; "
+          f"K-FAC overhead expand / reduce: {over_e / over_r:.2f}x" if over_r > 0 else
+          f"expand / reduce step time: {med['expand'] / med['reduce']:.2f}x; reduce overhead <= 0 (noise)")
+    hooks_e, hooks_r = (runners[v].phases["factor_compute"] / runners[v].steps for v in ("expand", "reduce"))
+    print(f"factor statistics in the hooks, expand / reduce: {hooks_e / hooks_r:.1f}x")
+    if not all(math.isfinite(r.loss) for r in runners.values()):
+        raise SystemExit("a run diverged (non-finite loss): the timings are not of a healthy run")
+
+
+if __name__ == "__main__":
+    main()
