@@ -17,7 +17,7 @@ Printed: the median fit seconds of each variant (``trainer.fit`` only, one torch
 telemetry adds; issue 14's target: at most 2%), and, since fit times on a busy machine move by more
 than that, the same share from a direct measurement: the time spent in the callback's
 ``on_before_optimizer_step`` outside ``KFACPreconditioner.step()`` (timing, aggregation, the logging
-decision and ``log_dict``), summed over the fit, ``(hook_on - hook_off) / (t_off - t_sgd)``.
+decision and the writes to the loggers), summed over the fit, ``(hook_on - hook_off) / (t_off - t_sgd)``.
 
 Results go to a fresh folder (``--out``, default a new ``/tmp/telemetry_overhead_*``; an existing
 non-empty folder is refused): ``summary.json`` and the CSV logs of every run. The timed code is the

@@ -94,15 +94,22 @@ class LoggingTiny(Tiny):
 
 
 def csv_rows(t):
-    """step -> that row of metrics.csv (the training rows, all of which have the loss)."""
+    """step -> the non-empty cells of metrics.csv's rows of that step (Lightning's row has the loss,
+    KFAC writes a row of its own with the same step), for the steps that have any."""
     import csv
 
+    rows: dict[int, dict] = {}
     with open(f"{t.logger.log_dir}/metrics.csv") as f:
-        return {int(r["step"]): r for r in csv.DictReader(f) if r.get("loss")}
+        for r in csv.DictReader(f):
+            cells = {k: v for k, v in r.items() if v != ""}
+            seen = rows.setdefault(int(r["step"]), {})
+            assert not (set(cells) & set(seen)) - {"step", "epoch"}, r  # no metric twice in a step
+            seen.update(cells)
+    return rows
 
 
 def logged(row, prefix="kfac/"):
-    return {k: float(v) for k, v in row.items() if k.startswith(prefix) and v != ""}
+    return {k: float(v) for k, v in row.items() if k.startswith(prefix)}
 
 
 class Record(pl.Callback):
@@ -129,6 +136,7 @@ def test_step_times_are_logged_as_window_aggregates_when_lightning_writes(tmp_pa
     assert rec.inverted == [True, False] * 3
     rows = csv_rows(t)
     assert sorted(rows) == [1, 3, 5]  # Lightning's cadence: the 2nd, 4th and 6th step
+    assert all("loss" in row and "kfac/step_ms" in row for row in rows.values())  # KFAC writes where Lightning does
     for end, row in rows.items():
         got = logged(row)
         assert got["kfac/steps_in_window"] == 2 and got["kfac/inverse_step_share"] == 0.5
@@ -158,6 +166,7 @@ def test_counters_alone_follow_the_cadence_with_accumulation(tmp_path):
     t.fit(LoggingTiny())
     rows = csv_rows(t)
     assert sorted(rows) == [2, 5]  # the 3rd and 6th optimizer step; the last two are not written
+    assert all("loss" in row for row in rows.values())
     for row in rows.values():
         assert set(logged(row)) == {"kfac/skipped_factor_steps", "kfac/skipped_precondition_steps",
                                     "kfac/inverse_fallbacks"}
@@ -176,32 +185,31 @@ def test_after_should_stop_every_step_is_written(tmp_path):
                 callbacks=[KFAC(**KW), StopAfterEpoch()])
     t.fit(LoggingTiny())  # 4 steps an epoch
     rows = csv_rows(t)
-    assert sorted(rows) == [2, 4, 5, 6]
+    assert sorted(rows) == [2, 4, 5, 6] and all("loss" in row for row in rows.values())
     assert [logged(rows[s])["kfac/steps_in_window"] for s in sorted(rows)] == [3, 2, 1, 1]
 
 
-def test_without_a_logger_nothing_is_logged(monkeypatch):
-    calls = []
-    model = Tiny()
-    monkeypatch.setattr(model, "log_dict", lambda *a, **k: calls.append(a))
+def test_without_a_logger_nothing_is_timed_or_logged():
     cb = KFAC(**KW)
     t = trainer(max_steps=4, logger=False, log_every_n_steps=1, callbacks=[cb])
-    t.fit(model)
-    assert calls == [] and not any(k.startswith("kfac/") for k in t.logged_metrics)
-    assert cb.state_dict()["steps"] == 4 and cb._window.steps == 0
+    t.fit(Tiny())
+    assert not t.loggers and cb.state_dict()["steps"] == 4
+    assert cb._window.steps == 0 and not any(k.startswith("kfac/") for k in t.logged_metrics)
 
 
 def test_fast_dev_run_logs_every_step(monkeypatch, tmp_path):
     from pytorch_lightning.loggers import CSVLogger
+    from pytorch_lightning.loggers.logger import DummyLogger
 
     calls = []
-    model = Tiny()
-    monkeypatch.setattr(model, "log_dict", lambda metrics, **k: calls.append(metrics))
+    monkeypatch.setattr(DummyLogger, "log_metrics", lambda self, metrics, step=None: calls.append((step, metrics)))
     # fast_dev_run swaps the logger for a DummyLogger and writes every step
     t = trainer(fast_dev_run=3, logger=CSVLogger(tmp_path), callbacks=[KFAC(**KW)])
-    t.fit(model)
-    assert [m["kfac/steps_in_window"] for m in calls] == [1.0, 1.0, 1.0]
-    assert [m["kfac/inverse_step_share"] for m in calls] == [1.0, 0.0, 0.0]  # inverses at step 0 of every 3
+    t.fit(Tiny())
+    kfac = [(step, m) for step, m in calls if "kfac/steps_in_window" in m]
+    assert [step for step, _ in kfac] == [0, 1, 2]
+    assert [m["kfac/steps_in_window"] for _, m in kfac] == [1.0, 1.0, 1.0]
+    assert [m["kfac/inverse_step_share"] for _, m in kfac] == [1.0, 0.0, 0.0]  # inverses at step 0 of every 3
 
 
 def test_chrome_trace_of_one_step_shows_the_kfac_phases(tmp_path):

@@ -6,8 +6,11 @@ optimizer step (at the accumulation boundary), after the closure ran backward an
 fp16 GradScaler unscaled the gradients, and before gradient clipping and ``optimizer.step()``.
 
 Telemetry: per-step times are aggregated in plain floats (:class:`~lightning_spdkfac.telemetry.WindowStats`)
-and handed to ``log_dict`` only on the steps whose logs Lightning writes (every ``log_every_n_steps``),
-since a ``log_dict`` call costs more than the rest of the bookkeeping of a K-FAC step.
+and written to the Trainer's loggers only on the steps whose logs Lightning writes (every
+``log_every_n_steps``), with ``logger.log_metrics`` at Lightning's step index rather than through
+``LightningModule.log_dict``: Lightning's ``self.log`` costs about a millisecond per metric on a CPU
+(it moves its whole result record to the value's device), which for two dozen metrics every 50 steps
+was still about 5% of K-FAC's cost on the digits CNN (``benchmarks/telemetry_overhead.py``).
 """
 
 from __future__ import annotations
@@ -60,13 +63,16 @@ class KFAC(Callback):
         inv_dtype: dtype of inversions and preconditioning ("float32" or "float64").
         log_step_time: time every optimizer step (``time.perf_counter``: ``step``, the K-FAC step;
             ``fwd_bwd``, forward and backward of the step, hooks included; and every phase of
-            :mod:`lightning_spdkfac.telemetry`) and log, through the Trainer's logger on the steps whose
-            logs Lightning writes (every ``log_every_n_steps`` optimizer steps, and every step once
-            ``trainer.should_stop`` is set), aggregates over the steps since the previous log:
-            ``kfac/<name>_ms`` (mean), ``kfac/<name>_ms_max`` (max), ``kfac/inverse_step_share`` (the
-            fraction of those steps that recomputed inverses, so that a mean can be read against the
-            inverse schedule) and ``kfac/steps_in_window``. The steps after the last written log of a
-            fit are not logged (Lightning writes no step metrics there either). Without a logger
+            :mod:`lightning_spdkfac.telemetry`) and write to the Trainer's loggers, on the steps whose
+            logs Lightning writes (every ``log_every_n_steps`` optimizer steps, at the step index
+            Lightning's rows have, and every step once ``trainer.should_stop`` is set), aggregates over
+            the steps since the previous write: ``kfac/<name>_ms`` (mean), ``kfac/<name>_ms_max``
+            (max), ``kfac/inverse_step_share`` (the fraction of those steps that recomputed inverses,
+            so that a mean can be read against the inverse schedule) and ``kfac/steps_in_window``.
+            The steps after the last write of a fit are not logged (Lightning writes no step metrics
+            there either). They go to ``logger.log_metrics`` directly, not through ``self.log``, so
+            they are not in ``trainer.logged_metrics`` or ``callback_metrics`` (a CSVLogger has them in
+            rows of their own, with the step of Lightning's row). Without a logger
             (``Trainer(logger=False)``) nothing is timed or logged.
         trace_step: record optimizer step ``trace_step`` (forward, backward, K-FAC, optimizer) with the
             PyTorch profiler and write a Chrome trace per rank to
@@ -274,7 +280,9 @@ class KFAC(Callback):
             times.update(pre.timer.last)
             self._window.add(times, flagged=pre.last_step_inverted)
         if _logs_written_this_step(trainer):
-            pl_module.log_dict(self._metrics(pre), on_step=True, on_epoch=False)
+            metrics, step = self._metrics(pre), _steps_before(trainer)
+            for logger in trainer.loggers:  # (rank-zero-only, as Lightning's own writes)
+                logger.log_metrics(metrics, step=step)
 
     def _metrics(self, pre: KFACPreconditioner) -> dict[str, float]:
         """The fault counters and, with log_step_time, the window's aggregates (in ms); resets the window."""
@@ -387,19 +395,21 @@ def _logs_written_this_step(trainer: pl.Trainer) -> bool:
     ``_batches_that_stepped + 1``, a multiple of it, or ``trainer.should_stop``), or ``fast_dev_run``.
     ``_batches_that_stepped`` counts the steps before this one here too: Lightning increments it
     after the batch. It writes no step metrics at the end of fit. (A ``should_stop`` set after this
-    hook, in an ``on_train_batch_end``, makes Lightning write this step although KFAC did not log in
-    it: that row repeats KFAC's previous values.)
+    hook, in an ``on_train_batch_end``, makes Lightning write this step without K-FAC's metrics.)
     """
     if getattr(trainer, "fast_dev_run", False):  # (both set on the instance by Trainer.__init__)
         return True
     every = getattr(trainer, "log_every_n_steps", 0)
     if not every:
         return False
-    epoch_loop = trainer.fit_loop.epoch_loop
-    stepped = getattr(epoch_loop, "_batches_that_stepped", None)
-    if not isinstance(stepped, int):  # not in this Lightning: the optimizer steps before this one
-        stepped = trainer.global_step
-    return (stepped + 1) % every == 0 or trainer.should_stop
+    return (_steps_before(trainer) + 1) % every == 0 or trainer.should_stop
+
+
+def _steps_before(trainer: pl.Trainer) -> int:
+    """Lightning's ``_batches_that_stepped`` (the optimizer steps before this one, here): the step index
+    of its rule and of its logger writes; ``global_step``, the same for one optimizer, where it is missing."""
+    stepped = getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", None)
+    return stepped if isinstance(stepped, int) else trainer.global_step
 
 
 def _where(trainer: pl.Trainer) -> str:
