@@ -17,13 +17,16 @@ and in Chrome traces. Phases (seconds per optimizer step):
 
 Times are host times: on a GPU they are the time to *issue* the work unless something in the
 phase synchronizes (factor and inverse waits do).
+
+:class:`WindowStats` aggregates such per-step times (plain floats) over the steps between two
+writes of a logger: the ``KFAC`` callback logs their mean and max, not single samples.
 """
 
 from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -70,3 +73,51 @@ class StepTimer:
         self.last = {name: self._totals.get(name, 0.0) for name in PHASES}
         self._totals = defaultdict(float)
         return self.last
+
+
+class WindowStats:
+    """Mean and max of named per-step values over a window of steps, in plain Python floats.
+
+    :meth:`add` takes one step's values (a name missing in a step is left out of that name's mean)
+    and whether the step is *flagged* (the callback: it computed inverses); :meth:`means`,
+    :meth:`maxima` and :attr:`flagged_share` describe the steps added since the last :meth:`reset`.
+    Nothing here touches a tensor, so adding a step costs a few dictionary updates.
+    """
+
+    def __init__(self) -> None:
+        self.steps = 0  # steps added since the last reset
+        self.flagged = 0  # ... of which flagged
+        self._sum: dict[str, float] = {}
+        self._max: dict[str, float] = {}
+        self._count: dict[str, int] = {}
+
+    def add(self, values: Mapping[str, float], flagged: bool = False) -> None:
+        self.steps += 1
+        if flagged:
+            self.flagged += 1
+        total, most, count = self._sum, self._max, self._count
+        for name, v in values.items():
+            if name in total:
+                total[name] += v
+                count[name] += 1
+                if v > most[name]:
+                    most[name] = v
+            else:
+                total[name] = most[name] = v
+                count[name] = 1
+
+    def means(self) -> dict[str, float]:
+        """Per name: the mean over the steps of the window that had it."""
+        return {name: s / self._count[name] for name, s in self._sum.items()}
+
+    def maxima(self) -> dict[str, float]:
+        return dict(self._max)
+
+    @property
+    def flagged_share(self) -> float:
+        """Flagged steps / steps (0.0 for an empty window)."""
+        return self.flagged / self.steps if self.steps else 0.0
+
+    def reset(self) -> None:
+        self.steps = self.flagged = 0
+        self._sum, self._max, self._count = {}, {}, {}

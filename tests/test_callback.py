@@ -84,18 +84,132 @@ def test_checkpoint_resume_equals_uninterrupted(tmp_path):
     assert_same_params(resumed.net, full.net, rtol=0, atol=0)
 
 
-def test_step_time_is_logged(tmp_path):
+class LoggingTiny(Tiny):
+    """Tiny that logs its loss every step: Lightning writes a CSV row exactly on the steps it logs."""
+
+    def training_step(self, batch, _):
+        loss = super().training_step(batch, _)
+        self.log("loss", loss, on_step=True, on_epoch=False)
+        return loss
+
+
+def csv_rows(t):
+    """step -> the non-empty cells of metrics.csv's rows of that step (Lightning's row has the loss,
+    KFAC writes a row of its own with the same step), for the steps that have any."""
+    import csv
+
+    rows: dict[int, dict] = {}
+    with open(f"{t.logger.log_dir}/metrics.csv") as f:
+        for r in csv.DictReader(f):
+            cells = {k: v for k, v in r.items() if v != ""}
+            seen = rows.setdefault(int(r["step"]), {})
+            assert not (set(cells) & set(seen)) - {"step", "epoch"}, r  # no metric twice in a step
+            seen.update(cells)
+    return rows
+
+
+def logged(row, prefix="kfac/"):
+    return {k: float(v) for k, v in row.items() if k.startswith(prefix)}
+
+
+class Record(pl.Callback):
+    """After KFAC (later in the callback list): each step's phase seconds and whether it inverted."""
+
+    def __init__(self, cb):
+        self.cb, self.phases, self.inverted = cb, [], []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        pre = self.cb.preconditioner
+        self.phases.append(dict(pre.timer.last))
+        self.inverted.append(pre.last_step_inverted)
+
+
+def test_step_times_are_logged_as_window_aggregates_when_lightning_writes(tmp_path):
     from pytorch_lightning.loggers import CSVLogger
 
-    model = Tiny()
-    t = trainer(max_steps=3, logger=CSVLogger(tmp_path), log_every_n_steps=1, callbacks=[KFAC(**KW)])
-    t.fit(model)
-    assert "kfac/step_ms" in t.logged_metrics
-    assert float(t.logged_metrics["kfac/step_ms"]) > 0
-    logged = t.logged_metrics
-    for phase in ("factor_compute", "factor_update", "precondition", "fwd_bwd"):
-        assert float(logged[f"kfac/{phase}_ms"]) > 0, phase
-    assert float(logged["kfac/factor_comm_wait_ms"]) == 0.0  # one process: nothing to wait for
+    from lightning_spdkfac.telemetry import PHASES
+
+    cb = KFAC(**dict(KW, inv_update_steps=2))
+    rec = Record(cb)
+    t = trainer(max_steps=6, logger=CSVLogger(tmp_path), log_every_n_steps=2, callbacks=[cb, rec])
+    t.fit(LoggingTiny())
+    assert rec.inverted == [True, False] * 3
+    rows = csv_rows(t)
+    assert sorted(rows) == [1, 3, 5]  # Lightning's cadence: the 2nd, 4th and 6th step
+    assert all("loss" in row and "kfac/step_ms" in row for row in rows.values())  # KFAC writes where Lightning does
+    for end, row in rows.items():
+        got = logged(row)
+        assert got["kfac/steps_in_window"] == 2 and got["kfac/inverse_step_share"] == 0.5
+        assert got["kfac/skipped_factor_steps"] == got["kfac/skipped_precondition_steps"] == 0
+        window = rec.phases[end - 1:end + 1]  # the two steps since the previous log
+        for phase in PHASES:
+            values = [1e3 * step[phase] for step in window]
+            assert got[f"kfac/{phase}_ms"] == pytest.approx(sum(values) / 2, rel=1e-5, abs=1e-6), (end, phase)
+            assert got[f"kfac/{phase}_ms_max"] == pytest.approx(max(values), rel=1e-5, abs=1e-6), (end, phase)
+        assert got["kfac/factor_comm_wait_ms_max"] == 0.0  # one process: nothing to wait for
+        for name in ("step", "fwd_bwd", "factor_compute", "precondition"):
+            assert got[f"kfac/{name}_ms_max"] >= got[f"kfac/{name}_ms"] > 0, (end, name)
+        # The K-FAC step holds its factor update, inversions and preconditioning.
+        inside = sum(got[f"kfac/{p}_ms"] for p in ("factor_update", "inverse_compute", "precondition"))
+        assert got["kfac/step_ms"] >= inside * (1 - 1e-5)
+    # An inverse step in every window: the max of the inversion time is its one inverse step's.
+    assert all(logged(r)["kfac/inverse_compute_ms_max"] == pytest.approx(2 * logged(r)["kfac/inverse_compute_ms"],
+                                                                         rel=1e-5) for r in rows.values())
+
+
+def test_counters_alone_follow_the_cadence_with_accumulation(tmp_path):
+    from pytorch_lightning.loggers import CSVLogger
+
+    cb = KFAC(**KW, log_step_time=False)
+    t = trainer(max_steps=8, logger=CSVLogger(tmp_path), log_every_n_steps=3, accumulate_grad_batches=2,
+                callbacks=[cb])
+    t.fit(LoggingTiny())
+    rows = csv_rows(t)
+    assert sorted(rows) == [2, 5]  # the 3rd and 6th optimizer step; the last two are not written
+    assert all("loss" in row for row in rows.values())
+    for row in rows.values():
+        assert set(logged(row)) == {"kfac/skipped_factor_steps", "kfac/skipped_precondition_steps",
+                                    "kfac/inverse_fallbacks"}
+    assert cb.state_dict()["steps"] == 8
+
+
+def test_after_should_stop_every_step_is_written(tmp_path):
+    """Stopping early is refused until min_steps: Lightning then writes every step, and so does KFAC."""
+    from pytorch_lightning.loggers import CSVLogger
+
+    class StopAfterEpoch(pl.Callback):
+        def on_train_epoch_end(self, trainer, pl_module):
+            trainer.should_stop = True
+
+    t = trainer(max_steps=7, min_steps=7, logger=CSVLogger(tmp_path), log_every_n_steps=3,
+                callbacks=[KFAC(**KW), StopAfterEpoch()])
+    t.fit(LoggingTiny())  # 4 steps an epoch
+    rows = csv_rows(t)
+    assert sorted(rows) == [2, 4, 5, 6] and all("loss" in row for row in rows.values())
+    assert [logged(rows[s])["kfac/steps_in_window"] for s in sorted(rows)] == [3, 2, 1, 1]
+
+
+def test_without_a_logger_nothing_is_timed_or_logged():
+    cb = KFAC(**KW)
+    t = trainer(max_steps=4, logger=False, log_every_n_steps=1, callbacks=[cb])
+    t.fit(Tiny())
+    assert not t.loggers and cb.state_dict()["steps"] == 4
+    assert cb._window.steps == 0 and not any(k.startswith("kfac/") for k in t.logged_metrics)
+
+
+def test_fast_dev_run_logs_every_step(monkeypatch, tmp_path):
+    from pytorch_lightning.loggers import CSVLogger
+    from pytorch_lightning.loggers.logger import DummyLogger
+
+    calls = []
+    monkeypatch.setattr(DummyLogger, "log_metrics", lambda self, metrics, step=None: calls.append((step, metrics)))
+    # fast_dev_run swaps the logger for a DummyLogger and writes every step
+    t = trainer(fast_dev_run=3, logger=CSVLogger(tmp_path), callbacks=[KFAC(**KW)])
+    t.fit(Tiny())
+    kfac = [(step, m) for step, m in calls if "kfac/steps_in_window" in m]
+    assert [step for step, _ in kfac] == [0, 1, 2]
+    assert [m["kfac/steps_in_window"] for _, m in kfac] == [1.0, 1.0, 1.0]
+    assert [m["kfac/inverse_step_share"] for _, m in kfac] == [1.0, 0.0, 0.0]  # inverses at step 0 of every 3
 
 
 def test_chrome_trace_of_one_step_shows_the_kfac_phases(tmp_path):

@@ -154,6 +154,8 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
         # {"step": k, "bad": {where: [what, ...]}} of the last one
         self.last_bad_step: dict[str, Any] | None = None
         self.inverse_fallbacks = 0  # factor inversions Cholesky could not do (see kfac.inverse)
+        # Did the last step() recompute inverses (every inv_update_steps, or a layer's first)? Telemetry.
+        self.last_step_inverted = False
         # parameter -> gradient tensor, while step() runs
         self._grads: dict[nn.Parameter, torch.Tensor | None] = {}
         self._grads_finite = True
@@ -409,6 +411,7 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
     def _update_inverses(self, k: int) -> None:
         due = k % self.inv_update_steps == 0
         todo = [ly for ly in self.layers.values() if ly.A is not None and (due or ly.A_inv is None)]
+        self.last_step_inverted = bool(todo)
         if not todo:
             return
         damping = val.resolve("damping", self.damping, k, val.NONNEGATIVE)

@@ -4,6 +4,13 @@ It builds a :class:`~lightning_spdkfac.kfac.KFACPreconditioner` on the Lightning
 start and preconditions in ``on_before_optimizer_step``: Lightning calls that hook once per
 optimizer step (at the accumulation boundary), after the closure ran backward and after a
 fp16 GradScaler unscaled the gradients, and before gradient clipping and ``optimizer.step()``.
+
+Telemetry: per-step times are aggregated in plain floats (:class:`~lightning_spdkfac.telemetry.WindowStats`)
+and written to the Trainer's loggers only on the steps whose logs Lightning writes (every
+``log_every_n_steps``), with ``logger.log_metrics`` at Lightning's step index rather than through
+``LightningModule.log_dict``: Lightning's ``self.log`` costs about a millisecond per metric on a CPU
+(it moves its whole result record to the value's device), which for two dozen metrics every 50 steps
+was still about 5% of K-FAC's cost on the digits CNN (``benchmarks/telemetry_overhead.py``).
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from ..kfac.distributor import Distributor
 from ..kfac.gradients import GradAccess
 from ..kfac.options import KFACOptions
 from ..kfac.preconditioner import KFACPreconditioner
+from ..telemetry import WindowStats
 from ..vocabulary import FactorApproxName
 from .protocol import KFACStrategy
 
@@ -54,9 +62,19 @@ class KFAC(Callback):
         factor_dtype: dtype of the stored factors ("float32" default; "float64", "bfloat16" and
             "float16" allowed; a ``torch.dtype`` too).
         inv_dtype: dtype of inversions and preconditioning ("float32" or "float64").
-        log_step_time: log, per optimizer step, ``kfac/step_ms`` (the K-FAC step), ``kfac/fwd_bwd_ms``
-            (forward and backward of the step, hooks included) and ``kfac/<phase>_ms`` for every phase of
-            :mod:`lightning_spdkfac.telemetry` through the Trainer's logger.
+        log_step_time: time every optimizer step (``time.perf_counter``: ``step``, the K-FAC step;
+            ``fwd_bwd``, forward and backward of the step, hooks included; and every phase of
+            :mod:`lightning_spdkfac.telemetry`) and write to the Trainer's loggers, on the steps whose
+            logs Lightning writes (every ``log_every_n_steps`` optimizer steps, at the step index
+            Lightning's rows have, and every step once ``trainer.should_stop`` is set), aggregates over
+            the steps since the previous write: ``kfac/<name>_ms`` (mean), ``kfac/<name>_ms_max``
+            (max), ``kfac/inverse_step_share`` (the fraction of those steps that recomputed inverses,
+            so that a mean can be read against the inverse schedule) and ``kfac/steps_in_window``.
+            The steps after the last write of a fit are not logged (Lightning writes no step metrics
+            there either). They go to ``logger.log_metrics`` directly, not through ``self.log``, so
+            they are not in ``trainer.logged_metrics`` or ``callback_metrics`` (a CSVLogger has them in
+            rows of their own, with the step of Lightning's row). Without a logger
+            (``Trainer(logger=False)``) nothing is timed or logged.
         trace_step: record optimizer step ``trace_step`` (forward, backward, K-FAC, optimizer) with the
             PyTorch profiler and write a Chrome trace per rank to
             ``trace_dir/kfac_step{trace_step}_rank{rank}.json`` (open it in chrome://tracing or Perfetto).
@@ -66,7 +84,8 @@ class KFAC(Callback):
             factors or gradients (default 100: room for a fp16 loss scaler to back off, see
             :class:`~lightning_spdkfac.kfac.KFACPreconditioner`); None never raises. The counters
             ``kfac/skipped_factor_steps``, ``kfac/skipped_precondition_steps`` and
-            ``kfac/inverse_fallbacks`` (factor inversions Cholesky could not do) are logged every step.
+            ``kfac/inverse_fallbacks`` (factor inversions Cholesky could not do) are logged, as their
+            running totals, on the steps whose logs Lightning writes, whatever ``log_step_time`` says.
         factor_approx: how layers with weight sharing (Conv2d, and Linear on inputs with more than two
             dims such as ``(batch, seq, features)``) form their factors: ``"expand"`` (default: one row
             per position, KFC) or ``"reduce"`` (one row per example, its positions aggregated first:
@@ -132,6 +151,7 @@ class KFAC(Callback):
         self.trace_dir = _folder("trace_dir", trace_dir)
         self._profiler: profile | None = None  # recording trace_step
         self._t_step_start: float | None = None
+        self._window = WindowStats()  # step times since the last log (log_step_time)
         self.preconditioner: KFACPreconditioner | None = None
         self._pending_state: dict | None = None  # loaded before setup built the preconditioner
         self._final_state: dict | None = None  # kept after teardown, for save_checkpoint after fit
@@ -163,6 +183,7 @@ class KFAC(Callback):
         if self._pending_state is not None:
             self.preconditioner.load_state_dict(self._pending_state)
             self._pending_state = None
+        self._window.reset()
         self._checkpoint_seen = self._start_fresh = False
         self._guard_checkpoint_loading(trainer)
 
@@ -257,18 +278,37 @@ class KFAC(Callback):
             return
         t0 = time.perf_counter()
         pre.step()
-        step_ms = (time.perf_counter() - t0) * 1e3
+        t1 = time.perf_counter()
+        if not trainer.loggers:  # nothing would be written
+            return
+        if self.log_step_time:  # seconds, as host floats: no tensor, no sync
+            times = {"step": t1 - t0}
+            if self._t_step_start is not None:
+                times["fwd_bwd"] = t0 - self._t_step_start
+            times.update(pre.timer.last)
+            self._window.add(times, flagged=pre.last_step_inverted)
+        if _logs_written_this_step(trainer):
+            metrics, step = self._metrics(pre), _steps_before(trainer)
+            for logger in trainer.loggers:  # (rank-zero-only, as Lightning's own writes)
+                logger.log_metrics(metrics, step=step)
+
+    def _metrics(self, pre: KFACPreconditioner) -> dict[str, float]:
+        """The fault counters and, with log_step_time, the window's aggregates (in ms); resets the window."""
         metrics = {  # fault counters, logged whatever log_step_time says
             "kfac/skipped_factor_steps": float(pre.skipped_factor_steps),
             "kfac/skipped_precondition_steps": float(pre.skipped_precondition_steps),
             "kfac/inverse_fallbacks": float(pre.inverse_fallbacks),
         }
-        if self.log_step_time:
-            metrics["kfac/step_ms"] = step_ms
-            if self._t_step_start is not None:
-                metrics["kfac/fwd_bwd_ms"] = (t0 - self._t_step_start) * 1e3
-            metrics.update({f"kfac/{k}_ms": v * 1e3 for k, v in pre.timer.last.items()})
-        pl_module.log_dict(metrics, on_step=True, on_epoch=False)
+        window = self._window
+        if self.log_step_time and window.steps:
+            maxima = window.maxima()
+            for name, mean in window.means().items():
+                metrics[f"kfac/{name}_ms"] = mean * 1e3
+                metrics[f"kfac/{name}_ms_max"] = maxima[name] * 1e3
+            metrics["kfac/inverse_step_share"] = window.flagged_share
+            metrics["kfac/steps_in_window"] = float(window.steps)
+        window.reset()
+        return metrics
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -353,6 +393,31 @@ class KFAC(Callback):
                 self.preconditioner.check_state_dict(state)
             except ValueError as e:
                 raise ValueError(f"{where}: {e}") from None
+
+
+def _logs_written_this_step(trainer: pl.Trainer) -> bool:
+    """Will Lightning write the metrics logged in this optimizer step to its loggers?
+
+    Lightning's rule (``_LoggerConnector.should_update_logs``, applied by ``update_train_step_metrics``
+    after the step's last micro-batch): ``log_every_n_steps`` > 0 and (the step's 1-based index,
+    ``_batches_that_stepped + 1``, a multiple of it, or ``trainer.should_stop``), or ``fast_dev_run``.
+    ``_batches_that_stepped`` counts the steps before this one here too: Lightning increments it
+    after the batch. It writes no step metrics at the end of fit. (A ``should_stop`` set after this
+    hook, in an ``on_train_batch_end``, makes Lightning write this step without K-FAC's metrics.)
+    """
+    if getattr(trainer, "fast_dev_run", False):  # (both set on the instance by Trainer.__init__)
+        return True
+    every = getattr(trainer, "log_every_n_steps", 0)
+    if not every:
+        return False
+    return (_steps_before(trainer) + 1) % every == 0 or trainer.should_stop
+
+
+def _steps_before(trainer: pl.Trainer) -> int:
+    """Lightning's ``_batches_that_stepped`` (the optimizer steps before this one, here): the step index
+    of its rule and of its logger writes; ``global_step``, the same for one optimizer, where it is missing."""
+    stepped = getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", None)
+    return stepped if isinstance(stepped, int) else trainer.global_step
 
 
 def _where(trainer: pl.Trainer) -> str:
