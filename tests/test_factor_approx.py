@@ -14,6 +14,8 @@ the last of its input; "expand" (the default) is unchanged, and both agree on 2-
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -444,3 +446,25 @@ def test_factor_approx_is_validated_and_reaches_the_preconditioner():
     assert KFAC().options.factor_approx == "expand"
     pre = KFACPreconditioner(nn.Linear(2, 2), KFACOptions(factor_approx="reduce"))
     assert pre.options.factor_approx == "reduce" and pre._reduce
+
+
+def test_a_state_of_the_other_approximation_loads_with_a_warning_never_silently():
+    torch.manual_seed(0)
+    x = torch.randn(4, 2, 6, 6)
+    reduce_model = Net()
+    pre_reduce = KFACPreconditioner(reduce_model, factor_approx="reduce", inv_update_steps=1)
+    one_step(reduce_model, pre_reduce, [x])
+    state = pre_reduce.state_dict()
+    assert state["factor_approx"] == "reduce"
+    expand = KFACPreconditioner(Net(), inv_update_steps=1)
+    with pytest.warns(UserWarning, match=r"saved with factor_approx='reduce' and this run uses 'expand'"):
+        expand.load_state_dict(state)
+    assert torch.equal(expand.layers["conv"].A, pre_reduce.layers["conv"].A)  # loaded all the same
+    same = KFACPreconditioner(Net(), factor_approx="reduce", inv_update_steps=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        same.load_state_dict(state)  # same approximation: silent
+        older = {k: v for k, v in state.items() if k != "factor_approx"}
+        same.load_state_dict(older)  # states written before the key existed: silent
+    with pytest.raises(ValueError, match=r"'factor_approx' must be one of \('expand', 'reduce'\), got 'mean'"):
+        same.load_state_dict({**state, "factor_approx": "mean"})

@@ -8,12 +8,15 @@ ValueError listing every problem found, and leaves the preconditioner exactly as
 from __future__ import annotations
 
 import numbers
+import warnings
 from collections.abc import Mapping
 from typing import Any, TypeGuard
 
 import torch
 
+from ..vocabulary import FACTOR_APPROXES
 from .layer_state import KFACLayer
+from .options import KFACOptions
 
 STATE_VERSION = 2  # 2: adds 'layer_dims' (every registered layer and its factor sides)
 # Counters saved with the state (each optional when loading: older states lack some).
@@ -32,6 +35,7 @@ class CheckpointState:
     inverse_fallbacks: int
     factor_dtype: torch.dtype
     inv_dtype: torch.dtype
+    options: KFACOptions
 
     def state_dict(self) -> dict[str, Any]:
         """Everything the next step needs: counters, running factors and current inverses.
@@ -53,6 +57,8 @@ class CheckpointState:
             "skipped_precondition_steps": self.skipped_precondition_steps,
             "consecutive_bad_steps": self.consecutive_bad_steps,
             "inverse_fallbacks": self.inverse_fallbacks,
+            # optional too: factors of the two approximations have the same shapes but not the same meaning
+            "factor_approx": self.options.factor_approx,
             "layer_dims": {name: [ly.helper.a_dim, ly.helper.g_dim] for name, ly in self.layers.items()},
             "layers": layers,
         }
@@ -85,6 +91,15 @@ class CheckpointState:
         self.steps = int(state["steps"])
         for key in COUNTERS:
             setattr(self, key, int(state.get(key, 0)))
+        saved, ours = state.get("factor_approx"), self.options.factor_approx
+        if saved is not None and saved != ours:
+            warnings.warn(
+                f"the K-FAC state was saved with factor_approx={saved!r} and this run uses {ours!r}: the "
+                f"loaded running factors are {saved!r} factors (same shapes, another approximation of the "
+                f"curvature) until the running average replaces them; resume with factor_approx={saved!r} "
+                "to continue exactly, or load_state='skip' to start K-FAC fresh",
+                stacklevel=2,
+            )
 
     def _verify_state(self, state: Mapping[str, Any]) -> dict[str, tuple[Any, ...]]:
         """The factors of ``state`` by layer name, or a ValueError listing every problem found."""
@@ -92,6 +107,8 @@ class CheckpointState:
         corrupt: list[str] = []
         mismatch: list[str] = []
         _check_counters(state, version, corrupt)
+        if "factor_approx" in state and state["factor_approx"] not in FACTOR_APPROXES:
+            corrupt.append(f"'factor_approx' must be one of {FACTOR_APPROXES}, got {state['factor_approx']!r}")
         # Which layers the state was saved for: 'layer_dims' (version 2), else the layers with factors.
         dims = None
         if "layer_dims" in state:
