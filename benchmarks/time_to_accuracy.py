@@ -321,7 +321,8 @@ def summarize(w: Workload, runs: list[dict]) -> dict[str, Any]:
     """Median time to target [min-max of the seeds that reached it], k of n, median final metric."""
     times = [r["seconds_to_target"] if r["reached"] else math.inf for r in runs]
     reached = [t for t in times if math.isfinite(t)]
-    finals = [r["final_metric"] for r in runs if math.isfinite(r["final_metric"])]
+    worst = -math.inf if w.mode == "max" else math.inf  # a non-finite final metric ranks last
+    finals = [r["final_metric"] if math.isfinite(r["final_metric"]) else worst for r in runs]
     median = statistics.median(times) if times else math.inf
     return {
         "median_s": median if math.isfinite(median) else None,
@@ -336,7 +337,7 @@ def summarize(w: Workload, runs: list[dict]) -> dict[str, Any]:
 
 def rank_key(w: Workload, s: dict) -> tuple:
     """Lower is better: finite median time first (by time), then the rest by their median final metric."""
-    final = s["final"] if math.isfinite(s["final"]) else (-math.inf if w.mode == "max" else math.inf)
+    final = s["final"] if not math.isnan(s["final"]) else (-math.inf if w.mode == "max" else math.inf)
     if s["median_s"] is not None:
         return (0, s["median_s"], 0.0)
     return (1, 0.0, -final if w.mode == "max" else final)
