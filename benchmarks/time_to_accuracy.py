@@ -225,7 +225,7 @@ class Workload:
 WORKLOADS: dict[str, Workload] = {w.name: w for w in (
     Workload("digits", "digits CNN (configs/digits.yaml), val acc", BenchDigitsCNN, digits_data,
              "val_acc", "max", 0.97, budget=8,
-             lrs={"sgd": [0.0125, 0.025, 0.05, 0.1, 0.2], "adamw": [1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2]},
+             lrs={"sgd": [0.0125, 0.025, 0.05, 0.1, 0.2], "adamw": [2e-3, 4e-3, 8e-3, 1.6e-2, 3.2e-2]},
              quick_budget=4, quick_lrs={"sgd": [0.05, 0.2], "adamw": [1e-3, 4e-3]}),
     Workload("resnet", "ResNet-8 on CIFAR-shaped digits, val acc", BenchResNet, small_images_data,
              "val_acc", "max", 0.97, budget=6,
