@@ -436,7 +436,8 @@ def run_workload(w: Workload, seeds: list[int], quick: bool, budget: int | None,
               "kfac_defaults_over_best_baseline_rerun": ratio(kd, rerun),
               "kfac_reduce_over_best_baseline_rerun": ratio(kr, rerun)}
     unit = "higher is better" if w.mode == "max" else "lower is better"
-    lines = [f"== {w.name}: {w.title} >= {w.target:g} ({unit}), {epochs} epochs, seeds {seeds}",
+    lines = [f"== {w.name}: {w.title} {'>=' if w.mode == 'max' else '<='} {w.target:g} ({unit}), {epochs} epochs,"
+             f" seeds {seeds}",
              "-- lr sweep (* = winner, lowest median time to target):", format_table(sweep_rows, COLUMNS),
              "-- tuned baselines and K-FAC (library defaults) on the best one:", format_table(main_rows, COLUMNS)]
     for o, at_edge in edge.items():
