@@ -51,7 +51,10 @@ class KFACOptions:
             are identical for 2-D Linear inputs. See docs/math.md.
     """
 
-    damping: val.HParam = 1e-3
+    # 3e-2, measured (README, "Time to accuracy"): 1e-3 left SGD runs stuck or diverging on the digits CNN
+    # and the MLP autoencoder and doubled AdamW's time to target; 3e-2 removed every divergence there.
+    # An interim default: the damping convention and the defaults are being chosen by the full benchmark.
+    damping: val.HParam = 3e-2
     factor_decay: val.HParam = 0.95
     kl_clip: val.HParam | None = 1e-3
     lr: val.HParam = 0.1
