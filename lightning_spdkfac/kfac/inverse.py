@@ -48,6 +48,16 @@ COND_LIMIT = 0.1  # Cholesky is rejected where the condition-number bound exceed
 EIGH_FLOOR = 1e-10  # eigenvalues of the damped factor below this fraction of the largest are raised to it
 
 
+# What the preconditioner reports it did instead of Cholesky, per fallback level (messages).
+FALLBACK_ACTION = {
+    "eigh": "using a clamped eigendecomposition (consider a larger damping)",
+    "damping": "the clamped eigendecomposition failed too, so this factor was inverted with damping "
+               "{damping:g} (raise damping)",
+    "identity": "no damped inverse was finite, so this factor uses a scaled identity I / (trace/n + damping), "
+                "which drops its curvature (raise damping; check the factor for non-finite values)",
+}
+
+
 @dataclass(frozen=True)
 class Fallback:
     """A factor the Cholesky path did not invert: which, how it was inverted instead, and why."""

@@ -21,8 +21,7 @@ import logging
 import re
 import warnings
 from collections.abc import Callable
-from contextlib import nullcontext
-from typing import Any, TypeVar, cast
+from typing import Any
 
 import torch
 from torch import nn
@@ -33,7 +32,8 @@ from .checkpoint import STATE_VERSION, CheckpointState
 from .distributor import Distributor, FactorKey, Task
 from .gradients import GradAccess
 from .guard import NonFiniteGuard
-from .inverse import robust_inverses
+from .hook_tools import autocast_off, eager, in_backward
+from .inverse import FALLBACK_ACTION, robust_inverses
 from .layer_state import KFACLayer
 from .layers import make_helper
 from .options import KFACOptions
@@ -41,40 +41,6 @@ from .options import KFACOptions
 __all__ = ["STATE_VERSION", "KFACLayer", "KFACPreconditioner"]
 
 log = logging.getLogger(__name__)
-
-
-
-# What the preconditioner did instead of Cholesky, per fallback level of kfac.inverse.
-
-_FALLBACK_ACTION = {
-    "eigh": "using a clamped eigendecomposition (consider a larger damping)",
-    "damping": "the clamped eigendecomposition failed too, so this factor was inverted with damping "
-               "{damping:g} (raise damping)",
-    "identity": "no damped inverse was finite, so this factor uses a scaled identity I / (trace/n + damping), "
-                "which drops its curvature (raise damping; check the factor for non-finite values)",
-}
-
-
-def _in_backward() -> bool:
-    """Whether autograd is running a backward pass now (activation checkpointing recomputes there)."""
-    task_id = getattr(torch._C, "_current_graph_task_id", None)
-    return task_id is not None and task_id() != -1
-
-
-_Fn = TypeVar("_Fn", bound=Callable[..., Any])
-
-
-def _eager(fn: _Fn) -> _Fn:
-    """``fn`` excluded from torch.compile tracing (run as plain Python; a graph break under compile)."""
-    disable = getattr(getattr(torch, "compiler", None), "disable", None)
-    return fn if disable is None else cast(_Fn, disable(fn, recursive=True))
-
-
-def _autocast_off(device_type: str) -> torch.autocast | nullcontext[None]:
-    """Autocast disabled for factor statistics (fp32 factors under bf16/fp16 autocast)."""
-    if torch.is_autocast_enabled(device_type):
-        return torch.autocast(device_type, enabled=False)
-    return nullcontext()
 
 
 class KFACPreconditioner(NonFiniteGuard, CheckpointState):
@@ -221,7 +187,7 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
             if not torch.is_grad_enabled():
                 layer.nograd_calls += 1
                 return
-            recomputed = _in_backward()
+            recomputed = in_backward()
             if recomputed:
                 # Activation checkpointing recomputes this forward during backward. Non-reentrant
                 # (use_reentrant=False): the first forward already counted the call and hooked its
@@ -242,7 +208,7 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
                     ly.mb_a_calls = ly.mb_g_calls = 0
             x = inputs[0]
             with self.timer.phase("factor_compute"):
-                with _autocast_off(x.device.type):
+                with autocast_off(x.device.type):
                     self._accumulate_a(layer, x)
                 final = self._pipelining_final(layer, layer.mb_a_calls)
                 if final:
@@ -255,7 +221,7 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
         # Under torch.compile the hooks run as plain Python (a graph break at each K-FAC layer): traced,
         # K-FAC's bookkeeping would be compiled into graphs guarded on per-layer Python state, with its
         # in-place updates of persistent buffers replayed as side effects.
-        return _eager(forward_hook)
+        return eager(forward_hook)
 
     def _make_grad_hook(self, layer: KFACLayer, x: torch.Tensor) -> Callable[[torch.Tensor], None]:
         batch = layer.helper.batch_size(x)
@@ -264,7 +230,7 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
         def grad_hook(grad_output: torch.Tensor) -> None:
             self._backward_seen = True
             with self.timer.phase("factor_compute"):
-                with _autocast_off(grad_output.device.type):
+                with autocast_off(grad_output.device.type):
                     self._accumulate_g(layer, grad_output, batch, micro_batch)
                 final = self._pipelining_final(layer, layer.mb_g_calls)
                 if final:
@@ -273,7 +239,7 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
             if final:
                 self.distributor.factor_final(layer.index, "G", G_new)
 
-        return _eager(grad_hook)
+        return eager(grad_hook)
 
     def _accumulate_a(self, layer: KFACLayer, x: torch.Tensor) -> None:
         if self._reduce:
@@ -428,7 +394,7 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
                     name,
                     f"inverse-{fb.level}",
                     f"K-FAC layer {name!r}: Cholesky of the damped {which} factor failed at step {k} "
-                    f"(damping {damping:g}): {fb.reason}; " + _FALLBACK_ACTION[fb.level].format(damping=fb.damping),
+                    f"(damping {damping:g}): {fb.reason}; " + FALLBACK_ACTION[fb.level].format(damping=fb.damping),
                 )
             return inverses
 
