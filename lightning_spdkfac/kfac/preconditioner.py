@@ -17,7 +17,6 @@ updates the running averages -> (on inverse steps) damped inverses -> preconditi
 
 from __future__ import annotations
 
-import logging
 import re
 import warnings
 from collections.abc import Callable
@@ -39,8 +38,6 @@ from .layers import make_helper
 from .options import KFACOptions
 
 __all__ = ["STATE_VERSION", "KFACLayer", "KFACPreconditioner"]
-
-log = logging.getLogger(__name__)
 
 
 class KFACPreconditioner(NonFiniteGuard, CheckpointState):
