@@ -25,10 +25,9 @@ import math
 import statistics
 
 import torch
-import torch.nn.functional as F
 from _common import env_info, format_table, interleaved_blocks, set_seed
+from overhead import Runner as OverheadRunner
 
-from lightning_spdkfac import KFACPreconditioner
 from lightning_spdkfac.demo.cifar import ResNetCIFAR
 from lightning_spdkfac.telemetry import PHASES
 
@@ -36,33 +35,28 @@ VARIANTS = ("sgd", "expand", "reduce")
 SHOWN_PHASES = ("factor_compute", "factor_update", "inverse_compute", "precondition")
 
 
-class Runner:
-    """One model copy, its optimizer and (unless ``approx`` is None) its preconditioner."""
+class Runner(OverheadRunner):
+    """overhead.py's runner (one model copy, its SGD and, unless ``approx`` is None, its preconditioner),
+    adding up K-FAC's phase times over the steps since :meth:`reset_phases`."""
 
     def __init__(self, model: torch.nn.Module, data, args, approx: str | None):
-        self.model = model.train()
-        self.data = data
-        self.i = 0
-        self.opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-        self.pre = None if approx is None else KFACPreconditioner(
-            model, factor_approx=approx, factor_update_steps=1, inv_update_steps=args.inv_update_steps)
+        if approx is None:
+            super().__init__(model, data, args, kfac=False)
+        else:
+            super().__init__(model, data, args, kfac=True, factor_approx=approx)
         self.phases = dict.fromkeys(PHASES, 0.0)
         self.steps = 0
-        self.loss = math.nan
 
     def step(self) -> None:
-        x, y = self.data[self.i % len(self.data)]
-        self.i += 1
-        self.opt.zero_grad()
-        loss = F.cross_entropy(self.model(x), y)
-        loss.backward()
+        super().step()
         if self.pre is not None:
-            self.pre.step()
             for name, seconds in self.pre.timer.last.items():
                 self.phases[name] += seconds
-        self.opt.step()
         self.steps += 1
-        self.loss = float(loss.detach())
+
+    @property
+    def loss(self) -> float:
+        return math.nan if self.last_loss is None else float(self.last_loss)
 
     def reset_phases(self) -> None:
         self.phases = dict.fromkeys(PHASES, 0.0)

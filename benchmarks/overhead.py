@@ -98,15 +98,15 @@ def make_model_and_data(name: str, batch: int, n_batches: int, seed: int):
 class Runner:
     """One model copy + optimizer (+ optional K-FAC) stepping through the fixed data."""
 
-    def __init__(self, model: nn.Module, data, args, kfac: bool):
+    def __init__(self, model: nn.Module, data, args, kfac: bool, **kfac_options):
         self.model = model.train()
         self.data = data
         self.i = 0
         self.opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
         self.pre = None
-        if kfac:
+        if kfac:  # kfac_options: further KFACOptions fields (benchmarks/factor_approx.py: factor_approx)
             self.pre = KFACPreconditioner(
-                model, factor_update_steps=1, inv_update_steps=args.inv_update_steps
+                model, factor_update_steps=1, inv_update_steps=args.inv_update_steps, **kfac_options
             )
         self.last_loss: torch.Tensor | None = None
 
