@@ -103,11 +103,6 @@ class KFACOptions:
         return dataclasses.replace(options, **overrides) if overrides else options
 
 
-def defaults() -> dict[str, Any]:
-    """Every option's default, by name (what the callback's and the core's signatures must show)."""
-    return {f.name: f.default for f in dataclasses.fields(KFACOptions)}
-
-
 def dtype(name: str, value: object, accepted: tuple[str, ...]) -> torch.dtype:
     """A floating torch dtype given as a dtype or a name ("float64", "torch.float64", "double") in ``accepted``."""
     names = ", ".join(repr(a) for a in accepted)
