@@ -442,7 +442,8 @@ def test_fallback_warns_once_per_layer_and_gradients_stay_finite():
     model = nn.Sequential(nn.Linear(15, 16), nn.Tanh(), nn.Linear(16, 16, bias=False))  # all factors 16 x 16
     bad = {0: CASES["indefinite"].float(), 1: CASES["near_singular"].float()}  # layer index -> factor
     dist = ReplacingDistributor({(i, which): f for i, f in bad.items() for which in ("A", "G")})
-    pre = KFACPreconditioner(model, damping=1e-8, factor_decay=0.0, inv_update_steps=1, distributor=dist)
+    # A = G: pi = 1, so each factor gets sqrt(damping) = 1e-8 (see kfac.inverse.pi_split)
+    pre = KFACPreconditioner(model, damping=1e-16, factor_decay=0.0, inv_update_steps=1, distributor=dist)
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         for _ in range(3):

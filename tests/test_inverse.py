@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from lightning_spdkfac import KFACPreconditioner
-from lightning_spdkfac.kfac.inverse import robust_inverses
+from lightning_spdkfac.kfac.inverse import pi_split, robust_inverses
 
 
 def damped_inverses(factors, damping, dtype):
@@ -65,3 +65,49 @@ def test_fallback_warns_once_per_layer():
         warnings.simplefilter("error")
         pre._update_inverses(1)  # second failure: no second warning
     assert torch.isfinite(layer.A_inv).all()
+
+
+# ---------------------------------------------------------------- the block damping convention
+def _psd(n: int, scale: float, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 3, generator=g, dtype=torch.float64)  # rank 3 < n: zero eigenvalues
+    return scale * (x @ x.T)
+
+
+def _damped_block(A: torch.Tensor, G: torch.Tensor, damping: float) -> torch.Tensor:
+    dA, dG = (float(d) for d in pi_split(A, G, damping))
+    return torch.kron(A + dA * torch.eye(A.shape[0], dtype=A.dtype), G + dG * torch.eye(G.shape[0], dtype=G.dtype))
+
+
+@pytest.mark.parametrize("damping", [1e-4, 1e-2, 1.0])
+def test_pi_split_damps_the_block_by_lambda_not_lambda_squared(damping):
+    """Where A and G are both singular, the damped block's smallest eigenvalue is the damping itself
+    (per-factor damping would give damping**2), and nowhere is it below that."""
+    A, G = _psd(5, 1e-2, 0), _psd(4, 30.0, 1)
+    smallest = torch.linalg.eigvalsh(_damped_block(A, G, damping)).min().item()
+    assert smallest == pytest.approx(damping, rel=1e-6)
+
+
+def test_pi_split_depends_on_the_block_only():
+    """A (x) G = (cA) (x) (G/c): the damped block is the same whichever way the scale is split."""
+    A, G = _psd(5, 1.0, 2), _psd(4, 1.0, 3)
+    ref = _damped_block(A, G, 1e-2)
+    for c in (1e-3, 7.0, 1e4):
+        torch.testing.assert_close(_damped_block(c * A, G / c, 1e-2), ref, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("traces", [(0.0, 3.0), (2.0, 0.0), (float("nan"), 1.0), (1.0, float("inf")), (-1.0, 2.0)])
+def test_pi_split_falls_back_to_an_even_split_where_a_trace_is_unusable(traces):
+    A, G = torch.eye(4) * traces[0] / 4, torch.eye(3) * traces[1] / 3
+    dA, dG = pi_split(A, G, 0.04)
+    assert (float(dA), float(dG)) == (pytest.approx(0.2), pytest.approx(0.2))
+
+
+def test_robust_inverses_takes_one_damping_per_factor():
+    A = _psd(4, 1.0, 4)
+    invs, fallbacks = robust_inverses([A, A], [0.1, 2.0], torch.float64)
+    assert not fallbacks
+    for inv, d in zip(invs, (0.1, 2.0)):
+        torch.testing.assert_close(inv, torch.linalg.inv(A + d * torch.eye(4, dtype=torch.float64)))
+    with pytest.raises(ValueError, match="damping: got 1 values for 2 factors"):
+        robust_inverses([A, A], [0.1], torch.float64)

@@ -74,9 +74,13 @@ def test_damping_schedule_is_applied_at_each_inverse_step():
     for step in range(3):
         one_step(model, pre, x, y)
         layer = pre.layers["0"]
+        A, G = layer.A.double(), layer.G.double()
+        pi = ((A.trace() / A.shape[0]) / (G.trace() / G.shape[0])).sqrt().item()
         d = 0.1 * (step + 1)
-        want = torch.linalg.inv(layer.A.double() + d * torch.eye(layer.A.shape[0], dtype=torch.float64))
+        want = torch.linalg.inv(A + pi * d**0.5 * torch.eye(A.shape[0], dtype=torch.float64))
         torch.testing.assert_close(layer.A_inv.double(), want, rtol=1e-4, atol=1e-5)
+        want = torch.linalg.inv(G + d**0.5 / pi * torch.eye(G.shape[0], dtype=torch.float64))
+        torch.testing.assert_close(layer.G_inv.double(), want, rtol=1e-4, atol=1e-5)
 
 
 def test_lr_callable_reads_the_optimizer_for_the_kl_clip():

@@ -27,7 +27,8 @@ from helpers.dense_reference import (
     assert_close,
     check_grad_consistency,
     d_rows,
-    damped_inv,
+    damped_invs,
+    pi_dampings,
     grad_matrix,
     im2col_loops,
     ref_factors,
@@ -85,8 +86,7 @@ def check_single_step(model, pre, rec, x, prec, damping, kl_clip, lr, loss_fn=sq
         assert_close(L.A, A, tol)
         assert_close(L.G, G, tol)
         assert L.A.dtype == PRECISIONS[prec][1] and L.G.dtype == PRECISIONS[prec][1]
-    A_invs = [damped_inv(refs[n][0], damping) for n in names]
-    G_invs = [damped_inv(refs[n][1], damping) for n in names]
+    A_invs, G_invs = zip(*(damped_invs(*refs[n], damping) for n in names))
     for n, Ai, Gi in zip(names, A_invs, G_invs, strict=True):
         assert_close(pre.layers[n].A_inv, Ai, tol)
         assert_close(pre.layers[n].G_inv, Gi, tol)
@@ -145,10 +145,11 @@ def test_linear_3d(prec, bias, contiguous):
     assert x.shape == (B, T, n_in)
     nu, _, refs = check_single_step(model, pre, rec, x, prec, damping, kl_clip, lr)
     assert nu < 1.0
-    # G uses B (first dim), not R = B*T: G = B * sum_r d_r d_r^T
+    # Every position is an example (expand): G = R * sum_r d_r d_r^T with R = B*T rows, so a
+    # per-position mean loss gives G = mean_r (R d_r)(R d_r)^T whatever T is.
     d = d_rows(model[0], rec.gouts["0"][0])
     assert d.shape[0] == B * T
-    assert_close(pre.layers["0"].G, B * d.T @ d, PRECISIONS[prec][3])
+    assert_close(pre.layers["0"].G, B * T * d.T @ d, PRECISIONS[prec][3])
 
 
 # ----------------------------------------------------------------------------- 3. Conv2d
@@ -224,7 +225,7 @@ def test_multi_layer_global_kl_clip(prec):
     per_layer = []
     for n in names:
         _, nu_n = ref_precondition(
-            [grads[n]], [damped_inv(refs[n][0], damping)], [damped_inv(refs[n][1], damping)], kl_clip, lr
+            [grads[n]], *([inv] for inv in damped_invs(*refs[n], damping)), kl_clip, lr
         )
         per_layer.append(nu_n)
     assert all(abs(nu_n - nu) > 1e-2 * nu for nu_n in per_layer)
@@ -281,15 +282,14 @@ def test_running_average_and_inverse_steps(prec, decay):
         if k % 2 == 0:  # inverse step
             inv_src = {n: (running[n][0].clone(), running[n][1].clone()) for n in names}
             inv_damping = damping_at(k)
-        A_invs = [damped_inv(inv_src[n][0], inv_damping) for n in names]
-        G_invs = [damped_inv(inv_src[n][1], inv_damping) for n in names]
+        A_invs, G_invs = zip(*(damped_invs(*inv_src[n], inv_damping) for n in names))
         for n, Ai, Gi in zip(names, A_invs, G_invs, strict=True):
             assert_close(pre.layers[n].A_inv, Ai, tol)
             assert_close(pre.layers[n].G_inv, Gi, tol)
         if k == 1:
             # the inverses are stale: they must NOT match the current factors' inverses
             n = names[0]
-            fresh = damped_inv(running[n][0], damping_at(k))
+            fresh = damped_invs(*running[n], damping_at(k))[0]
             assert not torch.allclose(pre.layers[n].A_inv.to(F64), fresh, rtol=1e-3, atol=1e-6)
         P, nu = ref_precondition([grads[n] for n in names], A_invs, G_invs, kl_clip, lr_at(k))
         assert nu < 1.0
@@ -310,7 +310,8 @@ def test_factor_update_steps_freeze_factors():
     grads = run_step(model, pre, rec, [torch.randn(5, 4) * 3], sq_loss)  # step 1: no factor update
     assert_close(pre.layers["0"].A, A0, 2e-5)
     assert_close(pre.layers["0"].G, G0, 2e-5)
-    P, _ = ref_precondition([grads["0"]], [damped_inv(A0, 0.1)], [damped_inv(G0, 0.1)], None, 0.1)
+    A0_inv, G0_inv = damped_invs(A0, G0, 0.1)
+    P, _ = ref_precondition([grads["0"]], [A0_inv], [G0_inv], None, 0.1)
     assert_close(grad_matrix(model[0]), P[0], 2e-4)
     run_step(model, pre, rec, [torch.randn(5, 4)], sq_loss)  # step 2: update
     A2, G2 = ref_factors(rec, "0")
@@ -336,14 +337,15 @@ def test_stored_factors_are_undamped(prec):
     for n in names:
         A, G = ref_factors(rec, n)
         L = pre.layers[n]
-        for got, ref in ((L.A, A), (L.G, G)):
+        dA, dG = pi_dampings(A, G, damping)
+        for got, ref, d in ((L.A, A, dA), (L.G, G, dG)):
             assert_close(got, ref, tol)
-            damped = ref + damping * torch.eye(ref.shape[0], dtype=F64)
+            damped = ref + d * torch.eye(ref.shape[0], dtype=F64)
             assert not torch.allclose(got.to(F64), damped, rtol=1e-3, atol=1e-3)
         eye_a = torch.eye(A.shape[0], dtype=F64)
         eye_g = torch.eye(G.shape[0], dtype=F64)
-        assert_close((A + damping * eye_a) @ L.A_inv.to(F64), eye_a, 10 * tol)
-        assert_close((G + damping * eye_g) @ L.G_inv.to(F64), eye_g, 10 * tol)
+        assert_close((A + dA * eye_a) @ L.A_inv.to(F64), eye_a, 10 * tol)
+        assert_close((G + dG * eye_g) @ L.G_inv.to(F64), eye_g, 10 * tol)
     # and a second (non-inverse) step does not leak damping into the factors either
     run_step(model, pre, rec, [x], sq_loss)
     for n in names:
@@ -378,8 +380,7 @@ def test_gradient_accumulation_matches_full_batch(prec):
         assert_close(pre.layers[n].A, A, tol)
         assert_close(pre.layers[n].G, G, tol)
         accum[n] = (pre.layers[n].A.clone(), pre.layers[n].G.clone(), grad_matrix(rec.modules[n]))
-    A_invs = [damped_inv(ref_factors(rec, n)[0], 0.05) for n in names]
-    G_invs = [damped_inv(ref_factors(rec, n)[1], 0.05) for n in names]
+    A_invs, G_invs = zip(*(damped_invs(*ref_factors(rec, n), 0.05) for n in names))
     P, nu = ref_precondition([grads[n] for n in names], A_invs, G_invs, 1e-4, 0.1)
     assert nu < 1.0
     for n, p in zip(names, P, strict=True):
@@ -443,8 +444,7 @@ def test_layer_called_twice_per_forward(prec):
     assert_close(pre.layers["head"].G, G_h, tol)
     P, nu = ref_precondition(
         [grads["lin"], grads["head"]],
-        [damped_inv(A, damping), damped_inv(A_h, damping)],
-        [damped_inv(G, damping), damped_inv(G_h, damping)],
+        *zip(damped_invs(A, G, damping), damped_invs(A_h, G_h, damping)),
         kl_clip, lr,
     )
     assert nu < 1.0

@@ -58,6 +58,14 @@ class LayerHelper:
         """B: the first dimension of the layer input (1 for an unbatched input)."""
         return 1 if x.dim() == self.unbatched_dim else x.shape[0]
 
+    def examples(self, x: torch.Tensor, reduce: bool) -> int:
+        """N in G = N sum d d^T: the number of loss terms the output gradients average over.
+
+        An example per batch entry (KFC's convention for images: one loss per image); see
+        :meth:`LinearHelper.examples` for sequences.
+        """
+        return self.batch_size(x)
+
     unbatched_dim = -1
 
     def a_rows(self, x: torch.Tensor) -> torch.Tensor:
@@ -143,6 +151,14 @@ class LinearHelper(LayerHelper):
 
     def a_rows(self, x: torch.Tensor) -> torch.Tensor:
         return x.reshape(-1, x.shape[-1])
+
+    def examples(self, x: torch.Tensor, reduce: bool) -> int:
+        """Every position of a sequence input is an example in ``"expand"`` (K-FAC-expand's setting: a
+        loss term per position, e.g. a per-token mean cross-entropy, whose G then does not depend on
+        the sequence length); ``"reduce"`` aggregates the positions of an example into one row."""
+        if reduce or x.dim() <= 2:
+            return self.batch_size(x)
+        return x.numel() // x.shape[-1] if x.shape[-1] else 0
 
     def g_rows(self, grad_output: torch.Tensor) -> torch.Tensor:
         return grad_output.reshape(-1, grad_output.shape[-1])

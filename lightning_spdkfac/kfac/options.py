@@ -31,8 +31,11 @@ class KFACOptions:
     """K-FAC hyperparameters.
 
     Args:
-        damping: added to the diagonal of each factor before inversion (>= 0); a number or a
-            schedule (a callable of the optimizer step, checked again at every step).
+        damping: Tikhonov damping of each layer's Kronecker-factored curvature block A (x) G (>= 0),
+            split between the factors by pi-balancing: A + pi sqrt(damping) I and
+            G + sqrt(damping)/pi I, so that every direction of the block is damped by at least
+            ``damping`` (not ``damping**2``); see docs/math.md. A number or a schedule (a callable of
+            the optimizer step, checked again at every step).
         factor_decay: running-average decay of the factors, in [0, 1); 0 uses the current batch alone.
         kl_clip: KL-clip bound (> 0), or None to turn clipping off.
         lr: the learning rate the KL clip assumes: a number or a callable of the step.

@@ -32,7 +32,7 @@ from .distributor import Distributor, FactorKey, Task
 from .gradients import GradAccess
 from .guard import NonFiniteGuard
 from .hook_tools import autocast_off, eager, in_backward
-from .inverse import FALLBACK_ACTION, robust_inverses
+from .inverse import FALLBACK_ACTION, pi_split, robust_inverses
 from .layer_state import KFACLayer
 from .layers import make_helper
 from .options import KFACOptions
@@ -221,7 +221,7 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
         return eager(forward_hook)
 
     def _make_grad_hook(self, layer: KFACLayer, x: torch.Tensor) -> Callable[[torch.Tensor], None]:
-        batch = layer.helper.batch_size(x)
+        batch = layer.helper.examples(x, self._reduce)
         micro_batch = self._micro_batch
 
         def grad_hook(grad_output: torch.Tensor) -> None:
@@ -379,10 +379,12 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
             return
         damping = val.resolve("damping", self.damping, k, val.NONNEGATIVE)
         by_index = {ly.index: ly for ly in todo}
+        split = self._factor_dampings(todo, damping)
 
         def invert(tasks: list[Task]) -> list[torch.Tensor]:
+            dampings = [split[(index, which)] for index, which, _ in tasks]
             with self.timer.phase("inverse_compute"):
-                inverses, fallbacks = robust_inverses([t[2] for t in tasks], damping, self.inv_dtype)
+                inverses, fallbacks = robust_inverses([t[2] for t in tasks], dampings, self.inv_dtype)
             self.inverse_fallbacks += len(fallbacks)
             for fb in fallbacks:
                 index, which, _ = tasks[fb.index]
@@ -391,7 +393,8 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
                     name,
                     f"inverse-{fb.level}",
                     f"K-FAC layer {name!r}: Cholesky of the damped {which} factor failed at step {k} "
-                    f"(damping {damping:g}): {fb.reason}; " + FALLBACK_ACTION[fb.level].format(damping=fb.damping),
+                    f"(damping {damping:g}, {float(dampings[fb.index]):.3g} on this factor): {fb.reason}; "
+                    + FALLBACK_ACTION[fb.level].format(damping=fb.damping),
                 )
             return inverses
 
@@ -408,6 +411,18 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
 
         tasks = [(ly.index, which, getattr(ly, which)) for ly in todo for which in ("A", "G")]
         self.distributor.invert(tasks, invert, on_ready)
+
+    @staticmethod
+    def _factor_dampings(layers: list[KFACLayer], damping: float) -> dict[tuple[int, str], torch.Tensor]:
+        """(layer index, "A"/"G") -> the damping added to that factor: the pi-balanced split of ``damping``.
+
+        Every rank holds the same reduced factors, so every rank computes the same split; no host sync.
+        """
+        out: dict[tuple[int, str], torch.Tensor] = {}
+        for ly in layers:
+            assert ly.A is not None and ly.G is not None  # set together
+            out[(ly.index, "A")], out[(ly.index, "G")] = pi_split(ly.A, ly.G, damping)
+        return out
 
     def _precondition_layer(self, layer: KFACLayer) -> None:
         """P = G_inv [dW, db] A_inv for one layer, kept until the KL clip of the step is known."""

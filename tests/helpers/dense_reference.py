@@ -116,7 +116,10 @@ def ref_factors(rec: Recorder, name: str) -> tuple[torch.Tensor, torch.Tensor]:
     assert len(As) == len(Ds) > 0
     a = torch.cat(As)
     d = torch.cat(Ds)
-    n_examples = sum(x.shape[0] for x in rec.inputs[name])
+    # N: one example per image (Conv2d), per row of a 2-D Linear input, and per position of a
+    # Linear input with more dims (K-FAC-expand: each position carries a loss term).
+    n_examples = sum(x.shape[0] if isinstance(m, nn.Conv2d) or x.dim() <= 2 else x.numel() // x.shape[-1]
+                     for x in rec.inputs[name])
     A = a.T @ a / a.shape[0]
     G = n_examples * (d.T @ d)
     return A, G
@@ -140,6 +143,19 @@ def check_grad_consistency(rec: Recorder, name: str, grad: torch.Tensor, tol: fl
 def damped_inv(Fm: torch.Tensor, damping: float) -> torch.Tensor:
     Fm = Fm.to(F64)
     return torch.linalg.inv(Fm + damping * torch.eye(Fm.shape[0], dtype=F64))
+
+
+def pi_dampings(A: torch.Tensor, G: torch.Tensor, damping: float) -> tuple[float, float]:
+    """The damping of A and of G for a block damping ``damping``: pi sqrt(damping), sqrt(damping) / pi
+    with pi^2 = (mean eigenvalue of A) / (mean eigenvalue of G) (Martens & Grosse 2015, sec. 6.3)."""
+    pi = ((torch.trace(A.to(F64)) / A.shape[0]) / (torch.trace(G.to(F64)) / G.shape[0])).sqrt().item()
+    return pi * damping**0.5, damping**0.5 / pi
+
+
+def damped_invs(A: torch.Tensor, G: torch.Tensor, damping: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A + pi sqrt(damping) I)^-1 and (G + sqrt(damping)/pi I)^-1: the block damping convention."""
+    dA, dG = pi_dampings(A, G, damping)
+    return damped_inv(A, dA), damped_inv(G, dG)
 
 
 def ref_precondition(grads, A_invs, G_invs, kl_clip, lr):
