@@ -28,8 +28,11 @@ Protocol, per workload:
 3. K-FAC phase, again interleaved seed by seed: the best baseline re-run (so that the ratio compares
    runs timed side by side), ``KFAC()`` with the library defaults on top of the best baseline's
    optimizer and lr (no K-FAC-specific tuning), ``KFAC(factor_approx="reduce")`` likewise, and a
-   damping sweep (damping x base lr in {lr/3, lr, 3 lr}; its point (1e-3, lr) is the defaults run,
-   the library default damping being 1e-3, and is not run twice).
+   damping sweep (damping x base lr in {lr/3, lr, 3 lr}; its point at the library's default damping and
+   the base lr is the defaults run, not run twice). The tuned-K-FAC row is the damping sweep's best
+   point. ``--candidates`` adds named K-FAC configurations (the evidence for the defaults), and
+   ``--baselines-from`` reuses an earlier run's recorded baseline sweep (the winner is still re-run
+   beside K-FAC, interleaved, and every ratio is taken against that re-run).
 
 A run has diverged when its last training loss (epoch mean) is above its first logged one (the loss
 of the first batch), when a loss or the validation metric was non-finite (the run is then stopped), or
@@ -226,7 +229,7 @@ class Workload:
 WORKLOADS: dict[str, Workload] = {w.name: w for w in (
     Workload("digits", "digits CNN (configs/digits.yaml), val acc", BenchDigitsCNN, digits_data,
              "val_acc", "max", 0.97, budget=8,
-             lrs={"sgd": [0.0125, 0.025, 0.05, 0.1, 0.2], "adamw": [2e-3, 4e-3, 8e-3, 1.6e-2, 3.2e-2]},
+             lrs={"sgd": [0.0125, 0.025, 0.05, 0.1, 0.2, 0.4], "adamw": [4e-3, 8e-3, 1.6e-2, 3.2e-2, 6.4e-2]},
              quick_budget=4, quick_lrs={"sgd": [0.05, 0.2], "adamw": [1e-3, 4e-3]}),
     Workload("resnet", "ResNet-8 on CIFAR-shaped digits, val acc", BenchResNet, small_images_data,
              "val_acc", "max", 0.97, budget=6,
@@ -234,7 +237,7 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
              quick_budget=1, quick_lrs={"sgd": [0.2], "adamw": [2e-3]}),
     Workload("textlm", "TinyGPT on stdlib sources (loss_scale 1), val loss", tinygpt, text_data,
              "val_loss", "min", 2.0, budget=5,
-             lrs={"sgd": [0.1, 0.3, 1.0, 3.0], "adamw": [3e-3, 6e-3, 1.3e-2, 2.6e-2]},
+             lrs={"sgd": [0.1, 0.3, 1.0, 3.0], "adamw": [1.5e-3, 3e-3, 6e-3, 1.3e-2]},
              quick_budget=1, quick_lrs={"sgd": [1.0], "adamw": [1.3e-2]}),
     Workload("autoencoder", "MLP autoencoder 64-256-128-32-128-256-64 (tanh) on digits, val MSE",
              DigitsAutoencoder, digits_data, "val_mse", "min", 0.005, budget=30,
@@ -357,7 +360,21 @@ COLUMNS = [("optimizer", "optimizer", ""), ("lr", "lr", ".3g"), ("damping", "dam
 
 
 # ------------------------------------------------------------------------------ the benchmark
-def run_workload(w: Workload, seeds: list[int], quick: bool, budget: int | None, log: Callable[[str], None]) -> dict:
+def recorded_sweep(path: str, name: str) -> dict[str, Any]:
+    """The baseline sweep of workload ``name`` from an earlier results.json (``--baselines-from``)."""
+    with open(path) as f:
+        payload = json.load(f)
+    for res in payload["workloads"]:
+        if res["workload"] == name:
+            return {"path": path, "sweep": res["sweep"], "winners": res["winners"],
+                    "winner_at_grid_edge": res["winner_at_grid_edge"], "best_baseline": res["best_baseline"],
+                    "epochs": res["epochs"], "seeds": res["seeds"]}
+    raise SystemExit(f"--baselines-from {path}: no workload {name!r} in it")
+
+
+def run_workload(w: Workload, seeds: list[int], quick: bool, budget: int | None, log: Callable[[str], None],
+                 candidates: dict[str, dict] | None = None, recorded: dict[str, Any] | None = None) -> dict:
+    candidates = candidates or {}
     epochs = budget or (w.quick_budget if quick else w.budget)
     lrs = w.quick_lrs if quick else w.lrs
     dampings = (1e-3, 1e-1) if quick else DAMPINGS
@@ -378,26 +395,20 @@ def run_workload(w: Workload, seeds: list[int], quick: bool, budget: int | None,
     run_one(w, "sgd", lrs["sgd"][0], 0, 1, None)
     run_one(w, "sgd", lrs["sgd"][0], 0, 1, {"log_step_time": False})
 
-    # 1. baseline sweep, interleaved seed by seed and optimizer by optimizer
-    n_lr = max(len(v) for v in lrs.values())
-    for seed in seeds:
-        for i in range(n_lr):
-            for opt_name, grid in lrs.items():
-                if i < len(grid):
-                    do(opt_name, grid[i], seed, None, f"sweep {opt_name}")
-    sweep: dict[str, list[dict]] = {}
-    for opt_name, grid in lrs.items():
-        for lr in grid:
-            s = summarize(w, [r for r in runs if r["tag"] == f"sweep {opt_name}" and r["lr"] == lr])
-            sweep.setdefault(opt_name, []).append({"lr": lr, **s})
-    winners = {o: min(rows, key=lambda s: rank_key(w, s)) for o, rows in sweep.items()}
-    edge = {o: winners[o]["lr"] in (lrs[o][0], lrs[o][-1]) and len(lrs[o]) > 1 for o in winners}
-    best_opt = min(winners, key=lambda o: rank_key(w, winners[o]))
-    best_lr = winners[best_opt]["lr"]
+    # 1. baseline sweep, interleaved seed by seed and optimizer by optimizer (or a recorded one)
+    if recorded is not None:
+        sweep, winners, edge = recorded["sweep"], recorded["winners"], recorded["winner_at_grid_edge"]
+        best_opt, best_lr = recorded["best_baseline"]["optimizer"], recorded["best_baseline"]["lr"]
+        lrs = {o: [r["lr"] for r in rows] for o, rows in sweep.items()}
+        log(f"  [{w.name}] baseline sweep from {recorded['path']} ({recorded['epochs']} epochs, seeds "
+            f"{recorded['seeds']}); the best baseline is re-run below beside K-FAC")
+    else:
+        sweep, winners, edge, best_opt, best_lr = _sweep(w, lrs, seeds, do, runs)
     log(f"  [{w.name}] winners: " + ", ".join(f"{o} lr {winners[o]['lr']:g}" for o in winners)
         + f"; best baseline {best_opt} lr {best_lr:g}")
 
-    # 2. K-FAC on top of the best baseline, the baseline re-run beside it, and the damping sweep
+    # 2. K-FAC on top of the best baseline, the baseline re-run beside it, candidate configurations
+    #    (--candidates), and the damping sweep
     kfac_default = {"log_step_time": False}
     kfac_reduce = {"log_step_time": False, "factor_approx": "reduce"}
     grid = [(d, f) for f in lr_factors for d in dampings if not (d == DEFAULT_DAMPING and f == 1.0)]
@@ -405,6 +416,9 @@ def run_workload(w: Workload, seeds: list[int], quick: bool, budget: int | None,
         do(best_opt, best_lr, seed, None, f"rerun {best_opt}")
         do(best_opt, best_lr, seed, kfac_default, "kfac defaults")
         do(best_opt, best_lr, seed, kfac_reduce, "kfac reduce")
+        for cname, opts in candidates.items():
+            do(best_opt, best_lr * opts.get("lr_factor", 1.0), seed,
+               {"log_step_time": False, **{k: v for k, v in opts.items() if k != "lr_factor"}}, f"kfac {cname}")
         for d, f in grid:
             do(best_opt, best_lr * f, seed, {"log_step_time": False, "damping": d}, f"kfac damping {d:g}")
 
@@ -414,6 +428,7 @@ def run_workload(w: Workload, seeds: list[int], quick: bool, budget: int | None,
     rerun = summarize(w, pick(f"rerun {best_opt}"))
     kd = summarize(w, pick("kfac defaults"))
     kr = summarize(w, pick("kfac reduce"))
+    cand = {c: summarize(w, pick(f"kfac {c}")) for c in candidates}
     damping_rows = []
     for f in lr_factors:
         for d in dampings:
@@ -428,6 +443,11 @@ def run_workload(w: Workload, seeds: list[int], quick: bool, budget: int | None,
     main_rows.append(row(f"{best_opt} re-run", best_lr, rerun))
     main_rows.append(row(f"K-FAC() on {best_opt}", best_lr, kd, DEFAULT_DAMPING))
     main_rows.append(row(f"K-FAC(reduce) on {best_opt}", best_lr, kr, DEFAULT_DAMPING))
+    for c, opts in candidates.items():
+        main_rows.append(row(f"K-FAC {c} on {best_opt}", best_lr * opts.get("lr_factor", 1.0), cand[c],
+                             opts.get("damping", DEFAULT_DAMPING)))
+    tuned = min(damping_rows, key=lambda s: rank_key(w, s))
+    main_rows.append(row(f"K-FAC tuned (damping sweep best) on {best_opt}", tuned["lr"], tuned, tuned["damping"]))
     d_rows = [row(f"K-FAC on {best_opt}", s["lr"], s, s["damping"]) for s in damping_rows]
 
     def ratio(a: dict, b: dict) -> float | None:
@@ -435,7 +455,9 @@ def run_workload(w: Workload, seeds: list[int], quick: bool, budget: int | None,
 
     ratios = {"kfac_defaults_over_best_baseline_sweep": ratio(kd, winners[best_opt]),
               "kfac_defaults_over_best_baseline_rerun": ratio(kd, rerun),
-              "kfac_reduce_over_best_baseline_rerun": ratio(kr, rerun)}
+              "kfac_reduce_over_best_baseline_rerun": ratio(kr, rerun),
+              "kfac_tuned_over_best_baseline_rerun": ratio(tuned, rerun),
+              **{f"kfac_{c}_over_best_baseline_rerun": ratio(cand[c], rerun) for c in candidates}}
     unit = "higher is better" if w.mode == "max" else "lower is better"
     lines = [f"== {w.name}: {w.title} {'>=' if w.mode == 'max' else '<='} {w.target:g} ({unit}), {epochs} epochs,"
              f" seeds {seeds}",
@@ -447,7 +469,10 @@ def run_workload(w: Workload, seeds: list[int], quick: bool, budget: int | None,
     fmt = {k: (f"{v:.2f}" if v is not None else "n/a (target not reached by the median seed)") for k, v in ratios.items()}
     lines.append(f"   ratio K-FAC() / best tuned baseline (median time to target): {fmt['kfac_defaults_over_best_baseline_rerun']}"
                  f" (vs its sweep runs: {fmt['kfac_defaults_over_best_baseline_sweep']});"
-                 f" K-FAC(reduce) / baseline: {fmt['kfac_reduce_over_best_baseline_rerun']}")
+                 f" K-FAC(reduce) / baseline: {fmt['kfac_reduce_over_best_baseline_rerun']};"
+                 f" tuned K-FAC / baseline: {fmt['kfac_tuned_over_best_baseline_rerun']}")
+    for c in candidates:
+        lines.append(f"   ratio K-FAC {c} / baseline: {fmt[f'kfac_{c}_over_best_baseline_rerun']}")
     lines.append(f"-- K-FAC damping sweep on {best_opt} (base lr x {{1/3, 1, 3}}); diverged = last train loss above"
                  " the first, non-finite, or an error:")
     lines.append(format_table(d_rows, COLUMNS))
@@ -457,8 +482,30 @@ def run_workload(w: Workload, seeds: list[int], quick: bool, budget: int | None,
     return {"workload": w.name, "title": w.title, "monitor": w.monitor, "mode": w.mode, "target": w.target,
             "epochs": epochs, "lrs": lrs, "seeds": seeds, "sweep": sweep, "winners": winners,
             "winner_at_grid_edge": edge, "best_baseline": {"optimizer": best_opt, "lr": best_lr},
-            "rerun": rerun, "kfac_defaults": kd, "kfac_reduce": kr, "damping_sweep": damping_rows,
+            "rerun": rerun, "kfac_defaults": kd, "kfac_reduce": kr, "kfac_tuned": tuned, "candidates": cand,
+            "candidate_options": candidates, "baseline_sweep_from": recorded and recorded["path"],
+            "kfac_defaults_options": KFACOptions().__dict__, "damping_sweep": damping_rows,
             "ratios": ratios, "table": "\n".join(lines), "runs": runs}
+
+
+def _sweep(w: Workload, lrs: dict[str, list[float]], seeds: list[int], do: Callable[..., dict],
+           runs: list[dict]) -> tuple[dict, dict, dict, str, float]:
+    """Run the baseline lr sweep; (sweep, winners, winner-at-grid-edge, best optimizer, its lr)."""
+    n_lr = max(len(v) for v in lrs.values())
+    for seed in seeds:
+        for i in range(n_lr):
+            for opt_name, grid in lrs.items():
+                if i < len(grid):
+                    do(opt_name, grid[i], seed, None, f"sweep {opt_name}")
+    sweep: dict[str, list[dict]] = {}
+    for opt_name, grid in lrs.items():
+        for lr in grid:
+            s = summarize(w, [r for r in runs if r["tag"] == f"sweep {opt_name}" and r["lr"] == lr])
+            sweep.setdefault(opt_name, []).append({"lr": lr, **s})
+    winners = {o: min(rows, key=lambda s: rank_key(w, s)) for o, rows in sweep.items()}
+    edge = {o: winners[o]["lr"] in (lrs[o][0], lrs[o][-1]) and len(lrs[o]) > 1 for o in winners}
+    best_opt = min(winners, key=lambda o: rank_key(w, winners[o]))
+    return sweep, winners, edge, best_opt, winners[best_opt]["lr"]
 
 
 def median_curve(w_runs: list[dict], monitor: str) -> tuple[list[float], list[float]]:
@@ -514,6 +561,11 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="smoke run: shorter budgets, 2 lrs, 2x2 damping grid")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default=None, help="a fresh output folder (default benchmarks/results/tta_<timestamp>)")
+    p.add_argument("--baselines-from", default=None, metavar="RESULTS_JSON",
+                   help="skip the baseline lr sweep: take its table and winner from an earlier results.json "
+                        "(the winner is still re-run beside K-FAC, interleaved)")
+    p.add_argument("--candidates", default=None, metavar="JSON",
+                   help='further K-FAC rows: {"name": {KFAC option: value, ..., "lr_factor": x}, ...}')
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     names = [n.strip() for n in args.workloads.split(",") if n.strip()]
@@ -552,7 +604,9 @@ def main() -> None:
     t_all = time.perf_counter()
     for name in names:
         t_w = time.perf_counter()
-        res = run_workload(WORKLOADS[name], seeds, args.quick, budgets.get(name), log)
+        recorded = recorded_sweep(args.baselines_from, name) if args.baselines_from else None
+        res = run_workload(WORKLOADS[name], seeds, args.quick, budgets.get(name) or (recorded and recorded["epochs"]),
+                           log, json.loads(args.candidates) if args.candidates else None, recorded)
         res["wall_seconds"] = round(time.perf_counter() - t_w, 1)
         results.append(res)
         payload["workloads"].append(res)

@@ -158,7 +158,7 @@ def test_kfac_registers_every_linear_with_3d_inputs():
     bias_before = {n: m.bias.grad.clone() for n, m in linears.items() if m.bias is not None}
     for name, layer in pre.layers.items():
         assert inputs[name].shape[:2] == (B, T) and inputs[name].dim() == 3, name
-        assert layer.rows == B * T and layer.examples == B and layer.a_calls == layer.g_calls == 1, name
+        assert layer.rows == B * T and layer.examples == B * T and layer.a_calls == layer.g_calls == 1, name
     pre.step()
 
     for name, m in linears.items():
@@ -167,13 +167,13 @@ def test_kfac_registers_every_linear_with_3d_inputs():
         assert bias == (name != "head")
         assert layer.A.shape == (m.in_features + bias,) * 2, name
         assert layer.G.shape == (m.out_features,) * 2, name
-        # docs/math.md: A = mean over the B*T rows of [x, 1][x, 1]^T, G = B * sum of d d^T
+        # docs/math.md: A = mean over the B*T rows of [x, 1][x, 1]^T, G = (B*T) * sum of d d^T (each position is an example)
         a = inputs[name].reshape(-1, m.in_features).double()
         if bias:
             a = torch.cat([a, torch.ones(len(a), 1, dtype=a.dtype)], dim=1)
         d = out_grads[name].reshape(-1, m.out_features).double()
         torch.testing.assert_close(layer.A.double(), a.T @ a / (B * T), rtol=1e-4, atol=1e-6)
-        torch.testing.assert_close(layer.G.double(), B * d.T @ d, rtol=1e-4, atol=1e-12)
+        torch.testing.assert_close(layer.G.double(), B * T * d.T @ d, rtol=1e-4, atol=1e-12)
         assert float(layer.G.diagonal().sum()) > 0, name
         assert layer.A_inv is not None and layer.G_inv is not None, name
         # kl_clip=None: the gradient is now exactly P = G_inv [dW, db] A_inv

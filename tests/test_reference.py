@@ -28,9 +28,9 @@ from helpers.dense_reference import (
     check_grad_consistency,
     d_rows,
     damped_invs,
-    pi_dampings,
     grad_matrix,
     im2col_loops,
+    pi_dampings,
     ref_factors,
     ref_precondition,
 )

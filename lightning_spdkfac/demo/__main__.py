@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import statistics
 import sys
 import time
@@ -139,6 +140,30 @@ def format_seed_table(per_seed: dict[int, dict[str, dict]]) -> str:
     return "\n".join(lines) + f"\nepochs to {pct} per seed: {per}"
 
 
+def verdict(runs: dict[str, list[dict]]) -> str:
+    """One line: who reached the target first in seconds, and by how much (medians over the runs given).
+
+    ``runs``: optimizer name -> its runs (one per seed). A run that did not reach the target counts as
+    never reaching it; the median of the seconds then is the median with those as infinite.
+    """
+    first = next(iter(runs.values()))[0]
+    pct = f"{first['target']:.0%}"
+
+    def median_seconds(rs: list[dict]) -> float:
+        return statistics.median([r["seconds"] if r["epoch"] is not None else math.inf for r in rs])
+
+    kfac, sgd = median_seconds(runs["K-FAC"]), median_seconds(runs["SGD"])
+    if math.isinf(kfac) and math.isinf(sgd):
+        return f"verdict: neither reached {pct} (median over the runs)."
+    if math.isinf(kfac):
+        return f"verdict: SGD reached {pct} in {sgd:.1f} s; K-FAC did not (median over the runs): K-FAC loses."
+    if math.isinf(sgd):
+        return f"verdict: K-FAC reached {pct} in {kfac:.1f} s; SGD did not (median over the runs): K-FAC wins."
+    word = "wins" if kfac < sgd else "loses"
+    return (f"verdict: K-FAC {word} in seconds: {pct} in {kfac:.1f} s against SGD's {sgd:.1f} s "
+            f"(K-FAC/SGD = {kfac / sgd:.2f}x, median over the runs; one run moves by a third on a busy machine).")
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -171,11 +196,13 @@ def main(argv: list[str] | None = None) -> dict:
     if args.seeds is None:
         print(describe(args.out / "kfac" / "config.yaml") + f"; torch threads: {args.threads}")
         print(format_table(results))
+        print(verdict({name: [r] for name, r in results.items()}))
     else:
         first = args.out / f"seed{args.seeds[0]}" / "kfac" / "config.yaml"
         print(describe(first).replace(f"seed {args.seeds[0]}", f"seeds {','.join(map(str, args.seeds))}")
               + f"; torch threads: {args.threads}; median [min-max] over seeds")
         print(format_seed_table(results))
+        print(verdict({name: [res[name] for res in results.values()] for name in next(iter(results.values()))}))
     print(f"\ntotal time: fit wall time (setup excluded). Demo wall time {total:.1f} s; "
           f"per-epoch history in {args.out}/**/time_to_accuracy.json")
     return results

@@ -1,0 +1,109 @@
+"""How the damping is split between A and G, measured: the evidence behind the pi-balanced default.
+
+    python benchmarks/damping_conventions.py [--conventions factor,pi,relative,model] [--seeds 0]
+                                             [--dampings 1e-4,1e-3,1e-2,1e-1] [--cases digits-sgd,...]
+
+For each convention, case and damping, one line of JSON: seconds and epoch to target per seed
+(None: not reached), final metric and divergence (final train loss above the first, or non-finite),
+on the workloads of benchmarks/time_to_accuracy.py. The conventions (docs/math.md, "Inverses"):
+
+- ``factor``: lambda added to each factor, (A + lambda I)^-1 and (G + lambda I)^-1: the block is damped
+  by only lambda^2 where both factors are small (the convention before pi-balancing).
+- ``pi``: the library's convention, A + pi sqrt(lambda) I and G + sqrt(lambda)/pi I.
+- ``relative``: lambda relative to each layer's scale, sqrt(lambda) tr(A)/dim A and sqrt(lambda) tr(G)/dim G
+  (damping lambda * mean eigenvalue of A (x) G): a constant factor on the loss would not change it.
+- ``model``: pi-balanced with lambda times the model-wide mean eigenvalues of A and of G (all layers
+  pooled), so layers keep their absolute relation while the loss's scale drops out.
+
+The conventions other than ``pi`` are installed by replacing ``KFACPreconditioner._factor_dampings``
+(the one place the split is decided) in this process. Prints only; nothing is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import sys
+import warnings
+from collections.abc import Callable
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import time_to_accuracy as tta  # noqa: E402
+
+from lightning_spdkfac.kfac.layer_state import KFACLayer  # noqa: E402
+from lightning_spdkfac.kfac.preconditioner import KFACPreconditioner  # noqa: E402
+
+Split = dict[tuple[int, str], torch.Tensor]
+PI = KFACPreconditioner._factor_dampings
+
+
+def _mean_eig(f: torch.Tensor) -> torch.Tensor:
+    return f.diagonal().sum(dtype=torch.float64) / f.shape[0]
+
+
+def per_factor(layers: list[KFACLayer], damping: float) -> Split:
+    d = torch.tensor(damping, dtype=torch.float64)
+    return {(ly.index, w): d for ly in layers for w in ("A", "G")}
+
+
+def relative(layers: list[KFACLayer], damping: float) -> Split:
+    root = math.sqrt(damping)
+    out: Split = {}
+    for ly in layers:
+        assert ly.A is not None and ly.G is not None
+        out[(ly.index, "A")], out[(ly.index, "G")] = root * _mean_eig(ly.A), root * _mean_eig(ly.G)
+    return out
+
+
+def model_wide(layers: list[KFACLayer], damping: float) -> Split:
+    a = [ly.A for ly in layers if ly.A is not None]
+    g = [ly.G for ly in layers if ly.G is not None]
+    scale_a = sum(float(f.diagonal().sum()) for f in a) / sum(f.shape[0] for f in a)
+    scale_g = sum(float(f.diagonal().sum()) for f in g) / sum(f.shape[0] for f in g)
+    return PI(layers, damping * scale_a * scale_g)
+
+
+CONVENTIONS: dict[str, Callable[[list[KFACLayer], float], Split]] = {
+    "factor": per_factor, "pi": PI, "relative": relative, "model": model_wide}
+
+# name -> (workload, optimizer, lr, epochs): the issue's repro (SGD 0.05) and the recorded sweep winners
+CASES = {"digits-sgd": ("digits", "sgd", 0.05, 8), "digits-adamw": ("digits", "adamw", 0.016, 8),
+         "autoencoder-adamw": ("autoencoder", "adamw", 0.003, 30)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--conventions", default=",".join(CONVENTIONS))
+    p.add_argument("--cases", default=",".join(CASES))
+    p.add_argument("--dampings", default="1e-4,1e-3,1e-2,1e-1")
+    p.add_argument("--seeds", default="0")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    for name in ("pytorch_lightning", "lightning_fabric", "lightning_spdkfac"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    for case in args.cases.split(","):
+        workload, opt, lr, epochs = CASES[case]
+        for conv in args.conventions.split(","):
+            KFACPreconditioner._factor_dampings = staticmethod(CONVENTIONS[conv])  # type: ignore[method-assign]
+            for damping in (float(d) for d in args.dampings.split(",")):
+                runs = [tta.run_one(tta.WORKLOADS[workload], opt, lr, seed, epochs, {"damping": damping})
+                        for seed in seeds]
+                print(json.dumps({
+                    "case": case, "convention": conv, "damping": damping,
+                    "seconds_to_target": [r["seconds_to_target"] for r in runs],
+                    "epoch_to_target": [r["epoch_to_target"] for r in runs],
+                    "final_metric": [round(r["final_metric"], 4) for r in runs],
+                    "diverged": [r["diverged"] for r in runs],
+                }), flush=True)
+    KFACPreconditioner._factor_dampings = staticmethod(PI)  # type: ignore[method-assign]
+
+
+if __name__ == "__main__":
+    main()
