@@ -32,7 +32,14 @@ from .distributor import Distributor, FactorKey, Task
 from .gradients import GradAccess
 from .guard import NonFiniteGuard
 from .hook_tools import autocast_off, eager, in_backward
-from .inverse import EIGEN_FALLBACK_ACTION, FALLBACK_ACTION, eigen_precondition, pi_split, robust_eigens, robust_inverses
+from .inverse import (
+    EIGEN_FALLBACK_ACTION,
+    FALLBACK_ACTION,
+    eigen_precondition,
+    pi_split,
+    robust_eigens,
+    robust_inverses,
+)
 from .layer_state import KFACLayer
 from .layers import make_helper
 from .options import KFACOptions
