@@ -105,6 +105,11 @@ def message_bytes(n: int, bytes_per_element: int = 4, inverse_method: InverseMet
     return elements * bytes_per_element
 
 
+def _triangle_bytes(n: int, bytes_per_element: int) -> int:
+    """Bytes of the upper triangle of an n x n inverse (the cholesky message)."""
+    return message_bytes(n, bytes_per_element)
+
+
 def _sizer(bytes_per_element: int, inverse_method: object) -> Callable[[int], int]:
     """Validated ``inverse_method``, as the message size in bytes of a factor side."""
     method = val.check_choice("inverse_method", inverse_method, INVERSE_METHODS)
