@@ -404,3 +404,47 @@ def test_eigen_schedules_agree_across_ranks_and_with_one_process(job, name):
         assert sorted(job.results[0][name][1]) == [0, 0, 0, 1, 1, 1]  # eigen payloads were broadcast
     for a, b in zip(params[0], job.reference):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"{name} vs one process")
+
+
+# ----------------------------------------------------------------------------- DeepSpeed ZeRO-1 (Lightning)
+
+
+def lightning_eigen_fit(rank, world, deepspeed):
+    import os
+
+    from helpers.lightning_models import KW, TinyInterleaved, trainer
+
+    from lightning_spdkfac import KFAC, SPDKFACDeepSpeedStrategy, SPDKFACStrategy
+
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world))
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    model = TinyInterleaved(batch_size=4)
+    if deepspeed:
+        strategy = SPDKFACDeepSpeedStrategy(stage=1, profile_steps=(1, 3), logging_batch_size_per_gpu=4)
+    else:
+        strategy = SPDKFACStrategy(schedule="spd", profile_steps=(1, 3))
+    import pytorch_lightning as pl
+
+    cb = KFAC(**KW, inverse_method="eigen")
+    shapes = []
+
+    class Shapes(pl.Callback):
+        def on_train_end(self, trainer, pl_module):
+            shapes.extend(tuple(ly.A_inv.shape) for ly in cb.preconditioner.layers.values())
+
+    t = trainer(max_steps=5, devices=world, strategy=strategy, callbacks=[cb, Shapes()], use_distributed_sampler=False)
+    t.fit(model)
+    return [p.detach().float().clone() for p in model.net.parameters()], shapes
+
+
+@pytest.mark.slow
+def test_eigen_under_deepspeed_zero1_equals_ddp():
+    pytest.importorskip("deepspeed")
+    ddp = run_distributed(lightning_eigen_fit, 2, False, timeout=240)
+    ds = run_distributed(lightning_eigen_fit, 2, True, timeout=240)
+    for a, b in zip(ds[0][0], ds[1][0]):
+        assert torch.equal(a, b)
+    assert ds[0][1] and all(s[0] == s[1] + 1 for s in ds[0][1])  # eigen payloads
+    for a, b in zip(ds[0][0], ddp[0][0]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
