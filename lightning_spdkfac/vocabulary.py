@@ -2,7 +2,7 @@
 
 The runtime (``SPDOptions``, ``KFACOptions``, the strategies and their registry names), the CLI, the
 planner's report and the simulator all read their choices from here, so a new schedule, fusion policy,
-placement, communication dtype or factor approximation is added in one place. Each tuple is derived
+placement, communication dtype, factor approximation or inverse method is added in one place. Each tuple is derived
 from its ``Literal`` type, which is what signatures (and so LightningCLI and mypy) see.
 """
 
@@ -24,12 +24,17 @@ CommDtypeName = Literal["float32", "bfloat16"]
 # How K-FAC treats weight sharing (Conv2d locations, Linear positions beyond the batch dim): one factor row per
 # position ("expand") or one per example, aggregated over its positions ("reduce"). See docs/math.md.
 FactorApproxName = Literal["expand", "reduce"]
+# How K-FAC inverts a layer's damped Kronecker block: each factor by Cholesky with the pi-balanced split of the
+# damping ("cholesky"), or by eigendecompositions of both factors with the exact damping of the block ("eigen").
+# See docs/math.md.
+InverseMethodName = Literal["cholesky", "eigen"]
 
 SCHEDULES: tuple[ScheduleName, ...] = typing.get_args(ScheduleName)
 FUSIONS: tuple[FusionName, ...] = typing.get_args(FusionName)
 PLACEMENTS: tuple[PlacementName, ...] = typing.get_args(PlacementName)
 COMM_DTYPE_NAMES: tuple[CommDtypeName, ...] = typing.get_args(CommDtypeName)
 FACTOR_APPROXES: tuple[FactorApproxName, ...] = typing.get_args(FactorApproxName)
+INVERSE_METHODS: tuple[InverseMethodName, ...] = typing.get_args(InverseMethodName)
 # The placements that balance load by cost and so can replicate small factors (``small_factor``).
 LOAD_BALANCED_PLACEMENTS: tuple[PlacementName, ...] = ("lbp", "lbp_channel")
 

@@ -1,8 +1,10 @@
 """Asynchronous broadcast of inverses from their owners (the placement of LBP / round-robin).
 
 Each non-replicated factor has an owner rank (in the process group) that inverts it and broadcasts the
-upper triangle of the inverse; every other rank posts the matching receive. Replicated factors (owner
--1) are inverted on every rank and never sent.
+upper triangle of the inverse (``inverse_method="cholesky"``: symmetric n x n inverses) or the whole
+(n+1) x n eigen payload, flattened (``"eigen"``: eigenvectors and eigenvalues, kfac/inverse.py); every
+other rank posts the matching receive. The payload kind is the method's, given to every rank, never
+inferred from the data. Replicated factors (owner -1) are inverted on every rank and never sent.
 
 Ordering contract: collectives on a process group are matched by issue order, so **every rank calls
 publish/expect for the non-replicated factors in one global order**, :attr:`InverseBroadcaster.order`
@@ -19,7 +21,8 @@ rank at any time. :meth:`InverseBroadcaster.exchange` runs this loop for you::
 
 Post everything before waiting anything, so that no rank blocks on a receive while a broadcast it owes
 others is still unissued. Everybody gets bit-identical inverses: the owner's own copy is also rebuilt
-from the packed triangle it sent (symmetrized from the upper triangle, rounded to the comm dtype).
+from the buffer it sent (symmetrized from the upper triangle, or the eigen payload as it was, rounded
+to the comm dtype either way).
 
 Failures: every wait (a receive, or the completion of this rank's own broadcasts) is bounded by ``timeout``
 seconds. A broadcast that fails (its owner or a receiver crashed) or does not complete in time raises
@@ -41,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from .. import validation as val
+from ..vocabulary import INVERSE_METHODS, InverseMethodName
 from ._common import NAN, check_wire_dtype, default_device, global_rank
 from .executor import CollectiveExecutor
 from .faults import INVERSE_BROADCAST, Work
@@ -66,7 +70,7 @@ class RoundTimings:
 
 @dataclass
 class _Entry:
-    buffer: torch.Tensor | None = None  # packed triangle in flight (non-replicated)
+    buffer: torch.Tensor | None = None  # packed triangle or flat eigen payload in flight (non-replicated)
     work: Work | None = None
     value: torch.Tensor | None = None  # replicated inverse, or the owner's rebuilt copy
 
@@ -87,6 +91,9 @@ class InverseBroadcaster(CollectiveExecutor):
         timeout: seconds any one wait on a broadcast may block before it raises
             :class:`~lightning_spdkfac.comm.faults.KFACCommError` (see the module docstring).
         names: a label per factor index for error messages (e.g. ``"layer 3 G"``); default: the index.
+        inverse_method: what every factor's inverse is: ``"cholesky"`` an n x n symmetric matrix (its
+            upper triangle travels, n(n+1)/2 elements), ``"eigen"`` an (n+1) x n eigen payload (all
+            n(n+1) elements travel).
     """
 
     unit = "round"
@@ -104,8 +111,11 @@ class InverseBroadcaster(CollectiveExecutor):
         order: Sequence[int] | None = None,
         timeout: float = 600.0,
         names: Sequence[str] | None = None,
+        inverse_method: InverseMethodName = "cholesky",
     ) -> None:
         super().__init__(sides, timeout, names)
+        self.inverse_method = val.check_choice("inverse_method", inverse_method, INVERSE_METHODS)
+        self._eigen = self.inverse_method == "eigen"
         self.owners = tuple(val.check_ints("owners", owners))
         if len(self.owners) != len(self.sides):
             raise ValueError(f"owners and sides must have the same length, got {len(self.owners)} and {len(self.sides)}")
@@ -156,6 +166,27 @@ class InverseBroadcaster(CollectiveExecutor):
         return RoundTimings(self._t_begin, tuple(self._t_post), tuple(self._t_wait_start),
                             tuple(self._t_wait_end))
 
+    def shape(self, index: int) -> tuple[int, int]:
+        """The shape of factor ``index``'s inverse: (n, n), or (n+1, n) with ``inverse_method="eigen"``."""
+        n = self.sides[index]
+        return (n + 1, n) if self._eigen else (n, n)
+
+    def message_size(self, index: int) -> int:
+        """Elements of factor ``index``'s broadcast: n(n+1)/2 (upper triangle) or n(n+1) (eigen payload)."""
+        n = self.sides[index]
+        return n * (n + 1) if self._eigen else triu_size(n)
+
+    def _pack(self, inverse: torch.Tensor, index: int) -> torch.Tensor:
+        buf = torch.empty(self.message_size(index), dtype=self.dtype, device=inverse.device)
+        if self._eigen:
+            return buf.copy_(inverse.reshape(-1))
+        return pack_triu([inverse], out=buf)
+
+    def _unpack(self, buf: torch.Tensor, index: int) -> torch.Tensor:
+        if self._eigen:
+            return buf.to(self.result_dtype, copy=True).reshape(self.shape(index))
+        return unpack_triu(buf, [self.sides[index]], dtype=self.result_dtype)[0]
+
     def _describe(self, key: int) -> str:
         owner = self.owners[key]
         who = "this rank" if owner == self.rank else f"rank {owner}"
@@ -201,14 +232,15 @@ class InverseBroadcaster(CollectiveExecutor):
     def publish(self, index: int, inverse: torch.Tensor) -> None:
         """On the owner (or any rank, for a replicated factor): hand over the inverse of factor ``index``.
 
-        A non-replicated inverse is packed (upper triangle, comm dtype) and its broadcast launched at
-        once; ``inverse`` itself is not kept. A replicated one is kept as given (no communication).
+        A non-replicated inverse is packed (upper triangle, or the whole eigen payload; comm dtype) and
+        its broadcast launched at once; ``inverse`` itself is not kept. A replicated one is kept as given (no communication).
         """
         index = val.check_index("index", index, len(self.sides))
-        n = self.sides[index]
         val.check_instance("inverse", inverse, torch.Tensor)
-        if tuple(inverse.shape) != (n, n):
-            raise ValueError(f"inverse {index} must have shape ({n}, {n}), got {tuple(inverse.shape)}")
+        want = self.shape(index)
+        if tuple(inverse.shape) != want:
+            raise ValueError(f"inverse {index} must have shape {want} (inverse_method={self.inverse_method!r}), "
+                             f"got {tuple(inverse.shape)}")
         owner = self.owners[index]
         with self._lock:
             if owner == -1:
@@ -224,7 +256,7 @@ class InverseBroadcaster(CollectiveExecutor):
                 raise RuntimeError(f"publish({index}) on rank {self.rank}, but factor {index} is owned by "
                                    f"rank {owner}: call expect({index}) here")
             self._advance(index, "publish")
-            buf = pack_triu([inverse], out=torch.empty(triu_size(n), dtype=self.dtype, device=inverse.device))
+            buf = self._pack(inverse, index)
             work = self._launch(index, buf)
             self._entries[index] = _Entry(buffer=buf, work=work)
             self._t_post[index] = time.perf_counter()
@@ -241,7 +273,7 @@ class InverseBroadcaster(CollectiveExecutor):
                                    f"call publish({index}, inverse) here")
             self._advance(index, "expect")
             dev = torch.device(device) if device is not None else self.device
-            buf = torch.empty(triu_size(self.sides[index]), dtype=self.dtype, device=dev)
+            buf = torch.empty(self.message_size(index), dtype=self.dtype, device=dev)
             work = self._launch(index, buf)
             self._entries[index] = _Entry(buffer=buf, work=work)
             self._t_post[index] = time.perf_counter()
@@ -267,7 +299,7 @@ class InverseBroadcaster(CollectiveExecutor):
                 self.publish(index, invert(index))
 
     def wait(self, index: int) -> torch.Tensor:
-        """Factor ``index``'s full symmetric inverse (blocks on a receive; an owner returns at once).
+        """Factor ``index``'s full symmetric inverse, or eigen payload (blocks on a receive; an owner returns at once).
 
         Each factor is returned once per round; the broadcaster keeps no reference to it afterwards.
         """
@@ -284,7 +316,7 @@ class InverseBroadcaster(CollectiveExecutor):
             if entry.work is not None and not own_send:
                 self._wait(index, entry.work)
             assert entry.buffer is not None
-            entry.value = unpack_triu(entry.buffer, [self.sides[index]], dtype=self.result_dtype)[0]
+            entry.value = self._unpack(entry.buffer, index)
         value = entry.value
         with self._lock:
             if own_send:

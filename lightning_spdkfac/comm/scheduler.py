@@ -8,7 +8,9 @@ This is where the planners (:mod:`lightning_spdkfac.schedule`) meet the executor
   is final and its group's all-reduce starts as soon as the group is complete, so communication
   runs under the rest of forward/backward; otherwise everything is submitted in ``step()``.
 * inversion: every factor is inverted by its owner under a placement, which broadcasts the
-  inverse asynchronously, or by every rank (replicated).
+  inverse (or, with ``inverse_method="eigen"``, the eigen payload) asynchronously, or by every rank
+  (replicated). The preconditioner sets ``inverse_method`` before ``setup()``; the cost models and
+  the broadcaster follow it.
 
 Planning (SPD): at start-up the all-reduce and broadcast alpha-beta models are measured on the
 factor process group (identical numbers on every rank) and rank 0's inversion-time model is
@@ -41,6 +43,7 @@ from ..schedule import (
     plan_fusion,
     plan_placement,
 )
+from ..schedule.placement import message_bytes
 from ..telemetry import StepTimer
 from ..vocabulary import (
     COMM_DTYPE_NAMES,
@@ -243,11 +246,13 @@ class SPDDistributor(Distributor):
         need_allreduce = opts.fusion == "dtf"
         need_placement = opts.placement in LOAD_BALANCED_PLACEMENTS
         zero = AlphaBeta(0.0, 0.0)
+        # Probe up to the largest message: a factor's triangle (all-reduce) or its inverse (broadcast).
         tri_bytes = [triu_size(self._side(k)) * opts.bytes_per_element for k in self.keys]
+        inv_bytes = [message_bytes(self._side(k), opts.bytes_per_element, self.inverse_method) for k in self.keys]
         allreduce = broadcast = zero
         inverse = InverseCost()
         if self._dist and tri_bytes and (need_allreduce or need_placement):
-            sizes = probe_sizes(max(tri_bytes))
+            sizes = probe_sizes(max(tri_bytes + (inv_bytes if need_placement else [])))
             if need_allreduce:
                 allreduce = fit_alpha_beta(sizes, measure_allreduce(sizes, self.process_group, repeats=5))
             if need_placement:
@@ -256,7 +261,7 @@ class SPDDistributor(Distributor):
             ns = sorted({self._side(k) for k in self.keys})
             probe = sorted({ns[0], ns[len(ns) // 2], ns[-1], max(8, ns[-1] // 2)})
             inverse = broadcast_object(
-                measure_inverse_cost(probe, device=self.device) if self.rank == 0 else None,
+                measure_inverse_cost(probe, device=self.device, method=self.inverse_method) if self.rank == 0 else None,
                 src=0, group=self.process_group,
             )
         self.models = Models(allreduce=allreduce, broadcast=broadcast, inverse=inverse)
@@ -280,7 +285,7 @@ class SPDDistributor(Distributor):
         assert self.models is not None  # measured in setup()
         placement = plan_placement(ns, self.world_size, self.models.inverse, self.models.broadcast,
                                    policy=opts.placement, bytes_per_element=opts.bytes_per_element,
-                                   small_threshold=opts.small_factor)
+                                   small_threshold=opts.small_factor, inverse_method=self.inverse_method)
         return tuple(placement.owners)
 
     def _set_plan(self, order: list[FactorKey], groups: Sequence[Sequence[int]], pipelined: bool) -> None:
@@ -389,7 +394,7 @@ class SPDDistributor(Distributor):
         bc = InverseBroadcaster(owners, sides, process_group=self.process_group,
                                 dtype=self.options.torch_comm_dtype, result_dtype=self.inv_dtype,
                                 device=self.device, order=order, timeout=self.options.comm_timeout_s,
-                                names=[f"layer {t[0]} {t[1]}" for t in tasks])
+                                names=[f"layer {t[0]} {t[1]}" for t in tasks], inverse_method=self.inverse_method)
         bc.begin_round()
         bc.exchange(lambda i: invert_fn([tasks[i]])[0])
         # Hand each inverse over as soon as it is here (replicated and own ones first), so the

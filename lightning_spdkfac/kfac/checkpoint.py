@@ -14,7 +14,7 @@ from typing import Any, TypeGuard
 
 import torch
 
-from ..vocabulary import FACTOR_APPROXES
+from ..vocabulary import FACTOR_APPROXES, INVERSE_METHODS
 from .layer_state import KFACLayer
 from .options import KFACOptions
 
@@ -40,6 +40,10 @@ class CheckpointState:
     def state_dict(self) -> dict[str, Any]:
         """Everything the next step needs: counters, running factors and current inverses.
 
+        ``inverse_method`` says what the inverses are (n x n damped inverses, or (n+1) x n eigen payloads);
+        with ``"eigen"``, ``inverse_damping`` holds each layer's damping of its payloads (that of the step
+        that computed them, which a damping schedule may have changed since).
+
         ``layer_dims`` names every registered layer with its factor sides ``[A, G]``, layers without
         factors yet included, so that :meth:`load_state_dict` recognizes a state of another model.
         """
@@ -48,6 +52,11 @@ class CheckpointState:
             if ly.A is None:
                 continue
             layers[name] = {"A": ly.A, "G": ly.G, "A_inv": ly.A_inv, "G_inv": ly.G_inv}
+        extra: dict[str, Any] = {}
+        if self.options.inverse_method != "cholesky":  # a cholesky state is what it was before the option
+            extra["inverse_method"] = self.options.inverse_method
+            extra["inverse_damping"] = {name: ly.inv_damping for name, ly in self.layers.items()
+                                        if ly.A_inv is not None and ly.inv_damping is not None}
         return {
             "version": STATE_VERSION,
             "steps": self.steps,
@@ -61,6 +70,7 @@ class CheckpointState:
             "factor_approx": self.options.factor_approx,
             "layer_dims": {name: [ly.helper.a_dim, ly.helper.g_dim] for name, ly in self.layers.items()},
             "layers": layers,
+            **extra,
         }
 
     def check_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -86,8 +96,20 @@ class CheckpointState:
                 None if A_inv is None else A_inv.to(device=dev, dtype=self.inv_dtype).clone(),
                 None if G_inv is None else G_inv.to(device=dev, dtype=self.inv_dtype).clone(),
             )
+        saved_method, method = state.get("inverse_method", "cholesky"), self.options.inverse_method
+        dampings = state.get("inverse_damping") or {}
         for name, layer in self.layers.items():
             layer.A, layer.G, layer.A_inv, layer.G_inv = loaded.get(name, (None, None, None, None))
+            layer.inv_damping = float(dampings[name]) if name in dampings else None
+            if saved_method != method:  # never use an inverse of the other kind: recomputed at the next step
+                layer.A_inv = layer.G_inv = layer.inv_damping = None
+        if saved_method != method:
+            warnings.warn(
+                f"the K-FAC state was saved with inverse_method={saved_method!r} and this run uses {method!r}: "
+                "the stored inverses are dropped and recomputed from the loaded factors at the next step "
+                f"(resume with inverse_method={saved_method!r} to continue exactly)",
+                stacklevel=2,
+            )
         self.steps = int(state["steps"])
         for key in COUNTERS:
             setattr(self, key, int(state.get(key, 0)))
@@ -109,6 +131,10 @@ class CheckpointState:
         _check_counters(state, version, corrupt)
         if "factor_approx" in state and state["factor_approx"] not in FACTOR_APPROXES:
             corrupt.append(f"'factor_approx' must be one of {FACTOR_APPROXES}, got {state['factor_approx']!r}")
+        method = state.get("inverse_method", "cholesky")
+        if method not in INVERSE_METHODS:
+            corrupt.append(f"'inverse_method' must be one of {INVERSE_METHODS}, got {method!r}")
+            method = "cholesky"
         # Which layers the state was saved for: 'layer_dims' (version 2), else the layers with factors.
         dims = None
         if "layer_dims" in state:
@@ -120,7 +146,9 @@ class CheckpointState:
             corrupt.append(f"'layers' must be a dict of layer name -> factors, got a {type(layers).__name__}")
             layers = {}
         self._check_layer_names(dims, layers, mismatch)
-        factors = self._check_factors(dims, layers, corrupt, mismatch)
+        factors = self._check_factors(dims, layers, corrupt, mismatch, method)
+        if method == "eigen":
+            _check_inverse_damping(state.get("inverse_damping"), factors, corrupt)
         if dims is not None:
             self._check_sides_without_factors(dims, layers, mismatch)
         if mismatch or corrupt:
@@ -146,11 +174,11 @@ class CheckpointState:
                     mismatch.append(f"missing layer {name!r}: a K-FAC layer of this model, absent from the state")
 
     def _check_factors(self, dims: dict[str, tuple[int, int]] | None, layers: Mapping[Any, Any],
-                       corrupt: list[str], mismatch: list[str]) -> dict[str, tuple[Any, ...]]:
+                       corrupt: list[str], mismatch: list[str], method: str) -> dict[str, tuple[Any, ...]]:
         """Each saved layer's factors, checked alone, against 'layer_dims' and against this model."""
         factors: dict[str, tuple[Any, ...]] = {}
         for name, entry in layers.items():
-            sides = _layer_factors(name, entry, corrupt)
+            sides = _layer_factors(name, entry, corrupt, method)
             if sides is None or not isinstance(name, str):
                 continue  # reported by _layer_factors
             if dims is not None and name not in dims:
@@ -238,9 +266,28 @@ def _layer_dims(dims: object, corrupt: list[str]) -> dict[str, tuple[int, int]] 
     return out
 
 
-def _layer_factors(name: object, entry: object,
-                   corrupt: list[str]) -> tuple[tuple[int, int], tuple[Any, ...]] | None:
-    """((A side, G side), (A, G, A_inv, G_inv)) of one saved layer, or None with the problems noted."""
+def _check_inverse_damping(dampings: object, factors: Mapping[str, tuple[Any, ...]], corrupt: list[str]) -> None:
+    """An eigen state: 'inverse_damping' holds a finite damping >= 0 for every layer with inverses."""
+    if not isinstance(dampings, Mapping):
+        dampings = {}
+    for name, (_, _, A_inv, _) in factors.items():
+        d = dampings.get(name)
+        ok = isinstance(d, numbers.Real) and not isinstance(d, bool) and 0.0 <= float(d) < float("inf")
+        if A_inv is not None and not ok:
+            corrupt.append(f"layer {name!r}: an eigen state needs 'inverse_damping'[{name!r}], the damping of its "
+                           f"eigen inverses (a finite number >= 0), got {d!r}")
+
+
+def _inverse_shape(side: int, method: str) -> tuple[int, int]:
+    """The shape of a stored inverse of a factor of side ``side``: (n, n), or (n+1, n) for an eigen payload."""
+    return (side + 1, side) if method == "eigen" else (side, side)
+
+
+def _layer_factors(name: object, entry: object, corrupt: list[str],
+                   method: str = "cholesky") -> tuple[tuple[int, int], tuple[Any, ...]] | None:
+    """((A side, G side), (A, G, A_inv, G_inv)) of one saved layer, or None with the problems noted.
+
+    ``method``: the state's inverse_method, which says the shape of the inverses."""
     if not isinstance(name, str):
         corrupt.append(f"layer names must be strings, got {name!r}")
         return None
@@ -260,7 +307,8 @@ def _layer_factors(name: object, entry: object,
         elif not t.is_floating_point():
             corrupt.append(f"layer {name!r}: {key} must be a floating-point tensor, got dtype {t.dtype}")
             ok = False
-        elif t.dim() != 2 or t.shape[0] != t.shape[1] or t.shape[0] == 0:
+        elif t.dim() != 2 or t.shape[1] == 0 or (t.shape[0] != t.shape[1] and not (key.endswith("_inv")
+                                                                                     and method == "eigen")):
             corrupt.append(f"layer {name!r}: {key} must be a square matrix, got shape {tuple(t.shape)}")
             ok = False
         elif not bool(torch.isfinite(t).all()):
@@ -272,8 +320,10 @@ def _layer_factors(name: object, entry: object,
     if (A_inv is None) != (G_inv is None):
         corrupt.append(f"layer {name!r}: A_inv and G_inv must both be tensors or both None")
         return None
-    if A_inv is not None and (A_inv.shape != A.shape or G_inv.shape != G.shape):
+    want = (_inverse_shape(A.shape[0], method), _inverse_shape(G.shape[0], method))
+    if A_inv is not None and (tuple(A_inv.shape), tuple(G_inv.shape)) != want:
+        note = f" (eigen payloads: they must be {want[0]}, {want[1]})" if method == "eigen" else ""
         corrupt.append(f"layer {name!r}: inverse shapes {tuple(A_inv.shape)}, {tuple(G_inv.shape)} differ from "
-                       f"factor shapes {tuple(A.shape)}, {tuple(G.shape)}")
+                       f"factor shapes {tuple(A.shape)}, {tuple(G.shape)}{note}")
         return None
     return (A.shape[0], G.shape[0]), (A, G, A_inv, G_inv)

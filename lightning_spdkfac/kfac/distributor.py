@@ -19,7 +19,8 @@ Contract, per optimizer step (every rank calls the same methods in the same orde
 4. ``invert(tasks, invert_fn, on_ready)`` on inverse steps: ``tasks`` lists ``(index, which,
    factor)`` in the same order on every rank; ``invert_fn(sub_list_of_tasks) -> inverses`` does
    the math; ``on_ready(index, which, inverse)`` must be called for every task on every rank,
-   in any order, as soon as that inverse is available there.
+   in any order, as soon as that inverse is available there. An inverse is what ``invert_fn``
+   returned: with ``inverse_method == "eigen"`` an (n+1) x n eigen payload, else an n x n matrix.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..telemetry import StepTimer
+from ..vocabulary import InverseMethodName
 
 FactorKey = tuple[int, str]  # (layer index, "A" or "G")
 Task = tuple[int, str, torch.Tensor]
@@ -45,6 +47,9 @@ class Distributor:
     rank: int = 0
     pipelined: bool = False
     inv_dtype: torch.dtype = torch.float32  # set by the preconditioner before setup()
+    # Set by the preconditioner before setup(): "cholesky" inverses are n x n symmetric matrices, "eigen"
+    # ones (n+1) x n eigen payloads (kfac/inverse.py); a distributor that moves them needs to know which.
+    inverse_method: InverseMethodName = "cholesky"
     timer: StepTimer | None = None  # the preconditioner's phase timer, set before setup()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:

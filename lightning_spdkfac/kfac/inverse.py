@@ -225,3 +225,105 @@ def robust_inverses(
         # (benchmarks/soak.py; the running factors are flushed the same way).
         inv.masked_fill_(inv.abs() < torch.finfo(inv.dtype).tiny, 0.0)
     return inverses, fallbacks
+
+
+# ---------------------------------------------------------------------------------------------- eigen
+# inverse_method="eigen": each factor is kept as its eigendecomposition F = Q diag(e) Q^T, one (n+1, n)
+# tensor per factor (rows 0..n-1: Q, whose columns are the eigenvectors; row n: e, clamped at 0), and
+# the block is preconditioned with the exact damping (:func:`eigen_precondition`). The ladder:
+#
+# ``"eigh"`` (the healthy path, not a fallback): ``torch.linalg.eigh`` of the symmetrized factor in the
+#     inversion dtype.
+# ``"float64"``: that eigh failed (no convergence) or gave non-finite values: retried in float64 and
+#     rounded to the inversion dtype.
+# ``"identity"``: the factor holds non-finite values, or even the float64 eigh failed: Q = I and every
+#     eigenvalue trace(F)/n (0 where that is not a finite non-negative number): the factor's isotropic part.
+
+EIGEN_LEVELS = ("eigh", "float64", "identity")
+
+# What the preconditioner reports it did instead of the eigendecomposition in the inversion dtype (messages).
+EIGEN_FALLBACK_ACTION = {
+    "float64": "retried in float64, which succeeded (consider inv_dtype='float64' or a larger damping)",
+    "identity": "no eigendecomposition was finite, so this factor uses its isotropic part (Q = I, every "
+                "eigenvalue trace/n), which drops its curvature (check the factor for non-finite values)",
+}
+
+
+def eigen_payload(evecs: torch.Tensor, evals: torch.Tensor) -> torch.Tensor:
+    """One (n+1, n) tensor: rows 0..n-1 the eigenvectors (as columns), row n the eigenvalues."""
+    return torch.cat([evecs, evals.unsqueeze(0)], dim=0)
+
+
+def eigen_size(n: int) -> int:
+    """Elements of the eigen payload of an ``n x n`` factor: n(n+1)."""
+    return n * (n + 1)
+
+
+def _eigh(factor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """The payload of sym(F) by eigh in ``dtype`` (eigenvalues clamped at 0), or None where it fails."""
+    f = factor.to(dtype)
+    f = 0.5 * (f + f.T)
+    evals: torch.Tensor
+    evecs: torch.Tensor
+    try:
+        evals, evecs = torch.linalg.eigh(f)
+    except RuntimeError:  # torch.linalg.LinAlgError: no convergence
+        return None
+    return eigen_payload(evecs, evals.clamp(min=0.0))
+
+
+def identity_payload(factor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Q = I, every eigenvalue trace(F)/n (0 where that is not finite and non-negative): the last resort."""
+    n = factor.shape[0]
+    mean = float(factor.to(torch.float64).diagonal().sum()) / max(n, 1)
+    if not (mean >= 0.0 and mean < torch.finfo(dtype).max):
+        mean = 0.0
+    evals = torch.full((n,), mean, dtype=dtype, device=factor.device)
+    return eigen_payload(torch.eye(n, dtype=dtype, device=factor.device), evals)
+
+
+def robust_eigens(factors: list[torch.Tensor], dtype: torch.dtype) -> tuple[list[torch.Tensor], list[Fallback]]:
+    """Eigen payloads (see above) of several factors, and a :class:`Fallback` for each one that needed
+    a level below the eigh in ``dtype`` (its ``damping`` is 0: eigen applies the damping later)."""
+    payloads: list[torch.Tensor] = []
+    fallbacks: list[Fallback] = []
+    for i, f in enumerate(factors):
+        if not _finite(f):
+            payloads.append(identity_payload(f, dtype))
+            fallbacks.append(Fallback(i, "identity", 0.0, "the factor holds non-finite values"))
+            continue
+        p = _eigh(f, dtype)
+        if p is not None and _finite(p):
+            payloads.append(p)
+            continue
+        reason = f"eigh in {dtype} failed" if p is None else f"eigh in {dtype} gave non-finite values"
+        if dtype != torch.float64:
+            p = _eigh(f, torch.float64)
+            if p is not None:
+                p = p.to(dtype)
+                if _finite(p):
+                    payloads.append(p)
+                    fallbacks.append(Fallback(i, "float64", 0.0, reason))
+                    continue
+            reason += "; so did eigh in float64"
+        payloads.append(identity_payload(f, dtype))
+        fallbacks.append(Fallback(i, "identity", 0.0, reason))
+    for p in payloads:  # as robust_inverses: subnormal entries are zero to the payload's precision, and slow
+        p.masked_fill_(p.abs() < torch.finfo(p.dtype).tiny, 0.0)
+    return payloads, fallbacks
+
+
+def eigen_precondition(grad: torch.Tensor, A_eig: torch.Tensor, G_eig: torch.Tensor, damping: float) -> torch.Tensor:
+    """(A (x) G + damping I)^-1 applied to the gradient matrix ``grad`` (g x a), from eigen payloads:
+    Q_G [(Q_G^T grad Q_A) / (e_G e_A^T + damping)] Q_A^T. The smallest effective damping is ``damping``.
+
+    With ``damping`` 0, denominators below 1e-10 of the largest are raised to it (and a zero block
+    leaves the rotated gradient as it is), so the result stays finite.
+    """
+    QA, eA = A_eig[:-1], A_eig[-1]
+    QG, eG = G_eig[:-1], G_eig[-1]
+    denom = torch.outer(eG, eA) + damping
+    if damping <= 0.0:
+        denom = torch.maximum(denom, denom.amax() * EIGH_FLOOR)
+        denom = torch.where(denom > 0.0, denom, torch.ones_like(denom))
+    return QG @ ((QG.T @ grad @ QA) / denom) @ QA.T

@@ -40,8 +40,12 @@ class KFACLayer:
     # Running averages and inverses.
     A: torch.Tensor | None = None
     G: torch.Tensor | None = None
+    # inverse_method="cholesky": the damped inverses (n x n); "eigen": each factor's eigen payload
+    # ((n+1) x n: eigenvectors as columns, then the eigenvalues; see kfac/inverse.py).
     A_inv: torch.Tensor | None = None
     G_inv: torch.Tensor | None = None
+    # "eigen": the damping resolved at the step that computed A_inv and G_inv (used until the next one).
+    inv_damping: float | None = None
     handles: list[RemovableHandle] = field(default_factory=list)
 
     def reset_accumulators(self) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from .. import validation as val
-from ..vocabulary import FACTOR_APPROXES, FactorApproxName
+from ..vocabulary import FACTOR_APPROXES, INVERSE_METHODS, FactorApproxName, InverseMethodName
 
 FACTOR_DTYPES = ("float32", "float64", "bfloat16", "float16")
 INV_DTYPES = ("float32", "float64")
@@ -52,6 +52,10 @@ class KFACOptions:
             dims) form their factors: ``"expand"`` (one row per position, KFC) or ``"reduce"`` (one row
             per example, aggregated over its positions: ~positions times fewer factor flops). Both
             are identical for 2-D Linear inputs. See docs/math.md.
+        inverse_method: how each layer's damped block (A (x) G + damping I) is inverted: ``"cholesky"``
+            (each factor by Cholesky, the damping split between them by pi-balancing: at least
+            ``damping`` in every direction) or ``"eigen"`` (eigendecompositions of A and G, the block
+            damped by exactly ``damping``: costlier per inversion, exact). See docs/math.md.
     """
 
     # 3e-2, measured (README, "Time to accuracy"): 1e-3 left SGD runs stuck or diverging on the digits CNN
@@ -68,6 +72,7 @@ class KFACOptions:
     inv_dtype: str | torch.dtype = torch.float32
     max_bad_steps: int | None = 100
     factor_approx: FactorApproxName = "expand"
+    inverse_method: InverseMethodName = "cholesky"
 
     def __post_init__(self) -> None:
         val.check_schedule("damping", self.damping, val.NONNEGATIVE)
@@ -82,6 +87,7 @@ class KFACOptions:
                 "None (never raise) or a positive integer (consecutive factor steps with non-finite values "
                 "before K-FAC raises)"))
         val.check_choice("factor_approx", self.factor_approx, FACTOR_APPROXES)
+        val.check_choice("inverse_method", self.inverse_method, INVERSE_METHODS)
         object.__setattr__(self, "skip_layers", patterns("skip_layers", self.skip_layers))
         object.__setattr__(self, "factor_dtype", dtype("factor_dtype", self.factor_dtype, FACTOR_DTYPES))
         object.__setattr__(self, "inv_dtype", dtype("inv_dtype", self.inv_dtype, INV_DTYPES))

@@ -32,7 +32,14 @@ from .distributor import Distributor, FactorKey, Task
 from .gradients import GradAccess
 from .guard import NonFiniteGuard
 from .hook_tools import autocast_off, eager, in_backward
-from .inverse import FALLBACK_ACTION, pi_split, robust_inverses
+from .inverse import (
+    EIGEN_FALLBACK_ACTION,
+    FALLBACK_ACTION,
+    eigen_precondition,
+    pi_split,
+    robust_eigens,
+    robust_inverses,
+)
 from .layer_state import KFACLayer
 from .layers import make_helper
 from .options import KFACOptions
@@ -47,7 +54,7 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
         model: the module whose supported layers get K-FAC.
         options: the K-FAC hyperparameters (:class:`~lightning_spdkfac.kfac.options.KFACOptions`:
             damping, factor_decay, kl_clip, lr, factor_update_steps, inv_update_steps, skip_layers,
-            factor_dtype, inv_dtype, max_bad_steps, factor_approx); None: the defaults.
+            factor_dtype, inv_dtype, max_bad_steps, factor_approx, inverse_method); None: the defaults.
         grad_scaler: a ``torch.amp.GradScaler`` in use (fp16): G factors are unscaled with its scale.
             Call ``scaler.unscale_(optimizer)`` before :meth:`step`.
         distributor: where the cross-rank work runs (factor averaging, inverse placement); the
@@ -95,6 +102,9 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
         self.inv_dtype: torch.dtype = o.inv_dtype  # type: ignore[assignment]
         # K-FAC-reduce: one factor row per example (aggregated over its positions), not per position.
         self._reduce = o.factor_approx == "reduce"
+        # "eigen": A_inv / G_inv hold eigen payloads and the block is damped exactly (kfac/inverse.py).
+        self.inverse_method = o.inverse_method
+        self._eigen = o.inverse_method == "eigen"
         self.grad_scaler = grad_scaler
         self.distributor = Distributor() if distributor is None else distributor
         self.grad_access = GradAccess() if grad_access is None else grad_access
@@ -132,6 +142,7 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
         kfac_ids = {id(p) for p in self._grad_params}
         self._other_params = [p for p in model.parameters() if id(p) not in kfac_ids]
         self.distributor.inv_dtype = self.inv_dtype
+        self.distributor.inverse_method = self.inverse_method
         self.distributor.setup([(ly.helper.a_dim, ly.helper.g_dim) for ly in self.layers.values()])
         self.distributor.begin_step()
 
@@ -379,6 +390,27 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
             return
         damping = val.resolve("damping", self.damping, k, val.NONNEGATIVE)
         by_index = {ly.index: ly for ly in todo}
+        invert = self._eigen_fn(k, by_index) if self._eigen else self._cholesky_fn(k, damping, todo, by_index)
+        for ly in todo:
+            ly.inv_damping = damping  # eigen applies it when preconditioning, until the next inverse step
+
+        arrived: set[tuple[int, str]] = set()
+
+        def on_ready(index: int, which: str, inverse: torch.Tensor) -> None:
+            layer = by_index[index]
+            setattr(layer, f"{which}_inv", inverse)
+            arrived.add((index, which))
+            if (index, "A") in arrived and (index, "G") in arrived:
+                # Both inverses are here: precondition this layer now, while others still arrive.
+                with self.timer.phase("precondition"):
+                    self._precondition_layer(layer)
+
+        tasks = [(ly.index, which, getattr(ly, which)) for ly in todo for which in ("A", "G")]
+        self.distributor.invert(tasks, invert, on_ready)
+
+    def _cholesky_fn(self, k: int, damping: float, todo: list[KFACLayer],
+                     by_index: dict[int, KFACLayer]) -> Callable[[list[Task]], list[torch.Tensor]]:
+        """The distributor's ``invert_fn`` for inverse_method="cholesky": damped inverses, pi-balanced split."""
         split = self._factor_dampings(todo, damping)
 
         def invert(tasks: list[Task]) -> list[torch.Tensor]:
@@ -398,19 +430,27 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
                 )
             return inverses
 
-        arrived: set[tuple[int, str]] = set()
+        return invert
 
-        def on_ready(index: int, which: str, inverse: torch.Tensor) -> None:
-            layer = by_index[index]
-            setattr(layer, f"{which}_inv", inverse)
-            arrived.add((index, which))
-            if (index, "A") in arrived and (index, "G") in arrived:
-                # Both inverses are here: precondition this layer now, while others still arrive.
-                with self.timer.phase("precondition"):
-                    self._precondition_layer(layer)
+    def _eigen_fn(self, k: int, by_index: dict[int, KFACLayer]) -> Callable[[list[Task]], list[torch.Tensor]]:
+        """The distributor's ``invert_fn`` for inverse_method="eigen": eigen payloads (kfac/inverse.py)."""
 
-        tasks = [(ly.index, which, getattr(ly, which)) for ly in todo for which in ("A", "G")]
-        self.distributor.invert(tasks, invert, on_ready)
+        def invert(tasks: list[Task]) -> list[torch.Tensor]:
+            with self.timer.phase("inverse_compute"):
+                payloads, fallbacks = robust_eigens([t[2] for t in tasks], self.inv_dtype)
+            self.inverse_fallbacks += len(fallbacks)
+            for fb in fallbacks:
+                index, which, _ = tasks[fb.index]
+                name = by_index[index].name
+                self._warn_once(
+                    name,
+                    f"eigen-{fb.level}",
+                    f"K-FAC layer {name!r}: the eigendecomposition of the {which} factor failed at step {k} "
+                    f"(inv_dtype {self.inv_dtype}): {fb.reason}; " + EIGEN_FALLBACK_ACTION[fb.level],
+                )
+            return payloads
+
+        return invert
 
     @staticmethod
     def _factor_dampings(layers: list[KFACLayer], damping: float) -> dict[tuple[int, str], torch.Tensor]:
@@ -425,7 +465,7 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
         return out
 
     def _precondition_layer(self, layer: KFACLayer) -> None:
-        """P = G_inv [dW, db] A_inv for one layer, kept until the KL clip of the step is known."""
+        """P = G_inv [dW, db] A_inv (or its eigen form) for one layer, kept until the KL clip of the step is known."""
         if layer.index in self._preconditioned or not layer.ran or layer.A_inv is None or not self._grads_finite:
             return
         if not layer.trainable():  # frozen after its forward: its (stale or absent) gradient is left as is
@@ -434,10 +474,16 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
         if g is None:
             return
         assert layer.G_inv is not None  # the inverses are set together (both arrive before this is called)
-        if layer.A_inv.shape[0] != g.shape[1] or layer.G_inv.shape[0] != g.shape[0]:
+        # The last dim: n for both an n x n inverse and an (n+1) x n eigen payload.
+        if layer.A_inv.shape[-1] != g.shape[1] or layer.G_inv.shape[-1] != g.shape[0]:
             return  # the layer changed shape since its factors were taken
         gi = g.to(self.inv_dtype)
-        self._preconditioned[layer.index] = (layer, layer.G_inv @ gi @ layer.A_inv, gi)
+        if self._eigen:
+            assert layer.inv_damping is not None  # set with the payloads
+            p = eigen_precondition(gi, layer.A_inv, layer.G_inv, layer.inv_damping)
+        else:
+            p = layer.G_inv @ gi @ layer.A_inv
+        self._preconditioned[layer.index] = (layer, p, gi)
 
     def _precondition(self, k: int) -> None:
         for layer in self.layers.values():

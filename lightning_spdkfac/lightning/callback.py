@@ -31,7 +31,7 @@ from ..kfac.gradients import GradAccess
 from ..kfac.options import KFACOptions
 from ..kfac.preconditioner import KFACPreconditioner
 from ..telemetry import WindowStats
-from ..vocabulary import FactorApproxName
+from ..vocabulary import FactorApproxName, InverseMethodName
 from .protocol import KFACStrategy
 
 if TYPE_CHECKING:
@@ -91,6 +91,12 @@ class KFAC(Callback):
             per position, KFC) or ``"reduce"`` (one row per example, its positions aggregated first:
             the factor statistics cost about positions times fewer flops). 2-D Linear inputs are the
             same under both. The formulas are in docs/math.md.
+        inverse_method: how each layer's damped curvature block is inverted: ``"cholesky"`` (default:
+            each factor by Cholesky, the damping split between them by pi-balancing, so every direction
+            is damped by at least ``damping``) or ``"eigen"`` (eigendecompositions of both factors, the
+            block damped by exactly ``damping``; costlier per inversion, and its inverse broadcasts carry
+            twice the bytes). A checkpoint saved with the other method resumes with a warning, its
+            inverses recomputed at the next step. See docs/math.md.
         load_state: what ``trainer.fit(ckpt_path=...)`` does with the checkpoint's K-FAC state.
             ``"strict"`` (default) restores it, and refuses a state saved for another model (layers
             missing or unexpected, other factor shapes) or a corrupt one (missing keys, wrong types,
@@ -125,6 +131,7 @@ class KFAC(Callback):
         trace_dir: str = "kfac_traces",
         max_bad_steps: int | None = _D.max_bad_steps,
         factor_approx: FactorApproxName = _D.factor_approx,
+        inverse_method: InverseMethodName = _D.inverse_method,
         load_state: Literal["strict", "skip"] = "strict",
     ) -> None:
         super().__init__()
@@ -143,7 +150,7 @@ class KFAC(Callback):
             damping=damping, factor_decay=factor_decay, kl_clip=kl_clip,
             factor_update_steps=factor_update_steps, inv_update_steps=inv_update_steps, skip_layers=skip_layers,
             factor_dtype=factor_dtype, inv_dtype=inv_dtype, max_bad_steps=max_bad_steps,
-            factor_approx=factor_approx,
+            factor_approx=factor_approx, inverse_method=inverse_method,
         )
         self.lr = lr
         self.log_step_time = val.check_bool("log_step_time", log_step_time)
@@ -426,7 +433,7 @@ def _where(trainer: pl.Trainer) -> str:
 
 # Arguments KFAC.__init__ checks itself; any other is held to its annotation (val.check_annotations).
 _CHECKED = ("damping", "factor_decay", "kl_clip", "lr", "factor_update_steps", "inv_update_steps", "skip_layers",
-            "factor_dtype", "inv_dtype", "factor_approx", "log_step_time", "trace_step", "trace_dir")
+            "factor_dtype", "inv_dtype", "factor_approx", "inverse_method", "log_step_time", "trace_step", "trace_dir")
 def _folder(name: str, value: object) -> str:
     if not isinstance(value, (str, os.PathLike)):
         raise TypeError(f"{name} must be a folder path (a non-empty string), got {val.show(value)}")

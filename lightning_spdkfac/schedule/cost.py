@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import validation as val
+from ..vocabulary import INVERSE_METHODS
 
 __all__ = [
     "AlphaBeta",
@@ -198,34 +199,44 @@ def _sync(device: torch.device, result: torch.Tensor) -> None:
         result[-1, -1].item()  # any other backend: reading a value waits for the work
 
 
+def _invert_once(spd: torch.Tensor, method: str) -> torch.Tensor:
+    """What K-FAC does to one factor: Cholesky and its inverse, or (``"eigen"``) a symmetric eigendecomposition."""
+    if method == "eigen":
+        evals, evecs = torch.linalg.eigh(spd)
+        return torch.cat([evecs, evals.unsqueeze(0)])
+    chol, _ = torch.linalg.cholesky_ex(spd)
+    return torch.cholesky_inverse(chol)
+
+
 def measure_inverse_seconds(
     ns: Sequence[int],
     repeats: int = 3,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
+    method: str = "cholesky",
 ) -> list[float]:
     """Measured seconds of inverting one damped SPD ``n x n`` matrix, for each ``n`` in ``ns``.
 
-    Times ``torch.linalg.cholesky_ex`` followed by ``torch.cholesky_inverse`` (what the K-FAC layer does)
+    Times ``torch.linalg.cholesky_ex`` followed by ``torch.cholesky_inverse`` (what the K-FAC layer does
+    with ``inverse_method="cholesky"``), or ``torch.linalg.eigh`` (``method="eigen"``, what it does then),
     on a random, well-conditioned SPD matrix built from a fixed seed, after one warm-up call per size;
     returns the median of ``repeats`` runs. Uses no collective: each rank measures its own device, and
     rank 0's numbers should be broadcast before fitting so that every rank plans alike.
     """
     sizes = val.check_ints("ns", ns, low=1)
     reps = val.check_int("repeats", repeats, low=1)
+    val.check_choice("method", method, INVERSE_METHODS)
     dev = torch.device(device)
     gen = torch.Generator(device="cpu").manual_seed(0)
     out: list[float] = []
     for n in sizes:
         x = torch.randn(n, n, generator=gen, dtype=torch.float64)
         spd = (x @ x.T / n + 0.1 * torch.eye(n, dtype=torch.float64)).to(device=dev, dtype=dtype)
-        chol, _ = torch.linalg.cholesky_ex(spd)  # warm-up: kernels, workspaces, allocator
-        _sync(dev, torch.cholesky_inverse(chol))
+        _sync(dev, _invert_once(spd, method))  # warm-up: kernels, workspaces, allocator
         runs = []
         for _ in range(reps):
             start = time.perf_counter()
-            chol, _ = torch.linalg.cholesky_ex(spd)
-            inv = torch.cholesky_inverse(chol)
+            inv = _invert_once(spd, method)
             _sync(dev, inv)
             runs.append(time.perf_counter() - start)
         out.append(max(statistics.median(runs), math.ulp(0.0)))
@@ -237,6 +248,8 @@ def measure_inverse_cost(
     repeats: int = 3,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
+    method: str = "cholesky",
 ) -> InverseCost:
     """:func:`fit_inverse_cost` of :func:`measure_inverse_seconds` (one rank; broadcast before planning)."""
-    return fit_inverse_cost(ns, measure_inverse_seconds(ns, repeats=repeats, dtype=dtype, device=device))
+    return fit_inverse_cost(ns, measure_inverse_seconds(ns, repeats=repeats, dtype=dtype, device=device,
+                                                        method=method))

@@ -9,11 +9,12 @@ the same placement on every rank.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, get_args
 
 from .. import validation as val
+from ..vocabulary import INVERSE_METHODS, InverseMethodName
 from .cost import AlphaBeta, InverseCost
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "PlacementPolicy",
     "PlacementTimeline",
     "inverted_by",
+    "message_bytes",
     "owned_by",
     "plan_placement",
     "simulate_placement",
@@ -96,23 +98,39 @@ def inverted_by(placement: Placement, rank: int) -> list[int]:
     return owned_by(placement, r) + list(placement.replicated)
 
 
+def message_bytes(n: int, bytes_per_element: int = 4, inverse_method: InverseMethodName = "cholesky") -> int:
+    """Bytes of the broadcast inverse of a factor of side ``n``: its upper triangle, n(n+1)/2 elements
+    (``"cholesky"``), or its (n+1) x n eigen payload, n(n+1) elements (``"eigen"``)."""
+    elements = n * (n + 1) if inverse_method == "eigen" else n * (n + 1) // 2
+    return elements * bytes_per_element
+
+
 def _triangle_bytes(n: int, bytes_per_element: int) -> int:
-    return n * (n + 1) // 2 * bytes_per_element
+    """Bytes of the upper triangle of an n x n inverse (the cholesky message)."""
+    return message_bytes(n, bytes_per_element)
 
 
-def task_cost(n: int, inv: InverseCost, bcast: AlphaBeta, bytes_per_element: int = 4, world_size: int = 2) -> float:
+def _sizer(bytes_per_element: int, inverse_method: object) -> Callable[[int], int]:
+    """Validated ``inverse_method``, as the message size in bytes of a factor side."""
+    method = val.check_choice("inverse_method", inverse_method, INVERSE_METHODS)
+    return lambda n: message_bytes(n, bytes_per_element, method)
+
+
+def task_cost(n: int, inv: InverseCost, bcast: AlphaBeta, bytes_per_element: int = 4, world_size: int = 2,
+              inverse_method: InverseMethodName = "cholesky") -> float:
     """Modelled seconds an owner spends on factor side ``n``: its inversion plus the broadcast of the
-    inverse's upper triangle. A broadcast costs nothing when ``world_size == 1`` (there is no peer)."""
-    send = bcast.time(_triangle_bytes(n, bytes_per_element)) if world_size > 1 else 0.0
+    inverse (:func:`message_bytes`). A broadcast costs nothing when ``world_size == 1`` (there is no peer)."""
+    send = bcast.time(message_bytes(n, bytes_per_element, inverse_method)) if world_size > 1 else 0.0
     return inv.time(n) + send
 
 
-def _loads(owners: list[int], ns: list[int], world: int, inv: InverseCost, bcast: AlphaBeta, bpe: int) -> list[float]:
+def _loads(owners: list[int], ns: list[int], world: int, inv: InverseCost, bcast: AlphaBeta,
+           msg: Callable[[int], int]) -> list[float]:
     replicated = sum(inv.time(n) for n, o in zip(ns, owners) if o == REPLICATED)
     load = [replicated] * world
     for n, o in zip(ns, owners):
         if o != REPLICATED:
-            load[o] += task_cost(n, inv, bcast, bpe, world)
+            load[o] += inv.time(n) + (bcast.time(msg(n)) if world > 1 else 0.0)
     return load
 
 
@@ -124,6 +142,7 @@ def plan_placement(
     policy: PlacementPolicy = "lbp",
     bytes_per_element: int = 4,
     small_threshold: int | None = None,
+    inverse_method: InverseMethodName = "cholesky",
 ) -> Placement:
     """Decide which rank inverts each factor.
 
@@ -138,9 +157,12 @@ def plan_placement(
         bytes_per_element: bytes of one element of a broadcast inverse (4 for fp32).
         small_threshold: ``"lbp"`` only: factors with ``n < small_threshold`` are replicated regardless
             of the cost models (the paper's code used 1024).
+        inverse_method: what a broadcast carries (:func:`message_bytes`): ``"cholesky"`` the upper
+            triangle of the inverse, ``"eigen"`` the eigen payload (twice the bytes). ``inv`` should be
+            the model of that method's inversion (``measure_inverse_cost(..., method=...)``).
 
     ``"lbp"``: a factor is replicated when inverting it is no slower than broadcasting its inverse,
-    ``inv.time(n) <= bcast.time(n(n+1)/2 * bytes_per_element)`` (or ``n < small_threshold``). The others
+    ``inv.time(n) <= bcast.time(message_bytes(n, bytes_per_element, inverse_method))`` (or ``n < small_threshold``). The others
     are sorted by owner cost ``inv.time(n) + bcast.time(...)``, largest first (ties: lower index first),
     and each goes to the least-loaded rank so far (ties: lowest rank) -- the LPT rule, whose maximum load
     is at most the average plus the largest task. With ``world_size == 1`` every factor is replicated.
@@ -161,9 +183,10 @@ def plan_placement(
     val.check_choice("policy", policy, _POLICIES)
     bpe = val.check_int("bytes_per_element", bytes_per_element, low=1)
     threshold = None if small_threshold is None else val.check_int("small_threshold", small_threshold, low=0)
+    msg = _sizer(bpe, inverse_method)
 
     if policy == "lbp_channel" and world > 1:
-        owners = _lbp_channel(sizes, world, inv, bcast, bpe, threshold)
+        owners = _lbp_channel(sizes, world, inv, bcast, msg, threshold)
     elif policy == "replicated":
         owners = [REPLICATED] * len(sizes)
     elif policy == "round_robin":
@@ -171,9 +194,9 @@ def plan_placement(
     elif world == 1:
         owners = [REPLICATED] * len(sizes)
     else:
-        owners = _lbp(sizes, world, inv, bcast, bpe, threshold)
+        owners = _lbp(sizes, world, inv, bcast, msg, threshold)
     return Placement(
-        owners=tuple(owners), policy=policy, load=tuple(_loads(owners, sizes, world, inv, bcast, bpe))
+        owners=tuple(owners), policy=policy, load=tuple(_loads(owners, sizes, world, inv, bcast, msg))
     )
 
 
@@ -189,11 +212,11 @@ def _lpt(tasks: list[tuple[float, int]], world: int, n: int) -> list[int]:
     return owners
 
 
-def _lbp(sizes: list[int], world: int, inv: InverseCost, bcast: AlphaBeta, bpe: int,
+def _lbp(sizes: list[int], world: int, inv: InverseCost, bcast: AlphaBeta, msg: Callable[[int], int],
          threshold: int | None) -> list[int]:
     tasks = []
     for i, n in enumerate(sizes):
-        send = bcast.time(_triangle_bytes(n, bpe))
+        send = bcast.time(msg(n))
         if inv.time(n) <= send or (threshold is not None and n < threshold):
             continue
         tasks.append((inv.time(n) + send, i))
@@ -217,13 +240,13 @@ def _phase_end(owners: list[int], sizes: list[int], inv_times: list[float], send
     return max(compute, free)
 
 
-def _lbp_channel(sizes: list[int], world: int, inv: InverseCost, bcast: AlphaBeta, bpe: int,
+def _lbp_channel(sizes: list[int], world: int, inv: InverseCost, bcast: AlphaBeta, msg: Callable[[int], int],
                  threshold: int | None) -> list[int]:
     inv_times = [inv.time(n) for n in sizes]
-    send_times = [bcast.time(_triangle_bytes(n, bpe)) for n in sizes]
+    send_times = [bcast.time(msg(n)) for n in sizes]
     tasks = sorted(((inv_times[i] + send_times[i], i) for i, n in enumerate(sizes)
                     if threshold is None or n >= threshold), key=lambda t: (-t[0], t[1]))
-    best = _lbp(sizes, world, inv, bcast, bpe, threshold)
+    best = _lbp(sizes, world, inv, bcast, msg, threshold)
     best_end = _phase_end(best, sizes, inv_times, send_times)
     # LPT is greedy in a fixed order, so owning the k largest is a prefix of owning all of them.
     full = _lpt(tasks, world, len(sizes))
@@ -264,7 +287,8 @@ class PlacementTimeline:
 
 
 def simulate_placement(
-    placement: Placement, ns: Sequence[int], inv: InverseCost, bcast: AlphaBeta, bytes_per_element: int = 4
+    placement: Placement, ns: Sequence[int], inv: InverseCost, bcast: AlphaBeta, bytes_per_element: int = 4,
+    inverse_method: InverseMethodName = "cholesky",
 ) -> PlacementTimeline:
     """Timeline of ``placement`` when ranks invert in :func:`inverted_by` order and every broadcast
     uses one channel shared by all ranks (every rank takes part in every broadcast, as sender or receiver).
@@ -281,6 +305,7 @@ def simulate_placement(
     val.check_instance("inv", inv, InverseCost)
     val.check_instance("bcast", bcast, AlphaBeta)
     bpe = val.check_int("bytes_per_element", bytes_per_element, low=1)
+    msg = _sizer(bpe, inverse_method)
     world = placement.world_size
     ready: dict[int, float] = {}
     compute_end = []
@@ -296,7 +321,7 @@ def simulate_placement(
     free = 0.0
     for i in order:
         start = max(free, ready[i])
-        free = start + bcast.time(_triangle_bytes(sizes[i], bpe))
+        free = start + bcast.time(msg(sizes[i]))
         starts.append(start)
         ends.append(free)
     return PlacementTimeline(
