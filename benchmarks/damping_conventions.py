@@ -14,6 +14,7 @@ on the workloads of benchmarks/time_to_accuracy.py. The conventions (docs/math.m
   (damping lambda * mean eigenvalue of A (x) G): a constant factor on the loss would not change it.
 - ``model``: pi-balanced with lambda times the model-wide mean eigenvalues of A and of G (all layers
   pooled), so layers keep their absolute relation while the loss's scale drops out.
+- ``eigen``: ``inverse_method="eigen"``, the exact damping 1/(d_A d_G + lambda) in the factors' eigenbases.
 
 The conventions other than ``pi`` are installed by replacing ``KFACPreconditioner._factor_dampings``
 (the one place the split is decided) in this process. Prints only; nothing is written.
@@ -69,7 +70,7 @@ def model_wide(layers: list[KFACLayer], damping: float) -> Split:
 
 
 CONVENTIONS: dict[str, Callable[[list[KFACLayer], float], Split]] = {
-    "factor": per_factor, "pi": PI, "relative": relative, "model": model_wide}
+    "factor": per_factor, "pi": PI, "relative": relative, "model": model_wide, "eigen": PI}
 
 # name -> (workload, optimizer, lr, epochs): the issue's repro (SGD 0.05) and the recorded sweep winners
 CASES = {"digits-sgd": ("digits", "sgd", 0.05, 8), "digits-adamw": ("digits", "adamw", 0.016, 8),
@@ -93,8 +94,10 @@ def main() -> None:
         for conv in args.conventions.split(","):
             KFACPreconditioner._factor_dampings = staticmethod(CONVENTIONS[conv])  # type: ignore[method-assign]
             for damping in (float(d) for d in args.dampings.split(",")):
-                runs = [tta.run_one(tta.WORKLOADS[workload], opt, lr, seed, epochs, {"damping": damping})
-                        for seed in seeds]
+                kfac = {"damping": damping, "log_step_time": False}
+                if conv == "eigen":
+                    kfac["inverse_method"] = "eigen"
+                runs = [tta.run_one(tta.WORKLOADS[workload], opt, lr, seed, epochs, kfac) for seed in seeds]
                 print(json.dumps({
                     "case": case, "convention": conv, "damping": damping,
                     "seconds_to_target": [r["seconds_to_target"] for r in runs],

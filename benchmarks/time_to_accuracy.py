@@ -373,8 +373,10 @@ def recorded_sweep(path: str, name: str) -> dict[str, Any]:
 
 
 def run_workload(w: Workload, seeds: list[int], quick: bool, budget: int | None, log: Callable[[str], None],
-                 candidates: dict[str, dict] | None = None, recorded: dict[str, Any] | None = None) -> dict:
+                 candidates: dict[str, dict] | None = None, recorded: dict[str, Any] | None = None,
+                 sweep_seeds: list[int] | None = None) -> dict:
     candidates = candidates or {}
+    sweep_seeds = seeds if sweep_seeds is None else sweep_seeds
     epochs = budget or (w.quick_budget if quick else w.budget)
     lrs = w.quick_lrs if quick else w.lrs
     dampings = (1e-3, 1e-1) if quick else DAMPINGS
@@ -419,8 +421,9 @@ def run_workload(w: Workload, seeds: list[int], quick: bool, budget: int | None,
         for cname, opts in candidates.items():
             do(best_opt, best_lr * opts.get("lr_factor", 1.0), seed,
                {"log_step_time": False, **{k: v for k, v in opts.items() if k != "lr_factor"}}, f"kfac {cname}")
-        for d, f in grid:
-            do(best_opt, best_lr * f, seed, {"log_step_time": False, "damping": d}, f"kfac damping {d:g}")
+        if seed in sweep_seeds:
+            for d, f in grid:
+                do(best_opt, best_lr * f, seed, {"log_step_time": False, "damping": d}, f"kfac damping {d:g}")
 
     def pick(tag: str, lr: float | None = None) -> list[dict]:
         return [r for r in runs if r["tag"] == tag and (lr is None or math.isclose(r["lr"], lr))]
@@ -473,8 +476,8 @@ def run_workload(w: Workload, seeds: list[int], quick: bool, budget: int | None,
                  f" tuned K-FAC / baseline: {fmt['kfac_tuned_over_best_baseline_rerun']}")
     for c in candidates:
         lines.append(f"   ratio K-FAC {c} / baseline: {fmt[f'kfac_{c}_over_best_baseline_rerun']}")
-    lines.append(f"-- K-FAC damping sweep on {best_opt} (base lr x {{1/3, 1, 3}}); diverged = last train loss above"
-                 " the first, non-finite, or an error:")
+    lines.append(f"-- K-FAC damping sweep on {best_opt} (base lr x {{1/3, 1, 3}}), seeds {sweep_seeds}; diverged = last"
+                 " train loss above the first, non-finite, or an error:")
     lines.append(format_table(d_rows, COLUMNS))
     div = [f"damping {s['damping']:g} lr {s['lr']:.3g}: seeds {s['divergent_seeds']}" for s in damping_rows
            if s["divergent_seeds"]]
@@ -485,7 +488,7 @@ def run_workload(w: Workload, seeds: list[int], quick: bool, budget: int | None,
             "rerun": rerun, "kfac_defaults": kd, "kfac_reduce": kr, "kfac_tuned": tuned, "candidates": cand,
             "candidate_options": candidates, "baseline_sweep_from": recorded and recorded["path"],
             "kfac_defaults_options": KFACOptions().__dict__, "damping_sweep": damping_rows,
-            "ratios": ratios, "table": "\n".join(lines), "runs": runs}
+            "ratios": ratios, "damping_sweep_seeds": sweep_seeds, "table": "\n".join(lines), "runs": runs}
 
 
 def _sweep(w: Workload, lrs: dict[str, list[float]], seeds: list[int], do: Callable[..., dict],
@@ -564,6 +567,8 @@ def main() -> None:
     p.add_argument("--baselines-from", default=None, metavar="RESULTS_JSON",
                    help="skip the baseline lr sweep: take its table and winner from an earlier results.json "
                         "(the winner is still re-run beside K-FAC, interleaved)")
+    p.add_argument("--sweep-seeds", default=None,
+                   help="seeds of the damping sweep (default: all of --seeds); the other rows run every seed")
     p.add_argument("--candidates", default=None, metavar="JSON",
                    help='further K-FAC rows: {"name": {KFAC option: value, ..., "lr_factor": x}, ...}')
     args = p.parse_args()
@@ -606,7 +611,8 @@ def main() -> None:
         t_w = time.perf_counter()
         recorded = recorded_sweep(args.baselines_from, name) if args.baselines_from else None
         res = run_workload(WORKLOADS[name], seeds, args.quick, budgets.get(name) or (recorded and recorded["epochs"]),
-                           log, json.loads(args.candidates) if args.candidates else None, recorded)
+                           log, json.loads(args.candidates) if args.candidates else None, recorded,
+                           [int(x) for x in args.sweep_seeds.split(",")] if args.sweep_seeds else None)
         res["wall_seconds"] = round(time.perf_counter() - t_w, 1)
         results.append(res)
         payload["workloads"].append(res)
