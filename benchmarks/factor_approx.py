@@ -5,14 +5,17 @@ demo (``lightning_spdkfac.demo.cifar.ResNetCIFAR``, used as a plain ``nn.Module`
 ``--blocks 3`` for ResNet-20) on random ``(batch, 3, 32, 32)`` inputs with random labels (a fixed
 set of ``--n-batches`` batches, cycled), one torch thread by default. Three identical copies of the
 model, each with SGD (momentum 0.9, lr 0.01): one plain, one with ``KFACPreconditioner(
-factor_approx="expand")`` and one with ``factor_approx="reduce"`` (factors every step, inverses every
-``--inv-update-steps`` = 10 steps, library defaults otherwise).
+factor_approx="expand")`` and one with ``factor_approx="reduce"`` (factors every
+``--factor-update-steps`` = 1 step, inverses every ``--inv-update-steps`` = 10 steps: the paper's
+timing setting; ``--defaults``: the library's default factor and inverse intervals; library defaults
+otherwise).
 
 One step is zero_grad, forward, backward (the K-FAC hooks run here), ``pre.step()`` (K-FAC only) and
 ``opt.step()``. Timing: ``--warmup`` steps of each, then ``--blocks-timed`` rounds of interleaved blocks
 (SGD, expand, reduce, SGD, ...); a block is ``inv_update_steps`` consecutive steps timed as a whole,
 so every K-FAC block holds exactly one inverse step. Reported: the median per-step time of each, the
-ratios to SGD, the K-FAC overhead (median minus SGD's median) of each and their ratio, and the mean
+ratios to SGD, the FLOP floor of each (the step's multiply-adds with K-FAC over those without: what the
+ratio would be if K-FAC's matrix products ran at the model's own FLOP rate), the K-FAC overhead (median minus SGD's median) of each and their ratio, and the mean
 per-step time of K-FAC's own phases (``pre.timer``: factor statistics in the hooks, factor update,
 inversion amortized over the block, preconditioning).
 """
@@ -29,6 +32,7 @@ from _common import env_info, format_table, interleaved_blocks, set_seed
 from overhead import Runner as OverheadRunner
 
 from lightning_spdkfac.demo.cifar import ResNetCIFAR
+from lightning_spdkfac.kfac.options import KFACOptions
 from lightning_spdkfac.telemetry import PHASES
 
 VARIANTS = ("sgd", "expand", "reduce")
@@ -43,7 +47,8 @@ class Runner(OverheadRunner):
         if approx is None:
             super().__init__(model, data, args, kfac=False)
         else:
-            super().__init__(model, data, args, kfac=True, factor_approx=approx)
+            super().__init__(model, data, args, kfac=True, factor_approx=approx,
+                             factor_update_steps=args.factor_update_steps)
         self.phases = dict.fromkeys(PHASES, 0.0)
         self.steps = 0
 
@@ -63,19 +68,55 @@ class Runner(OverheadRunner):
         self.steps = 0
 
 
+def flop_floor(model: torch.nn.Module, x: torch.Tensor, approx: str, factor_every: int, inv_every: int) -> float:
+    """(model + K-FAC FLOPs) / model FLOPs of one training step, from the layers' shapes.
+
+    Model: forward + backward = 3 x the forward's 2 x multiply-adds of every Conv2d/Linear. K-FAC, per
+    layer with A side a, G side g, R_a / R_g factor rows (expand: every position; reduce: every example):
+    factor Gram matrices 2 (R_a a^2 + R_g g^2) every ``factor_every`` steps, Cholesky and inverse of
+    both about a^3 + g^3 every ``inv_every`` steps, preconditioning 2 (g^2 a + g a^2) every step.
+    """
+    shapes: list[tuple[torch.nn.Module, torch.Size]] = []
+    hooks = [m.register_forward_hook(lambda m, i, o: shapes.append((m, o.shape)))
+             for m in model.modules() if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear))]
+    with torch.no_grad():
+        model(x)
+    for h in hooks:
+        h.remove()
+    base = kfac = 0.0
+    batch = x.shape[0]
+    for m, out in shapes:
+        if isinstance(m, torch.nn.Conv2d):
+            kh, kw = m.kernel_size
+            a, g, positions = m.in_channels * kh * kw, m.out_channels, out[2] * out[3]
+        else:
+            a, g, positions = m.in_features, m.out_features, out[:-1].numel() // batch
+        a += m.bias is not None
+        base += 3 * 2 * batch * positions * (a - (m.bias is not None)) * g
+        rows = batch * positions if approx == "expand" else batch
+        kfac += 2 * rows * (a * a + g * g) / factor_every + (a**3 + g**3) / inv_every + 2 * (g * g * a + g * a * a)
+    return (base + kfac) / base
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--blocks", type=int, default=1, help="basic blocks per ResNet stage (1: ResNet-8, 3: ResNet-20)")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--factor-update-steps", type=int, default=1)
     p.add_argument("--inv-update-steps", type=int, default=10)
+    p.add_argument("--defaults", action="store_true",
+                   help="the library's default factor and inverse intervals instead of the two options above")
     p.add_argument("--warmup", type=int, default=10, help="untimed steps of each variant first")
     p.add_argument("--blocks-timed", type=int, default=15, help="interleaved blocks of each variant")
     p.add_argument("--n-batches", type=int, default=4)
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
+    if args.defaults:
+        d = KFACOptions()
+        args.factor_update_steps, args.inv_update_steps = d.factor_update_steps, d.inv_update_steps
 
     torch.set_num_threads(args.threads)
     set_seed(args.seed)
@@ -84,6 +125,8 @@ def main() -> None:
     data = [(torch.randn(args.batch, 3, 32, 32, generator=g), torch.randint(0, 10, (args.batch,), generator=g))
             for _ in range(args.n_batches)]
     runners = {v: Runner(copy.deepcopy(base), data, args, None if v == "sgd" else v) for v in VARIANTS}
+    floors = {v: 1.0 if v == "sgd" else flop_floor(copy.deepcopy(base), data[0][0], v, args.factor_update_steps,
+                                                   args.inv_update_steps) for v in VARIANTS}
     k = args.inv_update_steps
 
     for _ in range(args.warmup):
@@ -98,7 +141,7 @@ def main() -> None:
           f"torch {env['torch']}, {env['cpu_model']}")
     pre = runners["expand"].pre
     assert pre is not None
-    print(f"{len(pre.layers)} K-FAC layers; factors every step, inverses every {k} steps; "
+    print(f"{len(pre.layers)} K-FAC layers; factors every {args.factor_update_steps} step(s), inverses every {k} steps; "
           f"median of {args.blocks_timed} interleaved blocks of {k} steps")
     med = {v: statistics.median(t) * 1e3 for v, t in times.items()}
     q = {v: statistics.quantiles(t, n=4, method="inclusive") for v, t in times.items()}
@@ -106,13 +149,13 @@ def main() -> None:
     for v in VARIANTS:
         r = runners[v]
         row = {"variant": v, "ms": med[v], "q1": q[v][0] * 1e3, "q3": q[v][2] * 1e3,
-               "vs_sgd": med[v] / med["sgd"], "overhead": med[v] - med["sgd"], "loss": r.loss}
+               "vs_sgd": med[v] / med["sgd"], "floor": floors[v], "overhead": med[v] - med["sgd"], "loss": r.loss}
         for ph in SHOWN_PHASES:
             row[ph] = r.phases[ph] / r.steps * 1e3 if r.pre is not None and r.steps else None
         rows.append(row)
     print(format_table(rows, [
         ("variant", "variant", ""), ("ms", "ms/step", ".1f"), ("q1", "q1", ".1f"), ("q3", "q3", ".1f"),
-        ("vs_sgd", "x SGD", ".2f"), ("overhead", "K-FAC ms", ".1f"),
+        ("vs_sgd", "x SGD", ".2f"), ("floor", "FLOP floor", ".2f"), ("overhead", "K-FAC ms", ".1f"),
         ("factor_compute", "hooks ms", ".1f"), ("factor_update", "update ms", ".2f"),
         ("inverse_compute", "inverse ms", ".2f"), ("precondition", "precond ms", ".2f"), ("loss", "last loss", ".3f"),
     ]))

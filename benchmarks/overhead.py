@@ -105,9 +105,8 @@ class Runner:
         self.opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
         self.pre = None
         if kfac:  # kfac_options: further KFACOptions fields (benchmarks/factor_approx.py: factor_approx)
-            self.pre = KFACPreconditioner(
-                model, factor_update_steps=1, inv_update_steps=args.inv_update_steps, **kfac_options
-            )
+            options = {"factor_update_steps": 1, "inv_update_steps": args.inv_update_steps, **kfac_options}
+            self.pre = KFACPreconditioner(model, **options)
         self.last_loss: torch.Tensor | None = None
 
     def step(self) -> None:

@@ -22,8 +22,9 @@ PlacementName = Literal["lbp", "lbp_channel", "round_robin", "replicated"]
 # The dtype factor and inverse messages are sent in, as users spell it.
 CommDtypeName = Literal["float32", "bfloat16"]
 # How K-FAC treats weight sharing (Conv2d locations, Linear positions beyond the batch dim): one factor row per
-# position ("expand") or one per example, aggregated over its positions ("reduce"). See docs/math.md.
-FactorApproxName = Literal["expand", "reduce"]
+# position ("expand") or one per example, aggregated over its positions ("reduce"); "auto": reduce for Conv2d,
+# expand for Linear (each layer type's measured winner). See docs/math.md.
+FactorApproxName = Literal["auto", "expand", "reduce"]
 # How K-FAC inverts a layer's damped Kronecker block: each factor by Cholesky with the pi-balanced split of the
 # damping ("cholesky"), or by eigendecompositions of both factors with the exact damping of the block ("eigen").
 # See docs/math.md.

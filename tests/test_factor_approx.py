@@ -250,23 +250,31 @@ def test_reduce_equals_expand_bit_for_bit_on_2d_linear_inputs(x_shape):
         assert torch.equal(a.grad, b.grad)
 
 
-def test_expand_is_the_default_and_unchanged_and_reduce_differs_with_positions():
+def test_auto_is_the_default_reduce_for_conv_expand_for_linear_and_the_approximations_differ():
     counts = {}
 
     def run(**kw):
         torch.manual_seed(6)
         model = Net()
-        pre = KFACPreconditioner(model, **kw)
+        pre = KFACPreconditioner(model, kl_clip=None, **kw)  # no KL clip: it couples the layers
         one_step(model, pre, [torch.randn(4, 2, 5, 5, generator=torch.Generator().manual_seed(7))])
         counts[kw.get("factor_approx")] = dict(COUNTS)
-        return pre
+        return pre, {n: grad_matrix(m) for n, m in model.named_children()}  # preconditioned
 
-    default, expand, reduce = run(), run(factor_approx="expand"), run(factor_approx="reduce")
-    assert default.options.factor_approx == "expand" and KFACOptions().factor_approx == "expand"
-    for name, layer in default.layers.items():
-        assert torch.equal(expand.layers[name].A, layer.A) and torch.equal(expand.layers[name].G, layer.G)
-    assert counts["expand"] == {"conv": (100, 4), "tok": (100, 100), "head": (4, 4)} == counts[None]
+    (default, g_default), (auto, _), (expand, g_expand), (reduce, g_reduce) = (
+        run(), run(factor_approx="auto"), run(factor_approx="expand"), run(factor_approx="reduce"))
+    assert default.options.factor_approx == "auto" and KFACOptions().factor_approx == "auto"
+    assert counts["expand"] == {"conv": (100, 4), "tok": (100, 100), "head": (4, 4)}
     assert counts["reduce"] == {"conv": (4, 4), "tok": (4, 4), "head": (4, 4)}
+    assert counts["auto"] == {"conv": (4, 4), "tok": (100, 100), "head": (4, 4)} == counts[None]
+    # auto is reduce on the Conv2d and expand on the Linear layers, bit for bit
+    same_as = {"conv": reduce, "tok": expand, "head": expand}
+    for name, layer in default.layers.items():
+        for f in ("A", "G", "A_inv", "G_inv"):
+            assert torch.equal(getattr(same_as[name].layers[name], f), getattr(layer, f)), (name, f)
+            assert torch.equal(getattr(auto.layers[name], f), getattr(layer, f)), (name, f)
+    assert torch.equal(g_default["conv"], g_reduce["conv"]) and torch.equal(g_default["tok"], g_expand["tok"])
+    assert not torch.allclose(g_reduce["conv"], g_expand["conv"])
     for name in ("conv", "tok"):  # weight sharing: the approximations differ
         assert not torch.allclose(reduce.layers[name].A, expand.layers[name].A)
     assert torch.equal(reduce.layers["head"].A, expand.layers["head"].A)  # a 2-D input: identical
@@ -347,7 +355,7 @@ def test_reduce_removes_the_grad_scaler_scale_from_g():
 def test_a_non_finite_position_skips_the_reduce_factor_update():
     torch.manual_seed(13)
     model = Net()
-    pre = KFACPreconditioner(model, factor_approx="reduce", max_bad_steps=None)
+    pre = KFACPreconditioner(model, factor_approx="reduce", max_bad_steps=None, factor_update_steps=1)
     x = torch.randn(4, 2, 5, 5)
     one_step(model, pre, [x])
     before = {n: (ly.A.clone(), ly.G.clone()) for n, ly in pre.layers.items()}
@@ -384,7 +392,8 @@ def test_reduce_through_the_distributed_and_pipelined_paths_equals_the_local_pat
         torch.manual_seed(14)
         model = Net(stride=2)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        pre = KFACPreconditioner(model, factor_approx="reduce", inv_update_steps=2, distributor=distributor)
+        pre = KFACPreconditioner(model, factor_approx="reduce", factor_update_steps=1, inv_update_steps=2,
+                                 distributor=distributor)
         g = torch.Generator().manual_seed(15)
         for _ in range(3):
             opt.zero_grad()
@@ -433,21 +442,21 @@ def test_one_reduce_step_trains():
 
 
 def test_factor_approx_is_validated_and_reaches_the_preconditioner():
-    assert FACTOR_APPROXES == ("expand", "reduce")
-    with pytest.raises(ValueError, match=r"factor_approx must be one of 'expand', 'reduce', got 'x'"):
+    assert FACTOR_APPROXES == ("auto", "expand", "reduce")
+    with pytest.raises(ValueError, match=r"factor_approx must be one of 'auto', 'expand', 'reduce', got 'x'"):
         KFACOptions(factor_approx="x")
-    with pytest.raises(TypeError, match=r"factor_approx must be one of 'expand', 'reduce', got int 1"):
+    with pytest.raises(TypeError, match=r"factor_approx must be one of 'auto', 'expand', 'reduce', got int 1"):
         KFACOptions(factor_approx=1)
     with pytest.raises(TypeError, match=r"factor_approx .*got None"):
         KFACOptions(factor_approx=None)
-    with pytest.raises(ValueError, match=r"factor_approx must be one of 'expand', 'reduce', got 'Reduce'"):
+    with pytest.raises(ValueError, match=r"factor_approx must be one of 'auto', 'expand', 'reduce', got 'Reduce'"):
         KFAC(factor_approx="Reduce")
     with pytest.raises(ValueError, match=r"factor_approx"):
         KFACPreconditioner(nn.Linear(2, 2), factor_approx="kfc")
     assert KFAC(factor_approx="reduce").options.factor_approx == "reduce"
-    assert KFAC().options.factor_approx == "expand"
+    assert KFAC().options.factor_approx == "auto"
     pre = KFACPreconditioner(nn.Linear(2, 2), KFACOptions(factor_approx="reduce"))
-    assert pre.options.factor_approx == "reduce" and pre._reduce
+    assert pre.options.factor_approx == "reduce" and all(ly.reduce for ly in pre.layers.values())
 
 
 def test_a_state_of_the_other_approximation_loads_with_a_warning_never_silently():
@@ -458,7 +467,7 @@ def test_a_state_of_the_other_approximation_loads_with_a_warning_never_silently(
     one_step(reduce_model, pre_reduce, [x])
     state = pre_reduce.state_dict()
     assert state["factor_approx"] == "reduce"
-    expand = KFACPreconditioner(Net(), inv_update_steps=1)
+    expand = KFACPreconditioner(Net(), factor_approx="expand", inv_update_steps=1)
     with pytest.warns(UserWarning, match=r"saved with factor_approx='reduce' and this run uses 'expand'"):
         expand.load_state_dict(state)
     assert torch.equal(expand.layers["conv"].A, pre_reduce.layers["conv"].A)  # loaded all the same
@@ -468,5 +477,5 @@ def test_a_state_of_the_other_approximation_loads_with_a_warning_never_silently(
         same.load_state_dict(state)  # same approximation: silent
         older = {k: v for k, v in state.items() if k != "factor_approx"}
         same.load_state_dict(older)  # states written before the key existed: silent
-    with pytest.raises(ValueError, match=r"'factor_approx' must be one of \('expand', 'reduce'\), got 'mean'"):
+    with pytest.raises(ValueError, match=r"'factor_approx' must be one of \('auto', 'expand', 'reduce'\), got 'mean'"):
         same.load_state_dict({**state, "factor_approx": "mean"})

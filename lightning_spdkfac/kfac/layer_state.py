@@ -17,6 +17,7 @@ class KFACLayer:
     name: str
     helper: LayerHelper
     index: int = 0  # registration order: the order every rank uses for collectives
+    reduce: bool = False  # K-FAC-reduce rows for this layer (factor_approx, resolved per layer type)
     # Accumulators of the current optimizer step (sums over micro-batches and calls).
     # Rows are positions (factor_approx="expand") or examples, their positions aggregated ("reduce").
     xx: torch.Tensor | None = None  # sum_r x_r x_r^T (without the bias column)

@@ -67,6 +67,8 @@ class LayerHelper:
         return self.batch_size(x)
 
     unbatched_dim = -1
+    # What factor_approx="auto" uses for this layer type (docs/math.md, "K-FAC-expand and K-FAC-reduce").
+    auto_reduce = False
 
     def a_rows(self, x: torch.Tensor) -> torch.Tensor:
         """The input rows ``R x in`` without the bias column (the 1s are added in closed form)."""
@@ -179,6 +181,9 @@ class Conv2dHelper(LayerHelper):
     """``nn.Conv2d`` (groups=1) with any stride, padding, dilation and padding mode (KFC rows)."""
 
     unbatched_dim = 3
+    # reduce: expand's A costs (C kh kw)^2 Ho Wo per image, many times the convolution itself, and a
+    # vision loss is per image (K-FAC-reduce's setting); measured faster to target (README).
+    auto_reduce = True
     module: nn.Conv2d
 
     def __init__(self, module: nn.Conv2d) -> None:

@@ -100,8 +100,9 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
         self.lr = o.lr
         self.factor_dtype: torch.dtype = o.factor_dtype  # type: ignore[assignment]
         self.inv_dtype: torch.dtype = o.inv_dtype  # type: ignore[assignment]
-        # K-FAC-reduce: one factor row per example (aggregated over its positions), not per position.
-        self._reduce = o.factor_approx == "reduce"
+        # K-FAC-reduce: one factor row per example (aggregated over its positions), not per position;
+        # resolved per layer at registration ("auto": by layer type).
+        self.factor_approx = o.factor_approx
         # "eigen": A_inv / G_inv hold eigen payloads and the block is damped exactly (kfac/inverse.py).
         self.inverse_method = o.inverse_method
         self._eigen = o.inverse_method == "eigen"
@@ -164,7 +165,8 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
             if not all(p.requires_grad for p in module.parameters(recurse=False)):
                 self.skipped[name] = "parameters do not all require grad"
                 continue
-            layer = KFACLayer(name=name, helper=helper, index=len(self.layers))
+            reduce = self.factor_approx == "reduce" or (self.factor_approx == "auto" and helper.auto_reduce)
+            layer = KFACLayer(name=name, helper=helper, index=len(self.layers), reduce=reduce)
             layer.handles.append(module.register_forward_hook(self._make_forward_hook(layer)))
             self.layers[name] = layer
         if not self.layers:
@@ -232,7 +234,7 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
         return eager(forward_hook)
 
     def _make_grad_hook(self, layer: KFACLayer, x: torch.Tensor) -> Callable[[torch.Tensor], None]:
-        batch = layer.helper.examples(x, self._reduce)
+        batch = layer.helper.examples(x, layer.reduce)
         micro_batch = self._micro_batch
 
         def grad_hook(grad_output: torch.Tensor) -> None:
@@ -250,7 +252,7 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
         return eager(grad_hook)
 
     def _accumulate_a(self, layer: KFACLayer, x: torch.Tensor) -> None:
-        if self._reduce:
+        if layer.reduce:
             a = layer.helper.a_reduced(x.detach(), self.factor_dtype)
         else:
             a = layer.helper.a_rows(x.detach()).to(self.factor_dtype)
@@ -270,7 +272,7 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
         layer.mb_a_calls += 1
 
     def _accumulate_g(self, layer: KFACLayer, grad_output: torch.Tensor, batch: int, micro_batch: int) -> None:
-        if self._reduce:
+        if layer.reduce:
             d = layer.helper.g_reduced(grad_output, self.factor_dtype)
         else:
             d = layer.helper.g_rows(grad_output).to(self.factor_dtype)

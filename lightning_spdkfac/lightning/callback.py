@@ -87,10 +87,11 @@ class KFAC(Callback):
             ``kfac/inverse_fallbacks`` (factor inversions Cholesky could not do) are logged, as their
             running totals, on the steps whose logs Lightning writes, whatever ``log_step_time`` says.
         factor_approx: how layers with weight sharing (Conv2d, and Linear on inputs with more than two
-            dims such as ``(batch, seq, features)``) form their factors: ``"expand"`` (default: one row
-            per position, KFC) or ``"reduce"`` (one row per example, its positions aggregated first:
-            the factor statistics cost about positions times fewer flops). 2-D Linear inputs are the
-            same under both. The formulas are in docs/math.md.
+            dims such as ``(batch, seq, features)``) form their factors: ``"expand"`` (one row per
+            position, KFC), ``"reduce"`` (one row per example, its positions aggregated first: the
+            factor statistics cost about positions times fewer flops), or ``"auto"`` (default: reduce
+            for Conv2d, expand for Linear). 2-D Linear inputs are the same under all. The formulas
+            are in docs/math.md.
         inverse_method: how each layer's damped curvature block is inverted: ``"cholesky"`` (default:
             each factor by Cholesky, the damping split between them by pi-balancing, so every direction
             is damped by at least ``damping``) or ``"eigen"`` (eigendecompositions of both factors, the
