@@ -519,6 +519,15 @@ def median_curve(w_runs: list[dict], monitor: str) -> tuple[list[float], list[fl
     return xs, ys
 
 
+def _defaults_label(res: dict) -> str:
+    """'K-FAC() defaults' and the defaults that run had (they changed between releases)."""
+    o = res.get("kfac_defaults_options")
+    if not o:
+        return "K-FAC() defaults"
+    return (f"K-FAC() defaults ({o['factor_approx']}, factors/inverses every "
+            f"{o['factor_update_steps']}/{o['inv_update_steps']})")
+
+
 def plot(results: list[dict], path: str) -> None:
     import matplotlib
 
@@ -532,7 +541,7 @@ def plot(results: list[dict], path: str) -> None:
                    [r for r in runs if r["tag"] == f"sweep {o}" and math.isclose(r["lr"], res["winners"][o]["lr"])])
                   for o in res["winners"]]
         curves += [(f"{best['optimizer']} lr {best['lr']:g} (re-run)", [r for r in runs if r["tag"] == f"rerun {best['optimizer']}"]),
-                   ("K-FAC() defaults", [r for r in runs if r["tag"] == "kfac defaults"]),
+                   (_defaults_label(res), [r for r in runs if r["tag"] == "kfac defaults"]),
                    ("K-FAC(factor_approx='reduce')", [r for r in runs if r["tag"] == "kfac reduce"])]
         for label, rs in curves:
             xs, ys = median_curve(rs, res["monitor"])
@@ -569,6 +578,8 @@ def main() -> None:
                         "(the winner is still re-run beside K-FAC, interleaved)")
     p.add_argument("--sweep-seeds", default=None,
                    help="seeds of the damping sweep (default: all of --seeds); the other rows run every seed")
+    p.add_argument("--plot-from", default=None, metavar="RESULTS_JSON,...",
+                   help="run nothing: plot and print the workloads of earlier results.json files into --out")
     p.add_argument("--candidates", default=None, metavar="JSON",
                    help='further K-FAC rows: {"name": {KFAC option: value, ..., "lr_factor": x}, ...}')
     args = p.parse_args()
@@ -591,6 +602,15 @@ def main() -> None:
     if os.path.exists(out) and os.listdir(out):
         p.error(f"--out {out} exists and is not empty: give a fresh folder")
     os.makedirs(out, exist_ok=True)
+    if args.plot_from:
+        results = []
+        for path in args.plot_from.split(","):
+            with open(path) as f:
+                results += [r for r in json.load(f)["workloads"] if r["workload"] in names]
+        plot(results, os.path.join(out, "time_to_target.png"))
+        print("\n\n".join(r["table"] for r in results))
+        print(f"\nwrote {out}/time_to_target.png from {args.plot_from}")
+        return
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     warnings.filterwarnings("ignore", ".*GPU available but not used.*")
     warnings.filterwarnings("ignore", ".*LeafSpec.*")  # a deprecation inside Lightning, once per fit
