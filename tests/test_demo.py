@@ -227,3 +227,21 @@ def test_demo_seed_table_reports_median_and_range_over_seeds():
     for bad in ("1,1", "a", "-1"):
         with pytest.raises(SystemExit):
             parse_args(["--seeds", bad])
+
+
+def test_verdict_says_who_reached_the_target_first_in_seconds_and_by_how_much():
+    from lightning_spdkfac.demo.__main__ import verdict
+
+    def run(seconds):
+        return {"target": 0.97, "epoch": None if seconds is None else 3, "seconds": seconds}
+
+    assert "K-FAC wins" in verdict({"K-FAC": [run(1.0)], "SGD": [run(2.0)]}) and "0.50x" in verdict(
+        {"K-FAC": [run(1.0)], "SGD": [run(2.0)]})
+    assert "K-FAC loses" in verdict({"K-FAC": [run(3.0)], "SGD": [run(1.5)]})
+    assert "ties" in verdict({"K-FAC": [run(1.0)], "SGD": [run(1.05)]})
+    # medians over seeds, a seed that missed the target counting as never reaching it
+    three = verdict({"K-FAC": [run(1.0), run(1.2), run(None)], "SGD": [run(0.5), run(0.6), run(0.7)]})
+    assert "1.2 s against SGD's 0.6 s" in three and "loses" in three
+    assert "SGD did not" in verdict({"K-FAC": [run(1.0)], "SGD": [run(None)]})
+    assert "K-FAC did not" in verdict({"K-FAC": [run(None)], "SGD": [run(1.0)]})
+    assert "neither" in verdict({"K-FAC": [run(None)], "SGD": [run(None)]})
