@@ -35,6 +35,7 @@ from .hook_tools import autocast_off, eager, in_backward
 from .inverse import (
     EIGEN_FALLBACK_ACTION,
     FALLBACK_ACTION,
+    Fallback,
     eigen_precondition,
     pi_split,
     robust_eigens,
@@ -419,17 +420,10 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
             dampings = [split[(index, which)] for index, which, _ in tasks]
             with self.timer.phase("inverse_compute"):
                 inverses, fallbacks = robust_inverses([t[2] for t in tasks], dampings, self.inv_dtype)
-            self.inverse_fallbacks += len(fallbacks)
-            for fb in fallbacks:
-                index, which, _ = tasks[fb.index]
-                name = by_index[index].name
-                self._warn_once(
-                    name,
-                    f"inverse-{fb.level}",
-                    f"K-FAC layer {name!r}: Cholesky of the damped {which} factor failed at step {k} "
-                    f"(damping {damping:g}, {float(dampings[fb.index]):.3g} on this factor): {fb.reason}; "
-                    + FALLBACK_ACTION[fb.level].format(damping=fb.damping),
-                )
+            self._report_fallbacks(fallbacks, tasks, by_index, "inverse", lambda fb, which: (
+                f"Cholesky of the damped {which} factor failed at step {k} (damping {damping:g}, "
+                f"{float(dampings[fb.index]):.3g} on this factor): {fb.reason}; "
+                + FALLBACK_ACTION[fb.level].format(damping=fb.damping)))
             return inverses
 
         return invert
@@ -440,19 +434,21 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
         def invert(tasks: list[Task]) -> list[torch.Tensor]:
             with self.timer.phase("inverse_compute"):
                 payloads, fallbacks = robust_eigens([t[2] for t in tasks], self.inv_dtype)
-            self.inverse_fallbacks += len(fallbacks)
-            for fb in fallbacks:
-                index, which, _ = tasks[fb.index]
-                name = by_index[index].name
-                self._warn_once(
-                    name,
-                    f"eigen-{fb.level}",
-                    f"K-FAC layer {name!r}: the eigendecomposition of the {which} factor failed at step {k} "
-                    f"(inv_dtype {self.inv_dtype}): {fb.reason}; " + EIGEN_FALLBACK_ACTION[fb.level],
-                )
+            self._report_fallbacks(fallbacks, tasks, by_index, "eigen", lambda fb, which: (
+                f"the eigendecomposition of the {which} factor failed at step {k} (inv_dtype {self.inv_dtype}): "
+                f"{fb.reason}; " + EIGEN_FALLBACK_ACTION[fb.level]))
             return payloads
 
         return invert
+
+    def _report_fallbacks(self, fallbacks: list[Fallback], tasks: list[Task], by_index: dict[int, KFACLayer],
+                          kind: str, describe: Callable[[Fallback, str], str]) -> None:
+        """Count the inversions that fell back and warn once per layer and level (kfac/inverse.py)."""
+        self.inverse_fallbacks += len(fallbacks)
+        for fb in fallbacks:
+            index, which, _ = tasks[fb.index]
+            name = by_index[index].name
+            self._warn_once(name, f"{kind}-{fb.level}", f"K-FAC layer {name!r}: " + describe(fb, which))
 
     @staticmethod
     def _factor_dampings(layers: list[KFACLayer], damping: float) -> dict[tuple[int, str], torch.Tensor]:
