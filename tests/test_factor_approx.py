@@ -235,7 +235,7 @@ def test_reduce_equals_expand_bit_for_bit_on_2d_linear_inputs(x_shape):
     def run(approx):
         torch.manual_seed(4)
         model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3, bias=False))
-        pre = KFACPreconditioner(model, factor_approx=approx, inv_update_steps=1)
+        pre = KFACPreconditioner(model, factor_approx=approx, factor_update_steps=1, inv_update_steps=1)
         g = torch.Generator().manual_seed(5)
         for _ in range(3):
             one_step(model, pre, [torch.randn(*x_shape, generator=g)])

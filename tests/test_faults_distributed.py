@@ -28,7 +28,7 @@ from lightning_spdkfac.multiprocess import RankFailure, run_distributed
 
 pytestmark = pytest.mark.timeout(120)
 
-KFAC_KW = dict(damping=0.05, kl_clip=1e-2, lr=0.1, inv_update_steps=2)
+KFAC_KW = dict(damping=0.05, kl_clip=1e-2, lr=0.1, factor_update_steps=1, inv_update_steps=2)  # factors every step
 COMM_TIMEOUT = 5.0  # comm_timeout_s of the kill and stall tests
 HANG = 60  # the harness's and the process group's own timeout: where a hang would end
 

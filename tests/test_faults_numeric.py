@@ -45,7 +45,7 @@ def backward(model, x, y):
 def run_without_the_bad_batch(data):
     """The reference of the skip tests: a fresh model and preconditioner that only ever saw batches 0 and 2."""
     ref_model = mlp()
-    ref = KFACPreconditioner(ref_model, kl_clip=None, inv_update_steps=10)
+    ref = KFACPreconditioner(ref_model, kl_clip=None, factor_update_steps=1, inv_update_steps=10)
     for x, y in (data[0], data[2]):
         backward(ref_model, x, y)
         ref.step()
@@ -115,7 +115,7 @@ def test_nonfinite_factor_input_skips_the_update_and_the_next_good_step_resumes(
     caplog.set_level(logging.INFO, logger="lightning_spdkfac")
     data = batches(3)
     model = mlp()
-    pre = KFACPreconditioner(model, kl_clip=None, inv_update_steps=10)
+    pre = KFACPreconditioner(model, kl_clip=None, factor_update_steps=1, inv_update_steps=10)
     poison = Poison(model[int(where)], kind)
     backward(model, *data[0])
     pre.step()
@@ -163,7 +163,8 @@ def test_nonfinite_gradient_skips_preconditioning_and_the_optimizer_sees_it(capl
     torch.manual_seed(0)
     model = Net()
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
-    pre = KFACPreconditioner(model, kl_clip=None, inv_update_steps=10, grad_scaler=scaler)
+    pre = KFACPreconditioner(model, kl_clip=None, factor_update_steps=1, inv_update_steps=10,
+                             grad_scaler=scaler)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     data = batches(3)
     for i, (x, y) in enumerate(data):
@@ -219,7 +220,7 @@ class CorruptingDistributor(Distributor):
 def test_nonfinite_received_factor_skips_the_update_but_preconditions():
     data = batches(3)
     model = mlp()
-    pre = KFACPreconditioner(model, kl_clip=None, inv_update_steps=10,
+    pre = KFACPreconditioner(model, kl_clip=None, factor_update_steps=1, inv_update_steps=10,
                              distributor=CorruptingDistributor(index=1, bad_steps={1}))
     assert not pre._local  # the distributed path (_fold_reduced) runs
     backward(model, *data[0])
@@ -269,7 +270,7 @@ def run_steps(pre, model, poison, pattern):
 
 def test_k_consecutive_bad_steps_raise_naming_the_layer():
     model = mlp()
-    pre = KFACPreconditioner(model, max_bad_steps=3)
+    pre = KFACPreconditioner(model, max_bad_steps=3, factor_update_steps=1, inv_update_steps=10)
     poison = Poison(model[0], "output_grad")
     run_steps(pre, model, poison, "gbb")
     with pytest.raises(RuntimeError) as err:
@@ -284,11 +285,11 @@ def test_k_consecutive_bad_steps_raise_naming_the_layer():
 
 def test_k_minus_one_bad_steps_then_a_good_one_do_not_raise():
     model = mlp()
-    pre = KFACPreconditioner(model, max_bad_steps=3)
+    pre = KFACPreconditioner(model, max_bad_steps=3, factor_update_steps=1, inv_update_steps=10)
     poison = Poison(model[0], "output_grad")
     run_steps(pre, model, poison, "gbbgbbgbb")
     assert pre.skipped_factor_steps == 6 and pre.consecutive_bad_steps == 2
-    unlimited = KFACPreconditioner(mlp(), max_bad_steps=None)
+    unlimited = KFACPreconditioner(mlp(), max_bad_steps=None, factor_update_steps=1, inv_update_steps=10)
     run_steps(unlimited, unlimited.model, Poison(unlimited.model[0], "output_grad"), "gbbbbbb")
     assert unlimited.consecutive_bad_steps == 6
 
@@ -315,7 +316,7 @@ class SyncCounter(TorchFunctionMode):
 
 def test_blame_costs_host_syncs_only_on_bad_steps():
     model = mlp()
-    pre = KFACPreconditioner(model, inv_update_steps=10)
+    pre = KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=10)
     poison = Poison(model[0], "output_grad")
     counts = []
     for c in "ggbg":  # step 0 also inverts; steps 1-3 do not
@@ -443,7 +444,8 @@ def test_fallback_warns_once_per_layer_and_gradients_stay_finite():
     bad = {0: CASES["indefinite"].float(), 1: CASES["near_singular"].float()}  # layer index -> factor
     dist = ReplacingDistributor({(i, which): f for i, f in bad.items() for which in ("A", "G")})
     # A = G: pi = 1, so each factor gets sqrt(damping) = 1e-8 (see kfac.inverse.pi_split)
-    pre = KFACPreconditioner(model, damping=1e-16, factor_decay=0.0, inv_update_steps=1, distributor=dist)
+    pre = KFACPreconditioner(model, damping=1e-16, factor_decay=0.0, factor_update_steps=1, inv_update_steps=1,
+                             distributor=dist)
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         for _ in range(3):
@@ -464,7 +466,7 @@ def test_fallback_warns_once_per_layer_and_gradients_stay_finite():
 
 def test_fallback_warning_names_layer_factor_step_and_damping():
     model = nn.Sequential(nn.Linear(15, 16))
-    pre = KFACPreconditioner(model, damping=1e-8, inv_update_steps=1)
+    pre = KFACPreconditioner(model, damping=1e-8, factor_update_steps=1, inv_update_steps=1)
     layer = pre.layers["0"]
     layer.A, layer.G = CASES["indefinite"].float(), torch.eye(16)
     with warnings.catch_warnings(record=True) as w:
@@ -515,7 +517,7 @@ def test_callback_logs_the_counters_and_passes_max_bad_steps(tmp_path):
 
     # damping 0 on 4-row batches: A (7 x 7) is rank-deficient, so inversions fall back too.
     with pytest.warns(UserWarning, match="Cholesky of the damped"):
-        t = fit({2}, damping=0.0, inv_update_steps=2)
+        t = fit({2}, damping=0.0, factor_update_steps=1, inv_update_steps=2)
     with open(f"{t.logger.log_dir}/metrics.csv") as f:
         rows = [r for r in csv.DictReader(f) if r.get("kfac/skipped_factor_steps")]
     assert [float(r["kfac/skipped_factor_steps"]) for r in rows] == [0, 0, 1, 1, 1, 1]
@@ -526,7 +528,7 @@ def test_callback_logs_the_counters_and_passes_max_bad_steps(tmp_path):
 
     with pytest.raises(RuntimeError, match=r"2 consecutive factor steps.*at step 2: layer 'net\.0': output gradients "
                                            r"\(G factor\)\. Training"):
-        fit({1, 2, 3}, max_bad_steps=2)
+        fit({1, 2, 3}, max_bad_steps=2, factor_update_steps=1, inv_update_steps=10)
     with pytest.raises(ValueError, match="max_bad_steps must be"):
         KFAC(max_bad_steps=0)
 
@@ -537,7 +539,7 @@ def test_decayed_factor_entries_are_flushed_before_they_turn_subnormal():
     running factors hold zeros there instead, and everything else is the plain running average."""
     torch.manual_seed(0)
     layer = nn.Linear(3, 2, bias=False)
-    pre = KFACPreconditioner(layer, factor_decay=0.5, kl_clip=None, inv_update_steps=1)
+    pre = KFACPreconditioner(layer, factor_decay=0.5, kl_clip=None, factor_update_steps=1, inv_update_steps=1)
     tiny = torch.finfo(torch.float32).tiny
     x = torch.randn(4, 3)
     layer(x).sum().backward()

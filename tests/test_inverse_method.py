@@ -81,8 +81,9 @@ def test_eigen_matches_the_dense_kronecker_solve(kind, bias, kl_clip):
     model = build(bias).to(F64)
     names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear | nn.Conv2d)]
     damping, lr = 0.05, 0.3
+    # expand: ref_factors builds every im2col row of a Conv2d (the default, "auto", reduces them)
     pre = KFACPreconditioner(model, inverse_method="eigen", damping=damping, kl_clip=kl_clip, lr=lr,
-                             factor_dtype=F64, inv_dtype=F64)
+                             factor_dtype=F64, inv_dtype=F64, factor_approx="expand")
     rec = Recorder(model, names)
     grads = step_with_grads(model, pre, rec, inputs())
     refs = {n: ref_factors(rec, n) for n in names}
@@ -102,8 +103,8 @@ def test_eigen_damping_schedule_changes_only_at_inverse_steps():
     def damping(k):
         return 0.1 * (k + 1)
 
-    pre = KFACPreconditioner(model, inverse_method="eigen", damping=damping, kl_clip=None, inv_update_steps=2,
-                             factor_decay=0.5, factor_dtype=F64, inv_dtype=F64)
+    pre = KFACPreconditioner(model, inverse_method="eigen", damping=damping, kl_clip=None, factor_update_steps=1,
+                             inv_update_steps=2, factor_decay=0.5, factor_dtype=F64, inv_dtype=F64)
     rec = Recorder(model, ["0"])
     grads0 = step_with_grads(model, pre, rec, torch.randn(6, 4, dtype=F64))
     A0, G0 = ref_factors(rec, "0")
@@ -159,7 +160,7 @@ def test_eigen_precondition_zero_damping_stays_finite():
 def test_non_finite_factor_gives_the_identity_level_warned_once_per_layer():
     torch.manual_seed(3)
     model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
-    pre = KFACPreconditioner(model, inverse_method="eigen", inv_update_steps=1, damping=0.1)
+    pre = KFACPreconditioner(model, inverse_method="eigen", factor_update_steps=1, inv_update_steps=1, damping=0.1)
     x = torch.randn(5, 4)
     sq_loss(model(x)).backward()
     pre.step()
@@ -245,7 +246,8 @@ def train(model, pre, xs):
 
 
 def make_pre(model, method):
-    return KFACPreconditioner(model, inverse_method=method, inv_update_steps=2, damping=lambda k: 0.05 + 0.01 * k)
+    return KFACPreconditioner(model, inverse_method=method, factor_update_steps=1, inv_update_steps=2,
+                              damping=lambda k: 0.05 + 0.01 * k)
 
 
 def test_eigen_checkpoint_resumes_bitwise():
@@ -335,7 +337,7 @@ def test_planner_costs_eigen_broadcasts_at_n_times_n_plus_1():
 # ----------------------------------------------------------------------------- 2 ranks (gloo DDP)
 
 STEPS, BATCH = 5, 8
-KFAC_KW = dict(damping=0.05, kl_clip=1e-2, lr=0.1, inv_update_steps=2, inverse_method="eigen")
+KFAC_KW = dict(damping=0.05, kl_clip=1e-2, lr=0.1, factor_update_steps=1, inv_update_steps=2, inverse_method="eigen")
 SCHEDULES = {
     "dkfac": dict(schedule="dkfac"),
     "mpd": dict(schedule="mpd"),

@@ -53,10 +53,10 @@ def test_callable_hyperparameters_equal_constants():
         calls.append(step)
         return 0.01
 
-    ref = KFACPreconditioner(ref_model, damping=0.01, factor_decay=0.9, kl_clip=0.01, lr=0.1)
+    ref = KFACPreconditioner(ref_model, damping=0.01, factor_decay=0.9, kl_clip=0.01, lr=0.1, factor_update_steps=1)
     sch = KFACPreconditioner(
         sched_model, damping=damping, factor_decay=lambda s: 0.9, kl_clip=lambda s: 0.01, lr=lambda s: 0.1,
-        inv_update_steps=1,
+        factor_update_steps=1, inv_update_steps=1,
     )
     ref.inv_update_steps = 1
     for _ in range(3):
@@ -69,7 +69,8 @@ def test_callable_hyperparameters_equal_constants():
 
 def test_damping_schedule_is_applied_at_each_inverse_step():
     model = mlp()
-    pre = KFACPreconditioner(model, damping=lambda s: 0.1 * (s + 1), inv_update_steps=1, kl_clip=None)
+    pre = KFACPreconditioner(model, damping=lambda s: 0.1 * (s + 1), factor_update_steps=1, inv_update_steps=1,
+                             kl_clip=None)
     x, y = batch(16)
     for step in range(3):
         one_step(model, pre, x, y)
@@ -187,7 +188,7 @@ class Sometimes(nn.Module):
 
 def test_module_whose_forward_did_not_run_is_skipped_for_that_step():
     model = Sometimes()
-    pre = KFACPreconditioner(model, inv_update_steps=1)
+    pre = KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=1)
     x = torch.randn(8, 4)
     model(x).pow(2).mean().backward()
     pre.step()
@@ -282,10 +283,10 @@ def test_bf16_autocast_keeps_factors_fp32_and_close_to_fp32():
 def test_grad_scaler_unscales_g_and_overflow_skips_factor_update():
     x, y = batch(16)
     m_ref, m_sc = mlp(), mlp()
-    p_ref = KFACPreconditioner(m_ref)
+    p_ref = KFACPreconditioner(m_ref, factor_update_steps=1, inv_update_steps=10)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
     opt = torch.optim.SGD(m_sc.parameters(), lr=0.1)
-    p_sc = KFACPreconditioner(m_sc, grad_scaler=scaler)
+    p_sc = KFACPreconditioner(m_sc, grad_scaler=scaler, factor_update_steps=1, inv_update_steps=10)
     one_step(m_ref, p_ref, x, y)
     opt.zero_grad()
     scaler.scale(F.cross_entropy(m_sc(x), y)).backward()
@@ -331,7 +332,7 @@ def test_loss_scale_still_in_the_gradients_is_taken_out_of_g_and_the_kl_clip_and
     step halves S and is skipped. Reference: the same training without any scale. S is a power of two,
     so scaling is exact and the runs agree to round-off."""
     data = [batch(16, seed=s) for s in range(6)]
-    kw = dict(kl_clip=1e-4, lr=0.1, inv_update_steps=1)
+    kw = dict(kl_clip=1e-4, lr=0.1, factor_update_steps=1, inv_update_steps=1)
     m_ref, m_sc = mlp(), mlp()
     p_ref = KFACPreconditioner(m_ref, **kw)
     access = _StillScaledGrads(2.0**10)
@@ -383,7 +384,7 @@ def one_step_grads(model, x, y):
 
 def test_nonfinite_activation_skips_factor_update():
     model = mlp()
-    pre = KFACPreconditioner(model)
+    pre = KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=10)
     x, y = batch(8)
     one_step(model, pre, x, y)
     A0 = pre.layers["0"].A.clone()
@@ -402,7 +403,7 @@ def test_state_dict_round_trip_continues_like_uninterrupted(resume_at):
     def make():
         model = mlp()
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        pre = KFACPreconditioner(model, inv_update_steps=3, lr=0.1)
+        pre = KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=3, lr=0.1)
         return model, opt, pre
 
     model, opt, pre = make()

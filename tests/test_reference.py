@@ -47,9 +47,15 @@ PRECISIONS = {
 }
 
 
+# The spec above: factors every step, inverses on steps k % inv_update_steps == 0, expand rows (the
+# references build every im2col row); set here, not left to the defaults (factors every 5 steps,
+# inverses every 50, "auto" = reduce for Conv2d). A test may override them.
+SPEC_SCHEDULE = dict(factor_update_steps=1, inv_update_steps=10, factor_approx="expand")
+
+
 def make_pre(model, prec, **kw):
     _, fdt, idt, _ = PRECISIONS[prec]
-    return KFACPreconditioner(model, factor_dtype=fdt, inv_dtype=idt, **kw)
+    return KFACPreconditioner(model, factor_dtype=fdt, inv_dtype=idt, **{**SPEC_SCHEDULE, **kw})
 
 
 def layer_names(model):

@@ -17,7 +17,7 @@ from lightning_spdkfac.comm.scheduler import SPDDistributor, SPDOptions
 from lightning_spdkfac.multiprocess import run_distributed
 
 STEPS, BATCH = 7, 8  # per-rank batch
-KFAC_KW = dict(damping=0.05, kl_clip=1e-2, lr=0.1, inv_update_steps=2)
+KFAC_KW = dict(damping=0.05, kl_clip=1e-2, lr=0.1, factor_update_steps=1, inv_update_steps=2)  # factors every step
 
 
 def make_model():
