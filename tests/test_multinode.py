@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 from helpers.processes import clean_env, kill_group, wait_group
 
 from lightning_spdkfac.multiprocess import free_port
@@ -27,7 +28,20 @@ TORCHRUN = Path(sys.executable).with_name("torchrun")
 
 
 @pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun is not installed next to this interpreter")
+def every_step_config(tmp_path: Path) -> Path:
+    """configs/digits_spdkfac.yaml with factors every step and inverses every 5 (the paper's setting,
+    not the library's default 5 / 50): the SPD fusion plan is made after 8 factor steps, within the
+    12 steps this test runs."""
+    config = yaml.safe_load(CONFIG.read_text())
+    kfac = next(c for c in config["trainer"]["callbacks"] if c["class_path"] == "lightning_spdkfac.KFAC")
+    kfac["init_args"].update(factor_update_steps=1, inv_update_steps=5)
+    path = tmp_path / "digits_spdkfac_every_step.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
 def test_two_nodes_with_torchrun_train_and_plan_identically(tmp_path):
+    config = every_step_config(tmp_path)
     port = free_port()
     env = clean_env()
     env["PYTHONPATH"] = f"{REPO / 'tests'}:{env.get('PYTHONPATH', '')}".rstrip(":")
@@ -35,7 +49,7 @@ def test_two_nodes_with_torchrun_train_and_plan_identically(tmp_path):
     for node in (0, 1):
         cmd = [str(TORCHRUN), "--nnodes=2", "--nproc_per_node=1", f"--node_rank={node}",
                "--master_addr=127.0.0.1", f"--master_port={port}",
-               "-m", "lightning_spdkfac.cli", "fit", "--config", str(CONFIG),
+               "-m", "lightning_spdkfac.cli", "fit", "--config", str(config),
                "--trainer.num_nodes=2", "--trainer.devices=1", "--trainer.max_steps=12",
                "--trainer.limit_val_batches=0", f"--trainer.default_root_dir={tmp_path / 'run'}",
                "--trainer.callbacks+=multinode_probe.PlanDump", f"--trainer.callbacks.out_dir={tmp_path}"]
