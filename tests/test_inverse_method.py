@@ -17,8 +17,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from helpers.dense_reference import F64, Recorder, assert_close, grad_matrix, ref_factors
+from helpers.training import sgd_kfac_steps
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -361,15 +361,9 @@ def train_ranked(rank, world, options):
     torch.set_num_threads(1)
     model = dist_model()
     ddp = DDP(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     distributor = SPDDistributor(options, process_group=dist.new_group())
     pre = KFACPreconditioner(model, distributor=distributor, **KFAC_KW)
-    for step in range(STEPS):
-        x, y = dist_data(step, world)
-        opt.zero_grad()
-        F.cross_entropy(ddp(x[rank * BATCH:(rank + 1) * BATCH]), y[rank * BATCH:(rank + 1) * BATCH]).backward()
-        pre.step()
-        opt.step()
+    sgd_kfac_steps(ddp, pre, dist_data, STEPS, world, rank, BATCH)
     return [p.detach().clone() for p in model.parameters()], list(distributor.placement_owners)
 
 
@@ -379,14 +373,7 @@ def all_schedules(rank, world):
 
 def one_process():
     model = dist_model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    pre = KFACPreconditioner(model, **KFAC_KW)
-    for step in range(STEPS):
-        x, y = dist_data(step, 2)
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        pre.step()
-        opt.step()
+    sgd_kfac_steps(model, KFACPreconditioner(model, **KFAC_KW), dist_data, STEPS, 2)
     return [p.detach() for p in model.parameters()]
 
 

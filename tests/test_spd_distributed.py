@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+from helpers.training import sgd_kfac_steps
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -39,17 +39,9 @@ def train_ranked(rank, world, options):
     torch.set_num_threads(1)
     model = make_model()
     ddp = DDP(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    group = dist.new_group()
-    distributor = SPDDistributor(options, process_group=group)
+    distributor = SPDDistributor(options, process_group=dist.new_group())
     pre = KFACPreconditioner(model, distributor=distributor, **KFAC_KW)
-    for step in range(STEPS):
-        x, y = data(step, world)
-        xs, ys = x[rank * BATCH:(rank + 1) * BATCH], y[rank * BATCH:(rank + 1) * BATCH]
-        opt.zero_grad()
-        F.cross_entropy(ddp(xs), ys).backward()
-        pre.step()
-        opt.step()
+    sgd_kfac_steps(ddp, pre, data, STEPS, world, rank, BATCH)
     plan = distributor.describe()
     plan.pop("models")
     plan["last_phases"] = dict(pre.timer.last)
@@ -74,14 +66,7 @@ def all_schedules(rank, world):
 
 def one_process():
     model = make_model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    pre = KFACPreconditioner(model, **KFAC_KW)
-    for step in range(STEPS):
-        x, y = data(step, 2)
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        pre.step()
-        opt.step()
+    sgd_kfac_steps(model, KFACPreconditioner(model, **KFAC_KW), data, STEPS, 2)
     return [p.detach() for p in model.parameters()]
 
 
