@@ -256,13 +256,13 @@ def test_lbp_channel_never_ends_later_than_lbp(ns, world, c0, alpha):
 
 def test_lbp_channel_phase_end_matches_simulate_placement():
     """The fast evaluator the policy searches with is simulate_placement's end, exactly."""
-    from lightning_spdkfac.schedule.placement import _phase_end, _triangle_bytes
+    from lightning_spdkfac.schedule.placement import _phase_end, message_bytes
 
     ns = [n for a, g in resnet50_factor_sides() for n in (a, g)]
     for policy in ("lbp", "lbp_channel", "round_robin", "replicated"):
         p = plan_placement(ns, 8, PAPER_INV, PAPER_COMM, policy=policy)
         fast = _phase_end(list(p.owners), ns, [PAPER_INV.time(n) for n in ns],
-                          [PAPER_COMM.time(_triangle_bytes(n, 4)) for n in ns])
+                          [PAPER_COMM.time(message_bytes(n, 4)) for n in ns])
         assert fast == pytest.approx(simulate_placement(p, ns, PAPER_INV, PAPER_COMM).end, rel=1e-12)
 
 

@@ -44,11 +44,12 @@ import torch
 import torch.distributed as dist
 
 from .. import validation as val
+from ..schedule.placement import message_elements
 from ..vocabulary import INVERSE_METHODS, InverseMethodName
 from ._common import NAN, check_wire_dtype, default_device, global_rank
 from .executor import CollectiveExecutor
 from .faults import INVERSE_BROADCAST, Work
-from .triangle import pack_triu, triu_size, unpack_triu
+from .triangle import pack_triu, unpack_triu
 
 __all__ = ["InverseBroadcaster", "RoundTimings"]
 
@@ -173,8 +174,7 @@ class InverseBroadcaster(CollectiveExecutor):
 
     def message_size(self, index: int) -> int:
         """Elements of factor ``index``'s broadcast: n(n+1)/2 (upper triangle) or n(n+1) (eigen payload)."""
-        n = self.sides[index]
-        return n * (n + 1) if self._eigen else triu_size(n)
+        return message_elements(self.sides[index], self.inverse_method)
 
     def _pack(self, inverse: torch.Tensor, index: int) -> torch.Tensor:
         buf = torch.empty(self.message_size(index), dtype=self.dtype, device=inverse.device)

@@ -254,11 +254,6 @@ def eigen_payload(evecs: torch.Tensor, evals: torch.Tensor) -> torch.Tensor:
     return torch.cat([evecs, evals.unsqueeze(0)], dim=0)
 
 
-def eigen_size(n: int) -> int:
-    """Elements of the eigen payload of an ``n x n`` factor: n(n+1)."""
-    return n * (n + 1)
-
-
 def _eigh(factor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
     """The payload of sym(F) by eigh in ``dtype`` (eigenvalues clamped at 0), or None where it fails."""
     f = factor.to(dtype)

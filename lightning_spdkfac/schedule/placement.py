@@ -24,6 +24,7 @@ __all__ = [
     "PlacementTimeline",
     "inverted_by",
     "message_bytes",
+    "message_elements",
     "owned_by",
     "plan_placement",
     "simulate_placement",
@@ -98,16 +99,15 @@ def inverted_by(placement: Placement, rank: int) -> list[int]:
     return owned_by(placement, r) + list(placement.replicated)
 
 
+def message_elements(n: int, inverse_method: InverseMethodName = "cholesky") -> int:
+    """Elements of the broadcast inverse of a factor of side ``n``: its upper triangle, n(n+1)/2
+    (``"cholesky"``), or its (n+1) x n eigen payload, n(n+1) (``"eigen"``)."""
+    return n * (n + 1) if inverse_method == "eigen" else n * (n + 1) // 2
+
+
 def message_bytes(n: int, bytes_per_element: int = 4, inverse_method: InverseMethodName = "cholesky") -> int:
-    """Bytes of the broadcast inverse of a factor of side ``n``: its upper triangle, n(n+1)/2 elements
-    (``"cholesky"``), or its (n+1) x n eigen payload, n(n+1) elements (``"eigen"``)."""
-    elements = n * (n + 1) if inverse_method == "eigen" else n * (n + 1) // 2
-    return elements * bytes_per_element
-
-
-def _triangle_bytes(n: int, bytes_per_element: int) -> int:
-    """Bytes of the upper triangle of an n x n inverse (the cholesky message)."""
-    return message_bytes(n, bytes_per_element)
+    """Bytes of the broadcast inverse of a factor of side ``n`` (:func:`message_elements`)."""
+    return message_elements(n, inverse_method) * bytes_per_element
 
 
 def _sizer(bytes_per_element: int, inverse_method: object) -> Callable[[int], int]:
@@ -120,8 +120,12 @@ def task_cost(n: int, inv: InverseCost, bcast: AlphaBeta, bytes_per_element: int
               inverse_method: InverseMethodName = "cholesky") -> float:
     """Modelled seconds an owner spends on factor side ``n``: its inversion plus the broadcast of the
     inverse (:func:`message_bytes`). A broadcast costs nothing when ``world_size == 1`` (there is no peer)."""
-    send = bcast.time(message_bytes(n, bytes_per_element, inverse_method)) if world_size > 1 else 0.0
-    return inv.time(n) + send
+    return _owner_seconds(n, inv, bcast, lambda m: message_bytes(m, bytes_per_element, inverse_method), world_size)
+
+
+def _owner_seconds(n: int, inv: InverseCost, bcast: AlphaBeta, msg: Callable[[int], int], world: int) -> float:
+    """:func:`task_cost` with the message size as a function of the side (``msg``)."""
+    return inv.time(n) + (bcast.time(msg(n)) if world > 1 else 0.0)
 
 
 def _loads(owners: list[int], ns: list[int], world: int, inv: InverseCost, bcast: AlphaBeta,
@@ -130,7 +134,7 @@ def _loads(owners: list[int], ns: list[int], world: int, inv: InverseCost, bcast
     load = [replicated] * world
     for n, o in zip(ns, owners):
         if o != REPLICATED:
-            load[o] += inv.time(n) + (bcast.time(msg(n)) if world > 1 else 0.0)
+            load[o] += _owner_seconds(n, inv, bcast, msg, world)
     return load
 
 
