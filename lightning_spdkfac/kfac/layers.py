@@ -10,6 +10,7 @@ See docs/math.md for the definitions.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import cast
 
@@ -160,7 +161,7 @@ class LinearHelper(LayerHelper):
         the sequence length); ``"reduce"`` aggregates the positions of an example into one row."""
         if reduce or x.dim() <= 2:
             return self.batch_size(x)
-        return x.numel() // x.shape[-1] if x.shape[-1] else 0
+        return math.prod(x.shape[:-1])  # the rows of a_rows(x)
 
     def g_rows(self, grad_output: torch.Tensor) -> torch.Tensor:
         return grad_output.reshape(-1, grad_output.shape[-1])
