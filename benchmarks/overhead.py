@@ -116,7 +116,7 @@ class Runner:
         loss = F.cross_entropy(self.model(x), y)
         loss.backward()
         if self.pre is not None:
-            self.pre.step()
+            self.pre.step(self.opt)
         self.opt.step()
         self.last_loss = loss.detach()
 
@@ -133,7 +133,7 @@ class Runner:
         loss.backward()
         t3 = pc()
         if self.pre is not None:
-            self.pre.step()
+            self.pre.step(self.opt)
         t4 = pc()
         self.opt.step()
         t5 = pc()

@@ -3,7 +3,7 @@
     python examples/plain_pytorch.py             # 8 epochs on the 8x8 digits, a few seconds
     python examples/plain_pytorch.py --epochs 2  # quicker
 
-The only K-FAC lines are building the preconditioner and calling ``pre.step()`` between
+The only K-FAC lines are building the preconditioner and calling ``pre.step(opt)`` between
 ``loss.backward()`` and ``opt.step()``: it rewrites the ``.grad`` of every Linear/Conv2d layer.
 """
 
@@ -40,7 +40,6 @@ def main(epochs: int = 8, seed: int = 0) -> float:
         kl_clip=1e-3,
         factor_decay=0.95,
         inv_update_steps=5,
-        lr=lambda step: opt.param_groups[0]["lr"],  # the KL clip follows the scheduled lr
     )
 
     gen = torch.Generator().manual_seed(seed)
@@ -52,7 +51,7 @@ def main(epochs: int = 8, seed: int = 0) -> float:
             opt.zero_grad()
             loss = F.cross_entropy(model(x_train[batch]), y_train[batch])
             loss.backward()
-            pre.step()  # precondition the gradients in place
+            pre.step(opt)  # precondition in place; the KL clip follows opt's (scheduled) lr
             opt.step()
             sched.step()
             total_loss += loss.item() * len(batch)

@@ -47,7 +47,7 @@ def train(distributor, steps=4, accumulate=1):
     m = model()
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     # factors every step: every step from step 1 on submits (pipelined) or reduces them
-    pre = KFACPreconditioner(m, damping=0.01, factor_update_steps=1, inv_update_steps=2, distributor=distributor)
+    pre = KFACPreconditioner(m, damping=0.01, factor_update_steps=1, inv_update_steps=2, distributor=distributor, lr=0.1)
     g = torch.Generator().manual_seed(1)
     for _ in range(steps):
         opt.zero_grad()
@@ -87,7 +87,7 @@ def test_explicit_factor_path_equals_local_fast_path(pipelined, accumulate):
 
 def test_changed_call_count_under_pipelining_fails_loudly():
     lin = nn.Linear(4, 4)
-    pre = KFACPreconditioner(lin, distributor=Echo(pipelined=True), factor_update_steps=1, inv_update_steps=10)
+    pre = KFACPreconditioner(lin, distributor=Echo(pipelined=True), factor_update_steps=1, inv_update_steps=10, lr=0.1)
     x = torch.randn(5, 4)
     lin(x).sum().backward()
     pre.step()  # learns: one call per micro-batch

@@ -173,7 +173,7 @@ def test_conv2d_reduce_in_float32_and_unbatched_input():
     torch.manual_seed(1)
     layer = nn.Conv2d(3, 6, 3, stride=2, padding=1)
     model = nn.Sequential(layer)
-    pre = KFACPreconditioner(model, factor_approx="reduce")
+    pre = KFACPreconditioner(model, factor_approx="reduce", lr=0.1)
     rec = Recorder(model, ["0"])
     one_step(model, pre, [torch.randn(4, 3, 10, 10)])
     A, G = ref_reduce_factors(rec, "0", examples=4)
@@ -182,7 +182,7 @@ def test_conv2d_reduce_in_float32_and_unbatched_input():
     assert_close(pre.layers["0"].G, G, 1e-5)
     # (C, H, W) is one example: one row
     rec.clear()
-    one_step(model, pre := KFACPreconditioner(model, factor_approx="reduce"), [torch.randn(3, 10, 10)])
+    one_step(model, pre := KFACPreconditioner(model, factor_approx="reduce", lr=0.1), [torch.randn(3, 10, 10)])
     A, G = ref_reduce_factors(rec, "0", examples=1)
     assert COUNTS["0"] == (1, 1)
     assert_close(pre.layers["0"].A, A, 1e-5)
@@ -192,7 +192,7 @@ def test_conv2d_reduce_in_float32_and_unbatched_input():
 def test_conv2d_reduce_with_half_precision_inputs_accumulates_in_factor_dtype():
     torch.manual_seed(2)
     layer = nn.Conv2d(3, 4, 3, padding=1).to(torch.bfloat16)
-    pre = KFACPreconditioner(nn.Sequential(layer), factor_approx="reduce")
+    pre = KFACPreconditioner(nn.Sequential(layer), factor_approx="reduce", lr=0.1)
     rec = Recorder(pre.model, ["0"])
     x = torch.randn(4, 3, 16, 16).to(torch.bfloat16)
     pre.model(x).float().pow(2).mean().backward()
@@ -235,7 +235,7 @@ def test_reduce_equals_expand_bit_for_bit_on_2d_linear_inputs(x_shape):
     def run(approx):
         torch.manual_seed(4)
         model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3, bias=False))
-        pre = KFACPreconditioner(model, factor_approx=approx, factor_update_steps=1, inv_update_steps=1)
+        pre = KFACPreconditioner(model, factor_approx=approx, factor_update_steps=1, inv_update_steps=1, lr=0.1)
         g = torch.Generator().manual_seed(5)
         for _ in range(3):
             one_step(model, pre, [torch.randn(*x_shape, generator=g)])
@@ -287,7 +287,7 @@ def test_several_calls_per_forward_each_reduce_their_own_positions():
     torch.manual_seed(8)
     lin = nn.Linear(4, 4).to(F64)
     model = nn.Sequential(lin)
-    pre = KFACPreconditioner(model, factor_approx="reduce", factor_dtype=F64, inv_dtype=F64)
+    pre = KFACPreconditioner(model, factor_approx="reduce", factor_dtype=F64, inv_dtype=F64, lr=0.1)
     rec = Recorder(model, ["0"])
     x = torch.randn(3, 5, 4, dtype=F64)
     lin.zero_grad()
@@ -307,7 +307,7 @@ def test_reduce_accumulation_over_two_micro_batches_equals_the_larger_batch(stri
     def run(xs):
         torch.manual_seed(10)
         model = Net(stride=stride).to(F64)
-        pre = KFACPreconditioner(model, factor_approx="reduce", factor_dtype=F64, inv_dtype=F64)
+        pre = KFACPreconditioner(model, factor_approx="reduce", factor_dtype=F64, inv_dtype=F64, lr=0.1)
         rec = Recorder(model, ["conv", "tok", "head"])
         one_step(model, pre, xs)
         return model, pre, rec
@@ -335,7 +335,7 @@ def test_reduce_removes_the_grad_scaler_scale_from_g():
         torch.manual_seed(12)
         model = Net()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        pre = KFACPreconditioner(model, factor_approx="reduce", grad_scaler=scaler)
+        pre = KFACPreconditioner(model, factor_approx="reduce", grad_scaler=scaler, lr=0.1)
         loss = sq_loss(model(x))
         (loss if scaler is None else scaler.scale(loss)).backward()
         if scaler is not None:
@@ -355,7 +355,7 @@ def test_reduce_removes_the_grad_scaler_scale_from_g():
 def test_a_non_finite_position_skips_the_reduce_factor_update():
     torch.manual_seed(13)
     model = Net()
-    pre = KFACPreconditioner(model, factor_approx="reduce", max_bad_steps=None, factor_update_steps=1)
+    pre = KFACPreconditioner(model, factor_approx="reduce", max_bad_steps=None, factor_update_steps=1, lr=0.1)
     x = torch.randn(4, 2, 5, 5)
     one_step(model, pre, [x])
     before = {n: (ly.A.clone(), ly.G.clone()) for n, ly in pre.layers.items()}
@@ -393,7 +393,7 @@ def test_reduce_through_the_distributed_and_pipelined_paths_equals_the_local_pat
         model = Net(stride=2)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         pre = KFACPreconditioner(model, factor_approx="reduce", factor_update_steps=1, inv_update_steps=2,
-                                 distributor=distributor)
+                                 distributor=distributor, lr=0.1)
         g = torch.Generator().manual_seed(15)
         for _ in range(3):
             opt.zero_grad()
@@ -422,7 +422,7 @@ def test_one_reduce_step_trains():
     torch.manual_seed(16)
     model = Net(stride=2)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    pre = KFACPreconditioner(model, factor_approx="reduce", damping=0.01)
+    pre = KFACPreconditioner(model, factor_approx="reduce", damping=0.01, lr=0.1)
     x = torch.randn(8, 2, 6, 6)
     y = torch.randint(0, 3, (8,))
     losses = []
@@ -452,10 +452,10 @@ def test_factor_approx_is_validated_and_reaches_the_preconditioner():
     with pytest.raises(ValueError, match=r"factor_approx must be one of 'auto', 'expand', 'reduce', got 'Reduce'"):
         KFAC(factor_approx="Reduce")
     with pytest.raises(ValueError, match=r"factor_approx"):
-        KFACPreconditioner(nn.Linear(2, 2), factor_approx="kfc")
+        KFACPreconditioner(nn.Linear(2, 2), factor_approx="kfc", lr=0.1)
     assert KFAC(factor_approx="reduce").options.factor_approx == "reduce"
     assert KFAC().options.factor_approx == "auto"
-    pre = KFACPreconditioner(nn.Linear(2, 2), KFACOptions(factor_approx="reduce"))
+    pre = KFACPreconditioner(nn.Linear(2, 2), KFACOptions(factor_approx="reduce"), lr=0.1)
     assert pre.options.factor_approx == "reduce" and all(ly.reduce for ly in pre.layers.values())
 
 
@@ -463,15 +463,15 @@ def test_a_state_of_the_other_approximation_loads_with_a_warning_never_silently(
     torch.manual_seed(0)
     x = torch.randn(4, 2, 6, 6)
     reduce_model = Net()
-    pre_reduce = KFACPreconditioner(reduce_model, factor_approx="reduce", inv_update_steps=1)
+    pre_reduce = KFACPreconditioner(reduce_model, factor_approx="reduce", inv_update_steps=1, lr=0.1)
     one_step(reduce_model, pre_reduce, [x])
     state = pre_reduce.state_dict()
     assert state["factor_approx"] == "reduce"
-    expand = KFACPreconditioner(Net(), factor_approx="expand", inv_update_steps=1)
+    expand = KFACPreconditioner(Net(), factor_approx="expand", inv_update_steps=1, lr=0.1)
     with pytest.warns(UserWarning, match=r"saved with factor_approx='reduce' and this run uses 'expand'"):
         expand.load_state_dict(state)
     assert torch.equal(expand.layers["conv"].A, pre_reduce.layers["conv"].A)  # loaded all the same
-    same = KFACPreconditioner(Net(), factor_approx="reduce", inv_update_steps=1)
+    same = KFACPreconditioner(Net(), factor_approx="reduce", inv_update_steps=1, lr=0.1)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         same.load_state_dict(state)  # same approximation: silent

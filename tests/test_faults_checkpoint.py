@@ -90,10 +90,10 @@ SPEC = {"enc": (6, 5), "mid": (5, 5), "head": (5, 3)}
 def trained():
     """A preconditioner after 3 steps, and a valid state of the same model taken on other data."""
     model = named(SPEC)
-    pre = KFACPreconditioner(model, inv_update_steps=1)
+    pre = KFACPreconditioner(model, inv_update_steps=1, lr=0.1)
     train(model, pre, 3, seed=1)
     other_model = named(SPEC, seed=5)
-    other = KFACPreconditioner(other_model, inv_update_steps=1)
+    other = KFACPreconditioner(other_model, inv_update_steps=1, lr=0.1)
     train(other_model, other, 2, seed=7)
     state = copy.deepcopy(other.state_dict())
     # the state really differs from pre's in every layer, so a partial load would show
@@ -105,14 +105,14 @@ def trained():
 # --------------------------------------------------------------------------- mismatched model
 def test_state_of_another_model_lists_every_mismatch_and_changes_nothing():
     saved_model = named({"enc": (6, 5), "mid": (5, 5), "head": (5, 3)})
-    saved = KFACPreconditioner(saved_model)
+    saved = KFACPreconditioner(saved_model, lr=0.1)
     train(saved_model, saved, 2)
     state = saved.state_dict()
     assert set(state["layer_dims"]) == {"layers.enc", "layers.mid", "layers.head"}
 
     # this model: 'mid' is gone, 'extra' is new, 'head' has 4 outputs instead of 3
     model = named({"enc": (6, 5), "extra": (5, 5), "head": (5, 4)})
-    pre = KFACPreconditioner(model)
+    pre = KFACPreconditioner(model, lr=0.1)
     train(model, pre, 2, seed=3)
     snap = snapshot(pre)
     with pytest.raises(ValueError) as err:
@@ -129,17 +129,17 @@ def test_state_of_another_model_lists_every_mismatch_and_changes_nothing():
 def test_layer_without_factors_yet_is_still_checked_and_listed():
     # 'head' never ran in the saved run: it has no factors, but its sides are in layer_dims
     saved_model = named({"enc": (6, 5), "head": (5, 3)})
-    saved = KFACPreconditioner(saved_model)
+    saved = KFACPreconditioner(saved_model, lr=0.1)
     x = torch.randn(4, 6)
     saved_model.layers["enc"](x).pow(2).mean().backward()
     saved.step()
     state = saved.state_dict()
     assert list(state["layers"]) == ["layers.enc"] and state["layer_dims"]["layers.head"] == [6, 3]
-    wide = KFACPreconditioner(named({"enc": (6, 5), "head": (5, 2)}))
+    wide = KFACPreconditioner(named({"enc": (6, 5), "head": (5, 2)}), lr=0.1)
     with pytest.raises(ValueError, match=r"'layers.head': factor shapes \(6, 6\), \(3, 3\) \(no factors yet\)"):
         wide.load_state_dict(state)
     # the same model loads it: the layer without factors starts without factors
-    same = KFACPreconditioner(named({"enc": (6, 5), "head": (5, 3)}, seed=9))
+    same = KFACPreconditioner(named({"enc": (6, 5), "head": (5, 3)}, seed=9), lr=0.1)
     same.load_state_dict(state)
     assert torch.equal(same.layers["layers.enc"].A, saved.layers["layers.enc"].A)
     assert same.layers["layers.head"].A is None and same.steps == 1
@@ -147,9 +147,9 @@ def test_layer_without_factors_yet_is_still_checked_and_listed():
 
 def test_layer_skipped_here_says_why():
     model = named(SPEC)
-    pre = KFACPreconditioner(model)
+    pre = KFACPreconditioner(model, lr=0.1)
     train(model, pre, 1)
-    skipping = KFACPreconditioner(named(SPEC), skip_layers="mid")
+    skipping = KFACPreconditioner(named(SPEC), skip_layers="mid", lr=0.1)
     with pytest.raises(ValueError, match=r"unexpected layer 'layers.mid'.*\(skipped here: matched skip_layers\)"):
         skipping.load_state_dict(pre.state_dict())
 
@@ -255,7 +255,7 @@ def test_every_problem_is_listed_at_once(trained):
 
 
 def test_not_a_dict_is_refused():
-    pre = KFACPreconditioner(named(SPEC))
+    pre = KFACPreconditioner(named(SPEC), lr=0.1)
     for bad in (None, [1, 2], "state", torch.zeros(3)):
         with pytest.raises(ValueError, match="not a KFACPreconditioner state dict: got a"):
             pre.load_state_dict(bad)
@@ -278,7 +278,7 @@ def test_valid_state_loads_after_a_refusal_and_version_1_states_still_load(train
     v1["version"] = 1
     del v1["layer_dims"]
     v1["layers"]["layers.enc"]["A"] = v1["layers"]["layers.enc"]["A"].double()
-    fresh = KFACPreconditioner(named(SPEC))
+    fresh = KFACPreconditioner(named(SPEC), lr=0.1)
     fresh.load_state_dict(v1)
     assert fresh.layers["layers.enc"].A.dtype == torch.float32
     assert torch.equal(fresh.layers["layers.enc"].A, state["layers"]["layers.enc"]["A"])

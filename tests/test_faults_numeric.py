@@ -251,7 +251,7 @@ def test_nonfinite_received_factor_skips_the_update_but_preconditions():
 
 def test_received_factor_blame_says_when_this_rank_produced_it():
     model = mlp()
-    pre = KFACPreconditioner(model, distributor=CorruptingDistributor(index=0, bad_steps=set()))
+    pre = KFACPreconditioner(model, distributor=CorruptingDistributor(index=0, bad_steps=set()), lr=0.1)
     poison = Poison(model[0], "activation")
     poison.on = True
     backward(model, *batches(1)[0])
@@ -270,7 +270,7 @@ def run_steps(pre, model, poison, pattern):
 
 def test_k_consecutive_bad_steps_raise_naming_the_layer():
     model = mlp()
-    pre = KFACPreconditioner(model, max_bad_steps=3, factor_update_steps=1, inv_update_steps=10)
+    pre = KFACPreconditioner(model, max_bad_steps=3, factor_update_steps=1, inv_update_steps=10, lr=0.1)
     poison = Poison(model[0], "output_grad")
     run_steps(pre, model, poison, "gbb")
     with pytest.raises(RuntimeError) as err:
@@ -285,11 +285,11 @@ def test_k_consecutive_bad_steps_raise_naming_the_layer():
 
 def test_k_minus_one_bad_steps_then_a_good_one_do_not_raise():
     model = mlp()
-    pre = KFACPreconditioner(model, max_bad_steps=3, factor_update_steps=1, inv_update_steps=10)
+    pre = KFACPreconditioner(model, max_bad_steps=3, factor_update_steps=1, inv_update_steps=10, lr=0.1)
     poison = Poison(model[0], "output_grad")
     run_steps(pre, model, poison, "gbbgbbgbb")
     assert pre.skipped_factor_steps == 6 and pre.consecutive_bad_steps == 2
-    unlimited = KFACPreconditioner(mlp(), max_bad_steps=None, factor_update_steps=1, inv_update_steps=10)
+    unlimited = KFACPreconditioner(mlp(), max_bad_steps=None, factor_update_steps=1, inv_update_steps=10, lr=0.1)
     run_steps(unlimited, unlimited.model, Poison(unlimited.model[0], "output_grad"), "gbbbbbb")
     assert unlimited.consecutive_bad_steps == 6
 
@@ -297,7 +297,7 @@ def test_k_minus_one_bad_steps_then_a_good_one_do_not_raise():
 @pytest.mark.parametrize("value, error", [(0, ValueError), (-2, ValueError), (1.5, TypeError), (True, TypeError)])
 def test_max_bad_steps_is_validated(value, error):
     with pytest.raises(error, match=r"max_bad_steps must be None \(never raise\) or a positive integer"):
-        KFACPreconditioner(mlp(), max_bad_steps=value)
+        KFACPreconditioner(mlp(), max_bad_steps=value, lr=0.1)
 
 
 # --------------------------------------------------------------------------- host syncs
@@ -316,7 +316,7 @@ class SyncCounter(TorchFunctionMode):
 
 def test_blame_costs_host_syncs_only_on_bad_steps():
     model = mlp()
-    pre = KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=10)
+    pre = KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=10, lr=0.1)
     poison = Poison(model[0], "output_grad")
     counts = []
     for c in "ggbg":  # step 0 also inverts; steps 1-3 do not
@@ -445,7 +445,7 @@ def test_fallback_warns_once_per_layer_and_gradients_stay_finite():
     dist = ReplacingDistributor({(i, which): f for i, f in bad.items() for which in ("A", "G")})
     # A = G: pi = 1, so each factor gets sqrt(damping) = 1e-8 (see kfac.inverse.pi_split)
     pre = KFACPreconditioner(model, damping=1e-16, factor_decay=0.0, factor_update_steps=1, inv_update_steps=1,
-                             distributor=dist)
+                             distributor=dist, lr=0.1)
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         for _ in range(3):
@@ -466,7 +466,7 @@ def test_fallback_warns_once_per_layer_and_gradients_stay_finite():
 
 def test_fallback_warning_names_layer_factor_step_and_damping():
     model = nn.Sequential(nn.Linear(15, 16))
-    pre = KFACPreconditioner(model, damping=1e-8, factor_update_steps=1, inv_update_steps=1)
+    pre = KFACPreconditioner(model, damping=1e-8, factor_update_steps=1, inv_update_steps=1, lr=0.1)
     layer = pre.layers["0"]
     layer.A, layer.G = CASES["indefinite"].float(), torch.eye(16)
     with warnings.catch_warnings(record=True) as w:

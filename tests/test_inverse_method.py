@@ -160,7 +160,7 @@ def test_eigen_precondition_zero_damping_stays_finite():
 def test_non_finite_factor_gives_the_identity_level_warned_once_per_layer():
     torch.manual_seed(3)
     model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
-    pre = KFACPreconditioner(model, inverse_method="eigen", factor_update_steps=1, inv_update_steps=1, damping=0.1)
+    pre = KFACPreconditioner(model, inverse_method="eigen", factor_update_steps=1, inv_update_steps=1, damping=0.1, lr=0.1)
     x = torch.randn(5, 4)
     sq_loss(model(x)).backward()
     pre.step()
@@ -247,7 +247,7 @@ def train(model, pre, xs):
 
 def make_pre(model, method):
     return KFACPreconditioner(model, inverse_method=method, factor_update_steps=1, inv_update_steps=2,
-                              damping=lambda k: 0.05 + 0.01 * k)
+                              damping=lambda k: 0.05 + 0.01 * k, lr=0.1)
 
 
 def test_eigen_checkpoint_resumes_bitwise():

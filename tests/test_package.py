@@ -57,7 +57,7 @@ def test_core_trains_where_lightning_is_not_installed():
         import lightning_spdkfac
         from lightning_spdkfac import KFACPreconditioner, SPDDistributor, SPDOptions
         model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
-        pre = KFACPreconditioner(model, damping=0.01)
+        pre = KFACPreconditioner(model, damping=0.01, lr=0.1)
         model(torch.randn(8, 4)).square().sum().backward()
         pre.step()
         assert pre.steps == 1 and SPDOptions().schedule == "spd"

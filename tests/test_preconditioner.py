@@ -103,7 +103,7 @@ def test_lr_callable_reads_the_optimizer_for_the_kl_clip():
 
 def test_schedule_returning_bad_value_names_argument_and_step():
     model = mlp()
-    pre = KFACPreconditioner(model, damping=lambda s: -1.0)
+    pre = KFACPreconditioner(model, damping=lambda s: -1.0, lr=0.1)
     x, y = batch(8)
     model(x).sum().backward()
     with pytest.raises(ValueError, match=r"damping\(step=0\).*>= 0"):
@@ -115,8 +115,8 @@ def test_schedule_returning_bad_value_names_argument_and_step():
 def test_accumulation_equals_larger_batch(bias):
     x, y = batch(16)
     big_model, acc_model = mlp(bias=bias), mlp(bias=bias)
-    big = KFACPreconditioner(big_model, kl_clip=1e-3, damping=0.05)
-    acc = KFACPreconditioner(acc_model, kl_clip=1e-3, damping=0.05)
+    big = KFACPreconditioner(big_model, kl_clip=1e-3, damping=0.05, lr=0.1)
+    acc = KFACPreconditioner(acc_model, kl_clip=1e-3, damping=0.05, lr=0.1)
     big_model.zero_grad()
     F.cross_entropy(big_model(x), y).backward()
     big.step()
@@ -133,7 +133,7 @@ def test_accumulation_equals_larger_batch(bias):
 
 def test_factor_update_steps_skips_collection():
     model = mlp()
-    pre = KFACPreconditioner(model, factor_update_steps=2, inv_update_steps=2)
+    pre = KFACPreconditioner(model, factor_update_steps=2, inv_update_steps=2, lr=0.1)
     x, y = batch(16)
     one_step(model, pre, x, y)
     A0 = pre.layers["0"].A.clone()
@@ -161,18 +161,18 @@ class Net(nn.Module):
 
 def test_skip_rules():
     with pytest.warns(UserWarning, match="grouped") as rec:
-        pre = KFACPreconditioner(Net(), skip_layers=[r"^head$"])
+        pre = KFACPreconditioner(Net(), skip_layers=[r"^head$"], lr=0.1)
     assert sum("grouped" in str(w.message) for w in rec) == 1
     assert set(pre.layers) == {"conv"}
     assert "grouped" in pre.skipped and "frozen" in pre.skipped and "head" in pre.skipped
     with pytest.warns(UserWarning):
-        by_class = KFACPreconditioner(Net(), skip_layers="Conv2d")
+        by_class = KFACPreconditioner(Net(), skip_layers="Conv2d", lr=0.1)
     assert set(by_class.layers) == {"head"}
 
 
 def test_model_without_supported_layers_lists_what_it_found():
     with pytest.raises(ValueError, match=r"no supported layer.*BatchNorm1d.*ReLU"):
-        KFACPreconditioner(nn.Sequential(nn.BatchNorm1d(3), nn.ReLU()))
+        KFACPreconditioner(nn.Sequential(nn.BatchNorm1d(3), nn.ReLU()), lr=0.1)
 
 
 class Sometimes(nn.Module):
@@ -188,7 +188,7 @@ class Sometimes(nn.Module):
 
 def test_module_whose_forward_did_not_run_is_skipped_for_that_step():
     model = Sometimes()
-    pre = KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=1)
+    pre = KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=1, lr=0.1)
     x = torch.randn(8, 4)
     model(x).pow(2).mean().backward()
     pre.step()
@@ -211,7 +211,7 @@ def test_multihead_attention_out_proj_never_runs_and_does_not_crash():
     torch.manual_seed(0)
     attn = nn.MultiheadAttention(8, 2, batch_first=True)
     model = nn.ModuleDict({"attn": attn, "head": nn.Linear(8, 2)})
-    pre = KFACPreconditioner(model)
+    pre = KFACPreconditioner(model, lr=0.1)
     assert "attn.out_proj" in pre.layers
     x = torch.randn(4, 5, 8)
     for _ in range(2):
@@ -227,7 +227,7 @@ def test_multihead_attention_out_proj_never_runs_and_does_not_crash():
 def test_shared_weights_accumulate_over_calls():
     torch.manual_seed(0)
     lin = nn.Linear(4, 4)
-    pre = KFACPreconditioner(lin, factor_decay=0.0)
+    pre = KFACPreconditioner(lin, factor_decay=0.0, lr=0.1)
     x = torch.randn(6, 4)
     inputs, outs = [], []
     h = x
@@ -252,7 +252,7 @@ def test_inplace_activation_after_linear_sees_the_linear_output_gradient():
     m_inplace = nn.Sequential(nn.Linear(5, 5), nn.ReLU(inplace=True), nn.Linear(5, 2))
     m_plain = copy.deepcopy(m_inplace)
     m_plain[1] = nn.ReLU()
-    p1, p2 = KFACPreconditioner(m_inplace), KFACPreconditioner(m_plain)
+    p1, p2 = KFACPreconditioner(m_inplace, lr=0.1), KFACPreconditioner(m_plain, lr=0.1)
     x = torch.randn(7, 5)
     for m, p in ((m_inplace, p1), (m_plain, p2)):
         m(x).pow(2).sum().backward()
@@ -264,7 +264,7 @@ def test_inplace_activation_after_linear_sees_the_linear_output_gradient():
 def test_bf16_autocast_keeps_factors_fp32_and_close_to_fp32():
     x, y = batch(32)
     m32, m16 = mlp(), mlp()
-    p32, p16 = KFACPreconditioner(m32), KFACPreconditioner(m16)
+    p32, p16 = KFACPreconditioner(m32, lr=0.1), KFACPreconditioner(m16, lr=0.1)
     one_step(m32, p32, x, y)
     m16.zero_grad()
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -283,10 +283,10 @@ def test_bf16_autocast_keeps_factors_fp32_and_close_to_fp32():
 def test_grad_scaler_unscales_g_and_overflow_skips_factor_update():
     x, y = batch(16)
     m_ref, m_sc = mlp(), mlp()
-    p_ref = KFACPreconditioner(m_ref, factor_update_steps=1, inv_update_steps=10)
+    p_ref = KFACPreconditioner(m_ref, factor_update_steps=1, inv_update_steps=10, lr=0.1)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
     opt = torch.optim.SGD(m_sc.parameters(), lr=0.1)
-    p_sc = KFACPreconditioner(m_sc, grad_scaler=scaler, factor_update_steps=1, inv_update_steps=10)
+    p_sc = KFACPreconditioner(m_sc, grad_scaler=scaler, factor_update_steps=1, inv_update_steps=10, lr=0.1)
     one_step(m_ref, p_ref, x, y)
     opt.zero_grad()
     scaler.scale(F.cross_entropy(m_sc(x), y)).backward()
@@ -384,7 +384,7 @@ def one_step_grads(model, x, y):
 
 def test_nonfinite_activation_skips_factor_update():
     model = mlp()
-    pre = KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=10)
+    pre = KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=10, lr=0.1)
     x, y = batch(8)
     one_step(model, pre, x, y)
     A0 = pre.layers["0"].A.clone()
@@ -425,9 +425,9 @@ def test_state_dict_round_trip_continues_like_uninterrupted(resume_at):
 
 def test_load_state_of_another_model_is_refused_and_changes_nothing():
     model = mlp()
-    pre = KFACPreconditioner(model)
+    pre = KFACPreconditioner(model, lr=0.1)
     one_step(model, pre, *batch(8))
-    other = KFACPreconditioner(nn.Sequential(nn.Linear(6, 4), nn.Tanh(), nn.Linear(4, 3)))
+    other = KFACPreconditioner(nn.Sequential(nn.Linear(6, 4), nn.Tanh(), nn.Linear(4, 3)), lr=0.1)
     before = pre.state_dict()
     with pytest.raises(ValueError, match=r"(?s)does not match.*'0': factor shapes \(7, 7\), \(5, 5\).*needs \(7, 7\), \(4, 4\)"):
         other.load_state_dict(before)
@@ -460,11 +460,11 @@ def test_bad_arguments_name_the_argument(kwargs, match):
 
 def test_bad_types():
     with pytest.raises(TypeError, match="damping must be a number or a callable"):
-        KFACPreconditioner(mlp(), damping="big")
+        KFACPreconditioner(mlp(), damping="big", lr=0.1)
     with pytest.raises(TypeError, match="inv_update_steps must be a positive integer"):
-        KFACPreconditioner(mlp(), inv_update_steps=1.5)
+        KFACPreconditioner(mlp(), inv_update_steps=1.5, lr=0.1)
     with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
-        KFACPreconditioner("model")
+        KFACPreconditioner("model", lr=0.1)
 
 
 def test_options_object_and_overrides_are_one_and_the_same():
@@ -472,26 +472,26 @@ def test_options_object_and_overrides_are_one_and_the_same():
     assert opts.skip_layers == ("^2$",) and opts.factor_dtype is torch.float64  # normalized once
     x, y = batch(16)
     a, b = mlp(), mlp()
-    pa = KFACPreconditioner(a, opts)
-    pb = KFACPreconditioner(b, damping=0.01, inv_update_steps=1, skip_layers=["^2$"], factor_dtype=torch.float64)
+    pa = KFACPreconditioner(a, opts, lr=0.1)
+    pb = KFACPreconditioner(b, damping=0.01, inv_update_steps=1, skip_layers=["^2$"], factor_dtype=torch.float64, lr=0.1)
     assert pa.options == pb.options and list(pa.layers) == ["0"]
     for _ in range(2):
         one_step(a, pa, x, y)
         one_step(b, pb, x, y)
     assert all(torch.equal(g, h) for g, h in zip(grads(a), grads(b)))
     # keyword overrides apply on top of an options object; an unknown name is refused by name
-    assert KFACPreconditioner(mlp(), opts, damping=0.5).options.damping == 0.5
+    assert KFACPreconditioner(mlp(), opts, damping=0.5, lr=0.1).options.damping == 0.5
     with pytest.raises(TypeError, match="'dampnig' is not a K-FAC option; the options are damping, "):
-        KFACPreconditioner(mlp(), dampnig=0.1)
+        KFACPreconditioner(mlp(), dampnig=0.1, lr=0.1)
     with pytest.raises(TypeError, match="options must be None or a KFACOptions, got dict"):
-        KFACPreconditioner(mlp(), {"damping": 0.1})
+        KFACPreconditioner(mlp(), {"damping": 0.1}, lr=0.1)
     with pytest.raises(dataclasses.FrozenInstanceError):
         opts.damping = 1.0
 
 
 def test_inv_update_steps_not_multiple_of_factor_update_steps_warns():
     with pytest.warns(UserWarning, match="not a multiple of factor_update_steps"):
-        KFACPreconditioner(mlp(), factor_update_steps=3, inv_update_steps=10)
+        KFACPreconditioner(mlp(), factor_update_steps=3, inv_update_steps=10, lr=0.1)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        KFACPreconditioner(mlp(), factor_update_steps=5, inv_update_steps=10)
+        KFACPreconditioner(mlp(), factor_update_steps=5, inv_update_steps=10, lr=0.1)

@@ -1,13 +1,15 @@
-"""Cross-rank check that every rank holds the same K-FAC plan (fusion groups and placement).
+"""Cross-rank check that every rank holds the same K-FAC plan (fusion groups and placement) and settings.
 
 Collectives are matched by issue order, so ranks with different fusion groups or inverse owners would
 pair the wrong tensors or hang. The planners are deterministic and fed identical inputs, so this should
 never happen; when it does (a different model or option on one rank, a different package version, a bug),
-it must fail loudly at the re-plan, not as a hang or silently wrong factors later.
+it must fail loudly at the re-plan, not as a hang or silently wrong factors later. The K-FAC settings
+(damping, decay, KL clip, intervals, dtypes, methods, the registered layers) are part of the plan: ranks
+that pair their collectives correctly but damp or clip differently would drift apart without a word.
 
 :func:`check_plan_consistency` runs once per (re-)plan, on every rank at the same point: it hashes each
-part of the plan (factor order, fusion groups, placement owners, factor sides) to 63 bits and all-gathers
-the four numbers (one collective of 32 bytes per rank, bounded by the K-FAC timeout). Only when some rank
+part of the plan (factor order, fusion groups, placement owners, factor sides, K-FAC settings) to 63 bits
+and all-gathers the five numbers (one collective of 32 bytes per rank, bounded by the K-FAC timeout). Only when some rank
 differs does it gather the plans themselves (every rank sees the same fingerprints, so every rank takes
 that path together) to raise :class:`PlanMismatchError` with the differing values of rank 0 and of each
 offending rank, on every rank.
@@ -28,9 +30,9 @@ from .faults import PLAN_CHECK, Work, wait_work
 
 __all__ = ["PLAN_PARTS", "PlanMismatchError", "check_plan_consistency", "plan_fingerprint"]
 
-PLAN_PARTS = ("order", "groups", "owners", "sides")
+PLAN_PARTS = ("order", "groups", "owners", "sides", "settings")
 _LABELS = {"order": "factor order", "groups": "fusion groups", "owners": "placement owners",
-           "sides": "factor sides"}
+           "sides": "factor sides", "settings": "K-FAC settings"}
 _SHOW = 400  # characters of a plan part shown in the error message
 
 
@@ -45,20 +47,22 @@ class PlanMismatchError(RuntimeError):
 
 
 def _plan_parts(order: Sequence[object], groups: Sequence[Sequence[int]], owners: Sequence[int],
-                sides: Sequence[int]) -> dict[str, list[Any]]:
+                sides: Sequence[int], settings: str = "") -> dict[str, Any]:
     return {
         "order": [tuple(k) if isinstance(k, (tuple, list)) else k for k in order],
         "groups": [[int(i) for i in g] for g in groups],
         "owners": [int(o) for o in owners],
         "sides": [int(n) for n in sides],
+        "settings": str(settings),
     }
 
 
 def plan_fingerprint(order: Sequence[object], groups: Sequence[Sequence[int]], owners: Sequence[int],
-                     sides: Sequence[int]) -> dict[str, int]:
+                     sides: Sequence[int], settings: str = "") -> dict[str, int]:
     """A 63-bit hash of each plan part (a non-negative int64), identical for equal plans on any rank,
-    Python process or platform (the hash of the part's ``repr``, not Python's salted ``hash``)."""
-    parts = _plan_parts(order, groups, owners, sides)
+    Python process or platform (the hash of the part's ``repr``, not Python's salted ``hash``).
+    ``settings``: the preconditioner's description of its K-FAC settings (``settings_text``)."""
+    parts = _plan_parts(order, groups, owners, sides, settings)
     return {name: int.from_bytes(hashlib.blake2b(repr(parts[name]).encode(), digest_size=8).digest(), "little")
             >> 1 for name in PLAN_PARTS}
 
@@ -83,6 +87,17 @@ def _gather_objects(obj: object, process_group: dist.ProcessGroup | None, device
     return [pickle.loads(o[:int(s.item())].cpu().numpy().tobytes()) for o, s in zip(out, sizes)]
 
 
+def _differing_items(a: str, b: str) -> tuple[str, str]:
+    """The items of two settings texts (``k=v, ...; layers: ...``) that differ, each side's."""
+
+    def items(text: str) -> list[str]:
+        head, _, layers = text.partition("; layers: ")
+        return head.split(", ") + [f"layers: {layers}"]
+
+    ia, ib = items(a), items(b)
+    return ", ".join(x for x in ia if x not in ib), ", ".join(x for x in ib if x not in ia)
+
+
 def _show(value: object) -> str:
     text = repr(value)
     return text if len(text) <= _SHOW else text[:_SHOW] + f"... ({len(text)} characters)"
@@ -95,12 +110,14 @@ def check_plan_consistency(
     sides: Sequence[int],
     process_group: dist.ProcessGroup | None = None,
     timeout_s: float = 600.0,
+    settings: str = "",
 ) -> None:
     """Raise :class:`PlanMismatchError` on every rank unless all ranks of ``process_group`` hold this plan.
 
     Collective: call on every rank at the same point (once per plan). No-op in one process. ``order``:
     the factor keys in plan order; ``groups``: fusion groups (positions in ``order``); ``owners``: the
-    placement's owner rank per factor (-1: replicated); ``sides``: each factor's side, in plan order.
+    placement's owner rank per factor (-1: replicated); ``sides``: each factor's side, in plan order;
+    ``settings``: the K-FAC settings, as text.
     A rank that does not join within ``timeout_s`` makes the others raise KFACCommError (phase
     "K-FAC plan check").
     """
@@ -111,12 +128,12 @@ def check_plan_consistency(
         return
     rank = dist.get_rank(process_group)
     device = default_device(process_group)
-    fingerprint = plan_fingerprint(order, groups, owners, sides)
+    fingerprint = plan_fingerprint(order, groups, owners, sides, settings)
     local = torch.tensor([fingerprint[p] for p in PLAN_PARTS], dtype=torch.int64, device=device)
     gathered = [torch.empty_like(local) for _ in range(world_size)]
     work = dist.all_gather(gathered, local, group=process_group, async_op=True)
     wait_work(work, timeout_s, collective="all_gather", phase=PLAN_CHECK,
-              what="the plan fingerprints (factor order, fusion groups, placement owners, sides)",
+              what="the plan fingerprints (factor order, fusion groups, placement owners, sides, K-FAC settings)",
               rank=rank, world_size=world_size)
     table = torch.stack(gathered).cpu()
     differs = table != table[0]
@@ -124,12 +141,15 @@ def check_plan_consistency(
         return
     bad_ranks = tuple(int(r) for r in differs.any(dim=1).nonzero().flatten())
     parts = tuple(p for k, p in enumerate(PLAN_PARTS) if bool(differs[:, k].any()))
-    plans = _gather_objects(_plan_parts(order, groups, owners, sides), process_group, device, world_size, rank,
+    plans = _gather_objects(_plan_parts(order, groups, owners, sides, settings), process_group, device, world_size, rank,
                             timeout_s)
     lines = []
     for r in bad_ranks:
         for k, p in enumerate(PLAN_PARTS):
-            if bool(differs[r, k]):
+            if bool(differs[r, k]) and p == "settings":
+                ours, theirs = _differing_items(plans[0][p], plans[r][p])
+                lines.append(f"  {_LABELS[p]}: rank 0 has {_show(ours)}, rank {r} has {_show(theirs)}")
+            elif bool(differs[r, k]):
                 lines.append(f"  {_LABELS[p]}: rank 0 has {_show(plans[0][p])} (fingerprint "
                              f"{int(table[0, k]):#018x}), rank {r} has {_show(plans[r][p])} (fingerprint "
                              f"{int(table[r, k]):#018x})")
@@ -138,6 +158,7 @@ def check_plan_consistency(
         f"rank 0 in: {', '.join(_LABELS[p] for p in parts)}\n" + "\n".join(lines) + "\n"
         "Every rank must derive the identical fusion and placement plan, or collectives pair the wrong "
         "tensors. Check that all ranks run the same model (the same K-FAC layers, in the same order), the "
-        "same K-FAC / strategy options and the same package and torch versions.",
+        "same K-FAC / strategy options (a rank with another damping, KL clip or interval would update its replica "
+        "differently) and the same package and torch versions.",
         parts, bad_ranks,
     )

@@ -68,6 +68,9 @@ _DEFAULT_BUCKET_MB = 4.0
 _DEFAULT_PROFILE_STEPS = (3, 8)
 
 
+MIN_COMM_TIMEOUT_S = 1e-3  # comm_timeout_s below a millisecond would round to torch's "no timeout"
+
+
 @dataclass(frozen=True)
 class SPDOptions:
     """One source of truth for the schedule's options (validated here, by argument name).
@@ -133,6 +136,11 @@ class SPDOptions:
                       accepted=f"an integer > profile_steps[1] ({ps[1]})")
         val.check_int("small_factor", self.small_factor, low=0, optional=True)
         val.check_choice("comm_dtype", self.comm_dtype, COMM_DTYPE_NAMES)
+        if val.is_real(self.comm_timeout_s) and 0 < float(self.comm_timeout_s) < MIN_COMM_TIMEOUT_S:
+            # torch counts waits in whole milliseconds, and a wait of 0 means "no timeout": a bound below
+            # 1 ms would silently become no bound at all.
+            raise ValueError(f"comm_timeout_s must be >= {MIN_COMM_TIMEOUT_S:g} (seconds; torch's waits count "
+                             f"whole milliseconds and 0 means no timeout), got {self.comm_timeout_s!r}")
         val.check_real("comm_timeout_s", self.comm_timeout_s, val.POSITIVE)
         val.check_bool("fuse_g", self.fuse_g)
 
@@ -299,7 +307,7 @@ class SPDDistributor(Distributor):
             device=self.device, timeout=self.options.comm_timeout_s, names=[f"layer {i} {w}" for i, w in self.order],
         )
         check_plan_consistency(self.order, self.plan_groups, self.placement_owners, self._fused.sides,
-                               self.process_group, self.options.comm_timeout_s)
+                               self.process_group, self.options.comm_timeout_s, settings=self.kfac_settings)
 
     def _finish_profile(self) -> None:
         """Plan the fusion from the measured ready times (rank 0's, broadcast) on every rank."""

@@ -50,6 +50,9 @@ class Distributor:
     # Set by the preconditioner before setup(): "cholesky" inverses are n x n symmetric matrices, "eigen"
     # ones (n+1) x n eigen payloads (kfac/inverse.py); a distributor that moves them needs to know which.
     inverse_method: InverseMethodName = "cholesky"
+    # The preconditioner's K-FAC settings as text (``KFACPreconditioner.settings_text``), set before setup():
+    # distributors that check the plan across ranks check these too.
+    kfac_settings: str = ""
     timer: StepTimer | None = None  # the preconditioner's phase timer, set before setup()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:

@@ -38,7 +38,9 @@ class KFACOptions:
             the optimizer step, checked again at every step).
         factor_decay: running-average decay of the factors, in [0, 1); 0 uses the current batch alone.
         kl_clip: KL-clip bound (> 0), or None to turn clipping off.
-        lr: the learning rate the KL clip assumes: a number or a callable of the step.
+        lr: the learning rate the KL clip assumes: a number or a callable of the step, or None (the
+            default): the learning rate of each layer's param group in the optimizer passed to
+            ``KFACPreconditioner.step(optimizer)``, read at every step.
         factor_update_steps: factors are updated every this many steps.
         inv_update_steps: inverses are recomputed every this many steps.
         skip_layers: regular expressions (one string or several); a module whose name or class
@@ -66,7 +68,7 @@ class KFACOptions:
     damping: val.HParam = 3e-2
     factor_decay: val.HParam = 0.95
     kl_clip: val.HParam | None = 1e-3
-    lr: val.HParam = 0.1
+    lr: val.HParam | None = None
     factor_update_steps: int = 5
     inv_update_steps: int = 50
     skip_layers: str | Iterable[str] = ()
@@ -81,7 +83,8 @@ class KFACOptions:
         val.check_schedule("factor_decay", self.factor_decay, val.DECAY)
         val.check_schedule("kl_clip", self.kl_clip, val.POSITIVE, " (use kl_clip=None to turn clipping off)",
                            optional=True)
-        val.check_schedule("lr", self.lr, val.NONNEGATIVE)
+        val.check_schedule("lr", self.lr, val.NONNEGATIVE, " (None: the optimizer's own, per param group)",
+                           optional=True)
         val.check_positive_int("factor_update_steps", self.factor_update_steps)
         val.check_positive_int("inv_update_steps", self.inv_update_steps)
         if self.max_bad_steps is not None:  # None: never raise

@@ -2,11 +2,11 @@
 
 Usage (plain PyTorch)::
 
-    pre = KFACPreconditioner(model, lr=lambda step: opt.param_groups[0]["lr"])
+    pre = KFACPreconditioner(model)
     for x, y in data:
         opt.zero_grad()
         loss_fn(model(x), y).backward()
-        pre.step()          # rewrites .grad of the registered layers in place
+        pre.step(opt)       # rewrites .grad of the layers opt steps, in place
         opt.step()
 
 One optimizer step is: hooks collect factor statistics during forward/backward (on factor steps)
@@ -44,6 +44,7 @@ from .inverse import (
 from .layer_state import KFACLayer
 from .layers import make_helper
 from .options import KFACOptions
+from .param_groups import StepGroups, step_groups
 
 __all__ = ["STATE_VERSION", "KFACLayer", "KFACPreconditioner"]
 
@@ -117,6 +118,10 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
         self.final_micro_batch = True
         # layer index -> (layer, P, grad matrix) of this step
         self._preconditioned: dict[int, tuple[KFACLayer, torch.Tensor, torch.Tensor]] = {}
+        # The layers the optimizer given to step() steps (layer index -> its param group's lr), or None:
+        # every layer, at ``lr``. ``_step_groups`` caches which group holds each layer.
+        self._stepping: dict[int, float] | None = None
+        self._step_groups: StepGroups | None = None
         self._g_scale_value: float | None = None
         # Per-phase seconds of the last step in ``timer.last`` (see lightning_spdkfac.telemetry).
         self.timer = StepTimer()
@@ -145,6 +150,7 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
         self._other_params = [p for p in model.parameters() if id(p) not in kfac_ids]
         self.distributor.inv_dtype = self.inv_dtype
         self.distributor.inverse_method = self.inverse_method
+        self.distributor.kfac_settings = self.settings_text()
         self.distributor.setup([(ly.helper.a_dim, ly.helper.g_dim) for ly in self.layers.values()])
         self.distributor.begin_step()
 
@@ -177,6 +183,29 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
                 "KFACPreconditioner found no supported layer (nn.Linear, nn.Conv2d) in model; "
                 f"module types found: {found}" + (f"; skipped: {detail}" if detail else "")
             )
+
+    def settings_text(self) -> str:
+        """The settings every rank of one run must share, as text: the options (a schedule by its name), the
+        loss scaler's presence and the registered layers (name, sides, reduce).
+        Distributed schedules compare it across ranks at every plan (comm/consistency.py)."""
+
+        def show(value: Any) -> str:
+            if callable(value):
+                name = getattr(value, "__qualname__", type(value).__name__)
+                return f"schedule {getattr(value, '__module__', '?')}.{name}"  # (not called: it may count calls)
+            return repr(value)
+
+        o = self.options
+        fields = {
+            "damping": show(o.damping), "factor_decay": show(o.factor_decay), "kl_clip": show(o.kl_clip),
+            "lr": show(o.lr) if o.lr is not None else "the optimizer's", "factor_update_steps": o.factor_update_steps,
+            "inv_update_steps": o.inv_update_steps, "factor_dtype": o.factor_dtype, "inv_dtype": o.inv_dtype,
+            "max_bad_steps": o.max_bad_steps, "factor_approx": o.factor_approx, "inverse_method": o.inverse_method,
+            "grad_scaler": self.grad_scaler is not None,
+        }
+        layers = [f"{ly.name}({ly.helper.a_dim}x{ly.helper.g_dim}{', reduce' if ly.reduce else ''})"
+                  for ly in self.layers.values()]
+        return ", ".join(f"{k}={v}" for k, v in fields.items()) + "; layers: " + " ".join(layers)
 
     def remove_hooks(self) -> None:
         """Detach all hooks from the model (the preconditioner is unusable afterwards)."""
@@ -464,8 +493,13 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
 
     def _precondition_layer(self, layer: KFACLayer) -> None:
         """P = G_inv [dW, db] A_inv (or its eigen form) for one layer, kept until the KL clip of the step is known."""
-        if layer.index in self._preconditioned or not layer.ran or layer.A_inv is None or not self._grads_finite:
+        # Not ``layer.ran``: whether this rank ran the layer is local (data-dependent control flow), while
+        # the gradient, the inverses and the optimizer's groups are the same on every rank; deciding on
+        # them keeps every rank preconditioning the same layers, and the KL clip the same sum.
+        if layer.index in self._preconditioned or layer.A_inv is None or not self._grads_finite:
             return
+        if self._stepping is not None and layer.index not in self._stepping:
+            return  # another optimizer (or none) steps this layer
         if not layer.trainable():  # frozen after its forward: its (stale or absent) gradient is left as is
             return
         g = layer.helper.grad_matrix(self._grads)
@@ -494,19 +528,61 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
         todo, precs, grads = zip(*(done[i] for i in sorted(done)))
         scale = None
         if self.kl_clip is not None:
-            kl_clip = val.resolve("kl_clip", self.kl_clip, k, val.POSITIVE)
-            lr = val.resolve("lr", self.lr, k, val.NONNEGATIVE)
-            vg = torch.stack([torch.vdot(p.flatten(), g.flatten()) for p, g in zip(precs, grads)]).sum()
-            # Gradients still carrying a loss scale S give S^2 times the true vg.
-            vg = vg.abs() * (lr * lr / self.grad_access.loss_scale() ** 2)
-            # nu = min(1, sqrt(kl_clip / |vg|)); vg == 0 gives inf -> 1. No host sync.
-            scale = torch.sqrt(kl_clip / vg).clamp(max=1.0)
+            scale = self._kl_scale(k, todo, precs, grads)
         for layer, p in zip(todo, precs):
             layer.helper.write_grad(p, scale, self._grads)
 
+    def _kl_scale(self, k: int, layers: tuple[KFACLayer, ...], precs: tuple[torch.Tensor, ...],
+                  grads: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """nu = min(1, sqrt(kl_clip / sum_l lr_l^2 p_l.g_l)), each layer at its own learning rate; no host sync.
+
+        In float64: an extreme learning rate (1e20) squared overflows float32 to inf, which would
+        clip the update to zero instead of bounding it.
+        """
+        assert self.kl_clip is not None  # (called only with the clip on)
+        kl_clip = val.resolve("kl_clip", self.kl_clip, k, val.POSITIVE)
+        dots = torch.stack([torch.vdot(p.flatten(), g.flatten()) for p, g in zip(precs, grads)]).double()
+        # Gradients still carrying a loss scale S give S^2 times the true p.g.
+        unscale = 1.0 / self.grad_access.loss_scale() ** 2
+        if self.lr is not None or self._stepping is None:
+            assert self.lr is not None  # step() refused a step with neither
+            lr = val.resolve("lr", self.lr, k, val.NONNEGATIVE)
+            vg = dots.sum().abs() * (lr * lr * unscale)
+        else:
+            lrs = self._stepping
+            weights = torch.tensor([lrs[ly.index] ** 2 * unscale for ly in layers], dtype=torch.float64,
+                                   device=dots.device)
+            vg = (dots * weights).sum().abs()
+        # vg == 0 (lr 0, zero gradients) gives inf -> 1.
+        return torch.sqrt(kl_clip / vg).clamp(max=1.0).to(precs[0].dtype)
+
+    def _select(self, optimizer: torch.optim.Optimizer | None) -> None:
+        """Which layers this step preconditions, at which learning rates (``_stepping``)."""
+        if optimizer is None:
+            if self.kl_clip is not None and self.lr is None:
+                raise ValueError(
+                    "KFACPreconditioner: the KL clip needs the learning rate of each step; call "
+                    "step(optimizer) with the optimizer about to step (each layer then uses its param group's "
+                    "lr), or pass lr= (a number or a callable of the step), or kl_clip=None")
+            self._stepping = None
+            return
+        layers = [(ly.index, ly.name, ly.helper.params()) for ly in self.layers.values()]
+        self._step_groups = step_groups(optimizer, layers, self._step_groups)
+        self._stepping = self._step_groups.lrs()
+
     @torch.no_grad()
-    def step(self) -> None:
-        """Precondition the gradients of the registered layers in place (call after backward)."""
+    def step(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Precondition the gradients of the registered layers in place (call after backward).
+
+        Args:
+            optimizer: the optimizer about to step. Only the layers whose parameters it holds are
+                preconditioned (with several optimizers, call ``step(opt)`` before each ``opt.step()``),
+                and the KL clip weighs each layer by the learning rate of the param group holding its
+                weight, read now (so schedulers and per-group learning rates are followed), unless
+                ``lr`` was given. None: every layer, at ``lr`` (which must then be set when ``kl_clip``
+                is).
+        """
+        self._select(optimizer)
         k = self.steps
         self._grads = self.grad_access.open(self._grad_params)
         self._grads_finite = True

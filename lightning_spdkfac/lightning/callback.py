@@ -53,8 +53,10 @@ class KFAC(Callback):
             the argument's range there (and at every later step, where it is checked again).
         factor_decay: running-average decay of the factors, in [0, 1).
         kl_clip: KL-clip bound (> 0), or None to turn clipping off.
-        lr: the learning rate the KL clip assumes; None (default) reads
-            ``param_groups[0]["lr"]`` of the optimizer at every step, so LR schedulers are followed.
+        lr: the learning rate the KL clip assumes; None (default): the learning rate of each layer's own
+            param group in the optimizer that is stepping, read at every step (LR schedulers, per-group
+            learning rates and several optimizers are followed; with several optimizers, each
+            ``optimizer.step()`` preconditions the layers that optimizer holds).
         factor_update_steps: factors are updated every this many optimizer steps.
         inv_update_steps: inverses are recomputed every this many optimizer steps.
         skip_layers: a regular expression, or a list of them, on module names or class names of
@@ -183,7 +185,7 @@ class KFAC(Callback):
         self.preconditioner = KFACPreconditioner(
             pl_module,
             self.options,
-            lr=self.lr if self.lr is not None else self._optimizer_lr,
+            lr=self.lr,
             grad_scaler=scaler,
             distributor=self._distributor(trainer),
             grad_access=self._grad_access(trainer),
@@ -273,10 +275,6 @@ class KFAC(Callback):
         prof.export_chrome_trace(path)
         self.trace_path = path
 
-    def _optimizer_lr(self, step: int) -> float:
-        assert self._trainer is not None  # set by setup(), which hands this method to the preconditioner
-        return float(self._trainer.optimizers[0].param_groups[0]["lr"])
-
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
@@ -285,7 +283,7 @@ class KFAC(Callback):
             # DeepSpeed calls this hook on every micro-batch; K-FAC steps at the accumulation boundary.
             return
         t0 = time.perf_counter()
-        pre.step()
+        pre.step(optimizer)  # the layers this optimizer steps, each at its param group's lr
         t1 = time.perf_counter()
         if not trainer.loggers:  # nothing would be written
             return

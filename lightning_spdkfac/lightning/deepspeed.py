@@ -41,12 +41,18 @@ from lightning_fabric.utilities.distributed import _init_dist_connection
 from lightning_fabric.utilities.seed import reset_seed
 from pytorch_lightning.accelerators import CUDAAccelerator
 from pytorch_lightning.strategies import DDPStrategy, DeepSpeedStrategy, StrategyRegistry
-from torch.distributed.constants import default_pg_timeout
 
 from .. import validation as val
 from ..kfac.gradients import GradAccess
 from ..vocabulary import DEEPSPEED_STRATEGY_NAMES, CommDtypeName, FusionName, PlacementName, ScheduleName
-from .strategy import SPD_ARGUMENTS, SPD_DEFAULTS, _spd_options, _SPDKFACStrategyMixin, spd_documented
+from .strategy import (
+    SPD_ARGUMENTS,
+    SPD_DEFAULTS,
+    _spd_options,
+    _SPDKFACStrategyMixin,
+    pg_timeout,
+    spd_documented,
+)
 
 if TYPE_CHECKING:
     import deepspeed
@@ -213,7 +219,8 @@ class SPDKFACDeepSpeedStrategy(_SPDKFACStrategyMixin, DeepSpeedStrategy):
             construction (a missing or non-JSON file, or ``zero_optimization.stage`` 3, is refused).
         fused_grad_gather: assemble the full gradients of the K-FAC layers at ZeRO 1/2 with one
             all-reduce (True) or with ``deepspeed.utils.safe_get_full_grad`` per parameter.
-        timeout: timeout of the process groups, a positive ``datetime.timedelta``.
+        timeout: timeout of the process groups, a positive ``datetime.timedelta``; None (default):
+            ``comm_timeout_s`` (see SPDKFACStrategy).
         **kwargs: everything Lightning's ``DeepSpeedStrategy`` accepts.
 
 {spd_rules} The DeepSpeed arguments above are checked at construction too, under the same rule.
@@ -236,7 +243,7 @@ class SPDKFACDeepSpeedStrategy(_SPDKFACStrategyMixin, DeepSpeedStrategy):
         stage: int = 2,
         config: str | dict[str, Any] | None = None,
         fused_grad_gather: bool = True,
-        timeout: timedelta | None = default_pg_timeout,
+        timeout: timedelta | None = None,
         **kwargs: Any,
     ) -> None:
         arguments = dict(locals())
@@ -254,6 +261,7 @@ class SPDKFACDeepSpeedStrategy(_SPDKFACStrategyMixin, DeepSpeedStrategy):
         val.check_annotations(SPDKFACDeepSpeedStrategy.__init__, arguments,
                              skip=("schedule", *SPD_ARGUMENTS, "stage", "config", "fused_grad_gather", "timeout"))
         self.spd_options = _spd_options(arguments)
+        timeout = pg_timeout(timeout, self.spd_options)
         super().__init__(stage=stage, config=config, timeout=timeout, **kwargs)
         _check_zero_stage(self.config)
 

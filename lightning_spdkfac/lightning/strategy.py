@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from pytorch_lightning.strategies import DDPStrategy, StrategyRegistry
-from torch.distributed.constants import default_pg_timeout
 
 from .. import validation as val
 from ..comm.scheduler import SPDDistributor, SPDOptions
@@ -66,7 +65,9 @@ SPD_ARGUMENTS_DOC = """        schedule: ``"spd"``, ``"mpd"`` or ``"dkfac"`` (se
         comm_dtype: dtype of factor and inverse messages ("float32" or "bfloat16").
         comm_timeout_s: seconds any rank waits for one K-FAC factor all-reduce or inverse broadcast
             before raising ``KFACCommError`` (naming the collective and phase) instead of hanging
-            when a peer crashed or stalls; keep it below ``timeout``."""
+            when a peer crashed or stalls (>= 0.001). It is also the default ``timeout`` of the
+            process groups, so that the gradient all-reduce and Lightning's barriers, which a stalled
+            rank blocks first, fail after it too (the backend's error then gets a note naming it)."""
 SPD_RULES_DOC = """    The K-FAC arguments are checked at construction (no process group is needed for that), by
     :class:`~lightning_spdkfac.comm.scheduler.SPDOptions`: a wrong type raises ``TypeError``, a value
     that is not accepted ``ValueError``, naming the argument. The schedule only picks the defaults of
@@ -80,6 +81,30 @@ def spd_documented(cls: type) -> type:
     doc = cls.__doc__ or ""
     cls.__doc__ = doc.replace("{spd_arguments}", SPD_ARGUMENTS_DOC).replace("{spd_rules}", SPD_RULES_DOC)
     return cls
+
+
+def pg_timeout(timeout: timedelta | None, options: SPDOptions) -> timedelta:
+    """The process groups' timeout: ``timeout``, or by default ``comm_timeout_s``.
+
+    DDP's gradient all-reduce, DeepSpeed's reductions and Lightning's barriers wait on the process groups,
+    not on K-FAC's bounded waits: a stalled or uneven rank leaves the others blocked there, bounded only
+    by this timeout (torch's default is 30 minutes). Defaulting it to ``comm_timeout_s`` gives one bound
+    for every wait of the run.
+    """
+    return timeout if timeout is not None else timedelta(seconds=options.comm_timeout_s)
+
+
+def _timeout_note(exception: BaseException, timeout: timedelta | None) -> None:
+    """Say which setting bounded a collective that timed out (the backend's message names neither)."""
+    text = str(exception).lower()
+    if not hasattr(exception, "add_note") or not ("timed out" in text or "timeout" in text):
+        return
+    seconds = timeout.total_seconds() if timeout is not None else float("nan")
+    exception.add_note(
+        f"lightning-spdkfac: a collective waited longer than the process-group timeout ({seconds:g} s: the "
+        "strategy's timeout=, by default its comm_timeout_s). Another rank stalled, crashed or ran a different "
+        "number of steps (uneven data, a rank-dependent early stop); raise comm_timeout_s (or timeout=) only if "
+        "a rank is legitimately that much slower.")
 
 
 class _SPDKFACStrategyMixin:
@@ -114,6 +139,10 @@ class _SPDKFACStrategyMixin:
         """Whether the coming micro-batch ends an optimizer step; None: ask the fit loop."""
         return None
 
+    def on_exception(self, exception: BaseException) -> None:
+        _timeout_note(exception, self._timeout)
+        super().on_exception(exception)  # type: ignore[misc]  # (DDPStrategy / DeepSpeedStrategy)
+
     def _destroy_factor_group(self) -> None:
         if self._factor_group is not None and dist.is_initialized():
             dist.destroy_process_group(self._factor_group)
@@ -127,7 +156,8 @@ class SPDKFACStrategy(_SPDKFACStrategyMixin, DDPStrategy):
     Args:
 {spd_arguments}
         timeout: timeout of the process groups (DDP's and the K-FAC factor group), a positive
-            ``datetime.timedelta``.
+            ``datetime.timedelta``; None (default): ``comm_timeout_s``. Raise it if a rank may
+            legitimately wait longer than that at a barrier (saving a very large checkpoint).
         **kwargs: everything ``DDPStrategy`` accepts.
 
 {spd_rules}
@@ -147,7 +177,7 @@ class SPDKFACStrategy(_SPDKFACStrategyMixin, DDPStrategy):
         small_factor: int | None = SPD_DEFAULTS.small_factor,
         comm_dtype: CommDtypeName = SPD_DEFAULTS.comm_dtype,
         comm_timeout_s: float = SPD_DEFAULTS.comm_timeout_s,
-        timeout: timedelta | None = default_pg_timeout,
+        timeout: timedelta | None = None,
         **kwargs: Any,
     ) -> None:
         arguments = dict(locals())
@@ -155,6 +185,7 @@ class SPDKFACStrategy(_SPDKFACStrategyMixin, DDPStrategy):
         val.check_timedelta("timeout", timeout)
         val.check_annotations(SPDKFACStrategy.__init__, arguments, skip=("schedule", *SPD_ARGUMENTS, "timeout"))
         self.spd_options = _spd_options(arguments)
+        timeout = pg_timeout(timeout, self.spd_options)
         super().__init__(timeout=timeout, **kwargs)
 
     def setup_distributed(self) -> None:
