@@ -442,11 +442,10 @@ class KFAC(Callback):
 
 def _refuse_uninitialized_lazy_layers(model: torch.nn.Module) -> None:
     """K-FAC sizes its factors from each layer's weight: a lazy layer must have run (or be built) by fit start."""
-    from torch.nn.modules.lazy import LazyModuleMixin
     from torch.nn.parameter import UninitializedParameter
 
     lazy = [f"{name or '<root>'} ({type(m).__name__})" for name, m in model.named_modules()
-            if isinstance(m, LazyModuleMixin) and any(isinstance(p, UninitializedParameter) for p in m.parameters())]
+            if any(isinstance(p, UninitializedParameter) for p in m.parameters(recurse=False))]
     if lazy:
         raise ValueError(
             f"KFAC: {len(lazy)} layer(s) still have uninitialized (lazy) parameters at fit start: {', '.join(lazy)}. "
