@@ -1,7 +1,8 @@
 """The ``KFAC`` Lightning callback: K-FAC on any optimizer from ``configure_optimizers``.
 
 It builds a :class:`~lightning_spdkfac.kfac.KFACPreconditioner` on the LightningModule at fit
-start and preconditions in ``on_before_optimizer_step``: Lightning calls that hook once per
+start (``on_fit_start``, or earlier when ``fit(ckpt_path=...)`` reads its checkpoint: in both cases
+after ``LightningModule.configure_model()``, so layers created there get K-FAC) and preconditions in ``on_before_optimizer_step``: Lightning calls that hook once per
 optimizer step (at the accumulation boundary), after the closure ran backward and after a
 fp16 GradScaler unscaled the gradients, and before gradient clipping and ``optimizer.step()``.
 
@@ -109,6 +110,21 @@ class KFAC(Callback):
             K-FAC starts fresh (step 0, no factors) with a warning, and the rest of the checkpoint
             loads normally. A checkpoint without K-FAC state (saved by a run without this callback)
             starts K-FAC fresh, with a warning, in both modes.
+
+    Several fits: a second ``trainer.fit(model)`` of the same model object, on the same Trainer or on a new
+    one with this callback (the notebook pattern), continues K-FAC where the previous fit ended: the
+    factors, inverses, counters and the K-FAC step (which indexes the schedules) carry over, like the
+    weights do. On the same Trainer this continues the run exactly (Lightning continues from
+    ``global_step``; it re-creates the optimizer, so a stateless optimizer continues exactly too); on a new
+    Trainer it is a warm start (its step count starts at 0, K-FAC's does not). A fit with ``ckpt_path``
+    takes the checkpoint's K-FAC state instead (or starts fresh, see ``load_state``), and so does a state
+    given to :meth:`load_state_dict` before the fit; a fit of another model starts K-FAC fresh. To start
+    K-FAC fresh on the same model, use a new ``KFAC`` callback.
+
+    Layers are registered at fit start, after ``LightningModule.configure_model()``; a layer whose
+    parameters are still uninitialized (``nn.LazyLinear`` before its first forward) is refused with a
+    ValueError naming it: run a forward pass on an example batch first, or create it in
+    ``configure_model()`` with its sizes.
 
     Every argument is checked at construction, so that a bad value in a YAML config fails before
     anything is built: a value of the wrong type (a string for a number, a float or bool for an
