@@ -22,6 +22,8 @@ from collections.abc import Callable, Sequence
 import pytorch_lightning as pl
 from pytorch_lightning.cli import LightningCLI
 
+from . import validation as val
+
 # Our own subcommands: name -> function(argv after the name) -> exit code. Checked before
 # Lightning's (fit, validate, test, predict).
 COMMANDS: dict[str, Callable[[list[str]], int | None]] = {}
@@ -61,6 +63,18 @@ def _our_error(err: BaseException) -> BaseException | None:
     return None
 
 
+def _quoted(err: BaseException, raised: list[BaseException]) -> BaseException | None:
+    """The last error one of our constructors raised (``validation.reported``) whose message ``err`` quotes:
+    jsonargparse's Union error (a Trainer's ``strategy: str | Strategy``) quotes the strategy constructor's
+    error in its text but chains only the error of the first member it tried (``str``)."""
+    text = str(err)
+    for e in reversed(raised):
+        first = str(e).partition("\n")[0]
+        if first and first in text:
+            return e
+    return None
+
+
 class _CLI(LightningCLI):
     """LightningCLI whose construction errors read as one line.
 
@@ -72,14 +86,15 @@ class _CLI(LightningCLI):
     """
 
     def instantiate_classes(self) -> None:
-        try:
-            super().instantiate_classes()
-        except (TypeError, ValueError) as err:
-            ours = _our_error(err)
-            if ours is None:
-                raise
-            sys.stderr.write(f"spdkfac: invalid configuration: {type(ours).__name__}: {ours}\n")
-            raise SystemExit(2) from err
+        with val.collecting_errors() as raised:
+            try:
+                super().instantiate_classes()
+            except (TypeError, ValueError) as err:
+                ours = _our_error(err) or _quoted(err, raised)
+                if ours is None:
+                    raise
+                sys.stderr.write(f"spdkfac: invalid configuration: {type(ours).__name__}: {ours}\n")
+                raise SystemExit(2) from err
 
 
 def lightning_cli(args: Sequence[str] | None = None, run: bool = True) -> LightningCLI:

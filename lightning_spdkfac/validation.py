@@ -19,13 +19,14 @@ Nothing here imports torch at module level: the package root and the planners st
 from __future__ import annotations
 
 import collections.abc as cabc
+import contextlib
 import inspect
 import math
 import numbers
 import reprlib
 import types
 import typing
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeGuard, TypeVar, overload
 
@@ -387,3 +388,33 @@ def check_annotations(fn: Callable[..., Any], arguments: dict[str, Any], skip: I
         if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
             continue
         check_annotation(pname, arguments[pname], hints[pname])
+
+
+# ---------------------------------------------------------------------------- errors a caller may lose
+# jsonargparse tries every member of a Union (a Trainer's ``strategy: str | Strategy``) and chains only the
+# first attempt's failure to its own error, so a strategy constructor's ValueError is quoted in the text of
+# that error but is not among its causes. Constructors run their checks inside ``reported()``; a caller that
+# wants the original exception (the CLI, to print it as one line) collects them with ``collecting_errors()``.
+_error_logs: list[list[BaseException]] = []
+
+
+@contextlib.contextmanager
+def reported() -> Iterator[None]:
+    """Hand a TypeError/ValueError raised inside to every active ``collecting_errors()``, then re-raise it."""
+    try:
+        yield
+    except (TypeError, ValueError) as e:
+        for log in _error_logs:
+            log.append(e)
+        raise
+
+
+@contextlib.contextmanager
+def collecting_errors() -> Iterator[list[BaseException]]:
+    """The TypeError/ValueError raised inside ``reported()`` blocks while this is active, in order."""
+    log: list[BaseException] = []
+    _error_logs.append(log)
+    try:
+        yield log
+    finally:
+        _error_logs.remove(log)

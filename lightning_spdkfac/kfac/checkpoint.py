@@ -326,4 +326,59 @@ def _layer_factors(name: object, entry: object, corrupt: list[str],
         corrupt.append(f"layer {name!r}: inverse shapes {tuple(A_inv.shape)}, {tuple(G_inv.shape)} differ from "
                        f"factor shapes {tuple(A.shape)}, {tuple(G.shape)}{note}")
         return None
+    problems = [p for key in keys if entry[key] is not None
+                for p in _value_problems(key, entry[key], key.endswith("_inv"), method)]
+    if problems:
+        corrupt.extend(f"layer {name!r}: {p}" for p in problems)
+        return None
     return (A.shape[0], G.shape[0]), (A, G, A_inv, G_inv)
+
+
+# Relative tolerances of the value checks: stored factors and inverses may have passed through bf16 messages
+# (comm_dtype) or bf16/fp16 factors, which round each entry by up to 2^-8 of itself; a tampered or corrupted
+# tensor is off by far more.
+SYMMETRY_RTOL = 1e-2
+ORTHONORMAL_TOL = 5e-2
+
+
+def _value_problems(key: str, t: torch.Tensor, inverse: bool, method: str) -> list[str]:
+    """What makes ``t`` impossible as a stored factor (symmetric, diagonal >= 0: an average of Gram matrices)
+    or inverse (symmetric with a positive diagonal, or an eigen payload: orthonormal eigenvectors, eigenvalues
+    >= 0), up to float rounding; each with the fix's reason. ``t`` is finite and of the right shape here."""
+    x = t.detach().to(torch.float64 if t.dtype == torch.float64 else torch.float32)
+    if inverse and method == "eigen":
+        return _eigen_payload_problems(key, x)
+    scale = float(x.abs().max())
+    asym = float((x - x.T).abs().max())
+    problems = []
+    if asym > SYMMETRY_RTOL * scale:
+        problems.append(f"{key} is not symmetric (max |{key} - {key}^T| = {asym:.3g}, max |{key}| = {scale:.3g}): "
+                        "K-FAC factors and their inverses are symmetric matrices")
+    diagonal = x.diagonal()
+    low = int(diagonal.argmin())
+    if inverse and float(diagonal[low]) <= 0.0:
+        problems.append(f"{key} has a diagonal entry <= 0 ({float(diagonal[low]):.3g} at {low}): the inverse of a "
+                        "damped factor is positive definite")
+    elif not inverse and float(diagonal[low]) < 0.0:
+        problems.append(f"{key} has a negative diagonal entry ({float(diagonal[low]):.3g} at {low}): a factor is "
+                        "an average of Gram matrices, whose diagonal is >= 0")
+    return problems
+
+
+def _eigen_payload_problems(key: str, x: torch.Tensor) -> list[str]:
+    """An eigen payload: rows 0..n-1 the eigenvectors (columns, orthonormal), row n the eigenvalues (>= 0)."""
+    q, evals = x[:-1], x[-1]
+    problems = []
+    low = int(evals.argmin())
+    if float(evals[low]) < 0.0:
+        problems.append(f"{key} (an eigen payload) has a negative eigenvalue ({float(evals[low]):.3g} at {low}) "
+                        "in its last row: the eigenvalues of a factor are >= 0")
+    norms = q.square().sum(0).sqrt()
+    # Q^T Q = I, checked on a few fixed probe vectors (n^2 work, not n^3): ||Q^T Q v - v|| <= tol ||v||.
+    probe = torch.randn(q.shape[1], 4, generator=torch.Generator().manual_seed(0), dtype=x.dtype).to(x.device)
+    error = float(((q.T @ (q @ probe) - probe).norm(dim=0) / probe.norm(dim=0)).max())
+    off = float((norms - 1.0).abs().max())
+    if off > ORTHONORMAL_TOL or error > 10 * ORTHONORMAL_TOL:
+        problems.append(f"{key} (an eigen payload) does not hold orthonormal eigenvectors in rows 0..n-1 "
+                        f"(column norms off 1 by up to {off:.3g}, |Q^T Q v - v| / |v| up to {error:.3g})")
+    return problems

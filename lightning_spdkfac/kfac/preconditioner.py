@@ -346,11 +346,17 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
             warnings.warn(message, stacklevel=3)
 
     def _collected_layers(self) -> list[KFACLayer]:
+        """The layers whose statistics of this step make a factor update: as many backward as forward
+        calls, over at least one row. A layer that saw only empty inputs (0 rows: an expert no example
+        was routed to, an empty batch) contributes nothing this step, quietly, like a layer that did not
+        run; a call-count mismatch warns once per layer (a key of its own: an empty step hides nothing)."""
         ready = []
         for layer in self.layers.values():
             if layer.a_calls == 0 and layer.g_calls == 0:
                 continue
-            if layer.a_calls != layer.g_calls or layer.rows == 0:
+            if layer.a_calls == layer.g_calls and layer.rows == 0:
+                continue
+            if layer.a_calls != layer.g_calls:
                 self._warn_once(
                     layer.name,
                     "calls",

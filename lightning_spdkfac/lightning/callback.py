@@ -1,7 +1,8 @@
 """The ``KFAC`` Lightning callback: K-FAC on any optimizer from ``configure_optimizers``.
 
 It builds a :class:`~lightning_spdkfac.kfac.KFACPreconditioner` on the LightningModule at fit
-start and preconditions in ``on_before_optimizer_step``: Lightning calls that hook once per
+start (``on_fit_start``, or earlier when ``fit(ckpt_path=...)`` reads its checkpoint: in both cases
+after ``LightningModule.configure_model()``, so layers created there get K-FAC) and preconditions in ``on_before_optimizer_step``: Lightning calls that hook once per
 optimizer step (at the accumulation boundary), after the closure ran backward and after a
 fp16 GradScaler unscaled the gradients, and before gradient clipping and ``optimizer.step()``.
 
@@ -17,12 +18,14 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import Callback
+from pytorch_lightning.trainer.states import TrainerFn
 from pytorch_lightning.utilities import rank_zero_warn
 
 from .. import validation as val
@@ -110,6 +113,21 @@ class KFAC(Callback):
             loads normally. A checkpoint without K-FAC state (saved by a run without this callback)
             starts K-FAC fresh, with a warning, in both modes.
 
+    Several fits: a second ``trainer.fit(model)`` of the same model object, on the same Trainer or on a new
+    one with this callback (the notebook pattern), continues K-FAC where the previous fit ended: the
+    factors, inverses, counters and the K-FAC step (which indexes the schedules) carry over, like the
+    weights do. On the same Trainer this continues the run exactly (Lightning continues from
+    ``global_step``; it re-creates the optimizer, so a stateless optimizer continues exactly too); on a new
+    Trainer it is a warm start (its step count starts at 0, K-FAC's does not). A fit with ``ckpt_path``
+    takes the checkpoint's K-FAC state instead (or starts fresh, see ``load_state``), and so does a state
+    given to :meth:`load_state_dict` before the fit; a fit of another model starts K-FAC fresh. To start
+    K-FAC fresh on the same model, use a new ``KFAC`` callback.
+
+    Layers are registered at fit start, after ``LightningModule.configure_model()``; a layer whose
+    parameters are still uninitialized (``nn.LazyLinear`` before its first forward) is refused with a
+    ValueError naming it: run a forward pass on an example batch first, or create it in
+    ``configure_model()`` with its sizes.
+
     Every argument is checked at construction, so that a bad value in a YAML config fails before
     anything is built: a value of the wrong type (a string for a number, a float or bool for an
     integer, None where None is not listed, a list for a number) raises ``TypeError``, a value of
@@ -164,7 +182,10 @@ class KFAC(Callback):
         self._window = WindowStats()  # step times since the last log (log_step_time)
         self.preconditioner: KFACPreconditioner | None = None
         self._pending_state: dict | None = None  # loaded before setup built the preconditioner
-        self._final_state: dict | None = None  # kept after teardown, for save_checkpoint after fit
+        # The state at the end of the last fit: for save_checkpoint after fit, and continued by the next
+        # fit of the same model (_final_model) that loads no other state (see "Several fits").
+        self._final_state: dict | None = None
+        self._final_model: weakref.ref[pl.LightningModule] | None = None
         self._trainer: pl.Trainer | None = None
         self.load_state = load_state
         self._checkpoint_seen = False  # this fit's checkpoint was inspected (and any warning given)
@@ -177,12 +198,44 @@ class KFAC(Callback):
 
     # ------------------------------------------------------------------ lifecycle
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # The preconditioner is built later (_build): at on_fit_start, or when fit(ckpt_path=...) reads its
+        # checkpoint, whichever comes first; both follow LightningModule.configure_model(), whose layers
+        # this hook (called before it) would miss.
         if stage != "fit" or self.preconditioner is not None:
             return
         self._trainer = trainer
-        self._final_state = None
+        self._distributor(trainer, check_only=True)  # refuse unsynchronized K-FAC on several ranks now
+        previous = self._final_model() if self._final_model is not None else None
+        if previous is not pl_module or self._pending_state is not None:
+            self._final_state = None  # another model, or a state given to load_state_dict: nothing to continue
+        self._window.reset()
+        self._checkpoint_seen = self._start_fresh = False
+        self._guard_checkpoint_loading(trainer)
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._build(trainer)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Every restore of this fit is done (DeepSpeed restores after on_fit_start): with no checkpoint
+        # loaded, the K-FAC state of the previous fit of this model continues.
+        carried, self._final_state = self._final_state, None
+        pre = self.preconditioner
+        if carried is None or pre is None or self._checkpoint_seen:
+            return
+        try:
+            pre.load_state_dict(carried)
+        except ValueError as e:  # the model's layers changed between the fits
+            rank_zero_warn(f"KFAC: the K-FAC state of the previous fit of this model does not fit it any more, "
+                           f"so K-FAC starts fresh (step 0, no factors): {e}")
+
+    def _build(self, trainer: pl.Trainer) -> KFACPreconditioner:
+        """The preconditioner of this fit, built on the first call (after configure_model)."""
+        if self.preconditioner is not None:
+            return self.preconditioner
+        pl_module = trainer.lightning_module
+        _refuse_uninitialized_lazy_layers(pl_module)
         scaler = getattr(trainer.precision_plugin, "scaler", None)
-        self.preconditioner = KFACPreconditioner(
+        self.preconditioner = pre = KFACPreconditioner(
             pl_module,
             self.options,
             lr=self.lr,
@@ -190,12 +243,11 @@ class KFAC(Callback):
             distributor=self._distributor(trainer),
             grad_access=self._grad_access(trainer),
         )
+        self._final_model = weakref.ref(pl_module)
         if self._pending_state is not None:
-            self.preconditioner.load_state_dict(self._pending_state)
+            pre.load_state_dict(self._pending_state)
             self._pending_state = None
-        self._window.reset()
-        self._checkpoint_seen = self._start_fresh = False
-        self._guard_checkpoint_loading(trainer)
+        return pre
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
@@ -216,10 +268,10 @@ class KFAC(Callback):
             self.preconditioner = None
 
     @staticmethod
-    def _distributor(trainer: pl.Trainer) -> Distributor | None:
+    def _distributor(trainer: pl.Trainer, check_only: bool = False) -> Distributor | None:
         """The strategy's K-FAC distributor; refuses to run unsynchronized K-FAC on several ranks."""
         if isinstance(trainer.strategy, KFACStrategy):
-            return trainer.strategy.make_kfac_distributor()
+            return None if check_only else trainer.strategy.make_kfac_distributor()
         if trainer.world_size > 1:
             raise RuntimeError(
                 f"KFAC on {trainer.world_size} processes needs a K-FAC-aware strategy, otherwise every rank "
@@ -356,6 +408,7 @@ class KFAC(Callback):
 
         def load_checkpoint(*args: Any, **kwargs: Any) -> Any:
             unguard()
+            self._build(trainer)  # (configure_model has run): the layers the state is checked against
             try:
                 checkpoint = inner(*args, **kwargs)
             except Exception as e:  # a truncated or corrupt file: torch.load's errors say little
@@ -380,7 +433,7 @@ class KFAC(Callback):
 
     def _inspect_checkpoint(self, trainer: pl.Trainer, checkpoint: Any) -> None:
         """Decide, once per fit, what to do with the checkpoint's K-FAC state; refuse a bad one."""
-        self._checkpoint_seen = True
+        self._checkpoint_seen = True  # the checkpoint's state (or a fresh start) replaces the previous fit's
         states = checkpoint.get("callbacks") if isinstance(checkpoint, Mapping) else None
         state = states.get(self.state_key) if isinstance(states, Mapping) else None
         where = _where(trainer)
@@ -394,11 +447,26 @@ class KFAC(Callback):
             steps = state.get("steps") if isinstance(state, Mapping) else None
             saved = f" (saved at K-FAC step {steps})" if isinstance(steps, int) else ""
             rank_zero_warn(f"KFAC(load_state='skip'): the K-FAC state of {where}{saved} is not loaded; {fresh}")
-        elif self.preconditioner is not None:
+        elif self.preconditioner is not None or (self._trainer is trainer and trainer.state.fn == TrainerFn.FITTING):
             try:
-                self.preconditioner.check_state_dict(state)
+                self._build(trainer).check_state_dict(state)
             except ValueError as e:
                 raise ValueError(f"{where}: {e}") from None
+
+
+def _refuse_uninitialized_lazy_layers(model: torch.nn.Module) -> None:
+    """K-FAC sizes its factors from each layer's weight: a lazy layer must have run (or be built) by fit start."""
+    from torch.nn.parameter import UninitializedParameter
+
+    lazy = [f"{name or '<root>'} ({type(m).__name__})" for name, m in model.named_modules()
+            if any(isinstance(p, UninitializedParameter) for p in m.parameters(recurse=False))]
+    if lazy:
+        raise ValueError(
+            f"KFAC: {len(lazy)} layer(s) still have uninitialized (lazy) parameters at fit start: {', '.join(lazy)}. "
+            "K-FAC sizes its factors from each layer's weight, so it needs them materialized before training: "
+            "run one forward pass on an example batch before trainer.fit(...), or create the layers with their "
+            "sizes (e.g. in LightningModule.configure_model())"
+        )
 
 
 def _logs_written_this_step(trainer: pl.Trainer) -> bool:

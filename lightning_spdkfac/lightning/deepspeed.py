@@ -247,23 +247,25 @@ class SPDKFACDeepSpeedStrategy(_SPDKFACStrategyMixin, DeepSpeedStrategy):
         **kwargs: Any,
     ) -> None:
         arguments = dict(locals())
-        # Each argument alone first, then the K-FAC options with their combination rules.
-        val.check_int("stage", stage, low=0, accepted="the ZeRO stage 0, 1 or 2")
-        if stage not in _ZERO_STAGES:
-            raise ValueError(f"stage must be the ZeRO stage 0, 1 or 2, got {stage!r}: SPDKFACDeepSpeedStrategy "
-                             f"supports ZeRO stages 0, 1 and 2, not stage {stage!r}{_STAGE_3 if stage == 3 else ''}")
-        config, origin = _load_config(config)
-        if config is not None:
-            _check_zero_stage(config, origin)
-        val.check_bool("fused_grad_gather", fused_grad_gather)
-        self.fused_grad_gather = fused_grad_gather
-        val.check_timedelta("timeout", timeout)
-        val.check_annotations(SPDKFACDeepSpeedStrategy.__init__, arguments,
-                             skip=("schedule", *SPD_ARGUMENTS, "stage", "config", "fused_grad_gather", "timeout"))
-        self.spd_options = _spd_options(arguments)
-        timeout = pg_timeout(timeout, self.spd_options)
-        super().__init__(stage=stage, config=config, timeout=timeout, **kwargs)
-        _check_zero_stage(self.config)
+        # Each argument alone first, then the K-FAC options with their combination rules (reported(): see
+        # SPDKFACStrategy).
+        with val.reported():
+            val.check_int("stage", stage, low=0, accepted="the ZeRO stage 0, 1 or 2")
+            if stage not in _ZERO_STAGES:
+                raise ValueError(f"stage must be the ZeRO stage 0, 1 or 2, got {stage!r}: SPDKFACDeepSpeedStrategy "
+                                 f"supports ZeRO stages 0, 1 and 2, not stage {stage!r}{_STAGE_3 if stage == 3 else ''}")
+            config, origin = _load_config(config)
+            if config is not None:
+                _check_zero_stage(config, origin)
+            val.check_bool("fused_grad_gather", fused_grad_gather)
+            self.fused_grad_gather = fused_grad_gather
+            val.check_timedelta("timeout", timeout)
+            val.check_annotations(SPDKFACDeepSpeedStrategy.__init__, arguments,
+                                 skip=("schedule", *SPD_ARGUMENTS, "stage", "config", "fused_grad_gather", "timeout"))
+            self.spd_options = _spd_options(arguments)
+            timeout = pg_timeout(timeout, self.spd_options)
+            super().__init__(stage=stage, config=config, timeout=timeout, **kwargs)
+            _check_zero_stage(self.config)
 
     # -------------------------------------------------------------- CPU (gloo) support
     def _on_cuda(self) -> bool:
@@ -272,7 +274,8 @@ class SPDKFACDeepSpeedStrategy(_SPDKFACStrategyMixin, DeepSpeedStrategy):
     def _configure_launcher(self) -> None:
         # The Trainer calls this once the accelerator and the precision are known, in the launching
         # process and before any process is started: the earliest point a precision can be refused.
-        self._check_fp16_supported()
+        with val.reported():
+            self._check_fp16_supported()
         super()._configure_launcher()
 
     def _check_fp16_supported(self) -> None:

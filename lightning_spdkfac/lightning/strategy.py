@@ -181,12 +181,14 @@ class SPDKFACStrategy(_SPDKFACStrategyMixin, DDPStrategy):
         **kwargs: Any,
     ) -> None:
         arguments = dict(locals())
-        # Each argument alone first, then the K-FAC options with their combination rules.
-        val.check_timedelta("timeout", timeout)
-        val.check_annotations(SPDKFACStrategy.__init__, arguments, skip=("schedule", *SPD_ARGUMENTS, "timeout"))
-        self.spd_options = _spd_options(arguments)
-        timeout = pg_timeout(timeout, self.spd_options)
-        super().__init__(timeout=timeout, **kwargs)
+        # Each argument alone first, then the K-FAC options with their combination rules; reported() hands
+        # an error to the CLI, which prints it as one line (jsonargparse's Union error does not chain it).
+        with val.reported():
+            val.check_timedelta("timeout", timeout)
+            val.check_annotations(SPDKFACStrategy.__init__, arguments, skip=("schedule", *SPD_ARGUMENTS, "timeout"))
+            self.spd_options = _spd_options(arguments)
+            timeout = pg_timeout(timeout, self.spd_options)
+            super().__init__(timeout=timeout, **kwargs)
 
     def setup_distributed(self) -> None:
         super().setup_distributed()
