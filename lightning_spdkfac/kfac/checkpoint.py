@@ -36,6 +36,9 @@ class CheckpointState:
     factor_dtype: torch.dtype
     inv_dtype: torch.dtype
     options: KFACOptions
+    _micro_batch: int
+    _backward_seen: bool
+    _g_scale_value: float | None
 
     def state_dict(self) -> dict[str, Any]:
         """Everything the next step needs: counters, running factors and current inverses.
@@ -84,7 +87,8 @@ class CheckpointState:
         unexpected, other factor shapes) or a corrupt one (missing keys, wrong types, non-tensor
         entries, tensors of the wrong shape or dtype, non-finite values, a version from a newer
         release) raises one ValueError listing every problem, and the preconditioner is left exactly
-        as it was. Registered layers without factors in the state start without factors.
+        as it was. Registered layers without factors in the state start without factors, and factor
+        statistics collected since the last :meth:`step` are dropped.
         """
         factors = self._verify_state(state)
         loaded = {}  # converted first: nothing is assigned unless every tensor converted
@@ -110,6 +114,12 @@ class CheckpointState:
                 f"(resume with inverse_method={saved_method!r} to continue exactly)",
                 stacklevel=2,
             )
+        # A state is the start of step ``steps``: statistics the hooks collected since the last step() belong
+        # to another trajectory (Lightning's lr finder and batch-size finder run throwaway steps without
+        # this callback, then restore their checkpoint, and the same fit trains on) and are dropped.
+        for layer in self.layers.values():
+            layer.reset_accumulators()
+        self._micro_batch, self._backward_seen, self._g_scale_value = 0, False, None
         self.steps = int(state["steps"])
         for key in COUNTERS:
             setattr(self, key, int(state.get(key, 0)))
