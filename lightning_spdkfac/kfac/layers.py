@@ -113,17 +113,17 @@ class LayerHelper:
         """Write ``scale * matrix`` back into the gradient tensors of ``grads``, in place.
 
         ``matrix`` came from :meth:`grad_matrix` of the same ``grads``, so every gradient is there.
+        The source is shaped like each gradient, not the gradient like the matrix: a gradient in any memory
+        format (a ``channels_last`` convolution weight's is not contiguous) is written through its own strides.
         """
-        w = self._weight()
         n_in = self.in_features
-        wg = grads[w]
+        wg = grads[self._weight()]
         assert wg is not None  # grad_matrix returned a matrix: the weight has a gradient
-        w_view = wg.view(w.shape[0], n_in)
-        _scaled_copy(w_view, matrix[:, :n_in], scale)
+        _scaled_copy(wg, matrix[:, :n_in].reshape(wg.shape), scale)
         if self.has_bias:
             bg = grads[self._bias()]
             assert bg is not None  # likewise for the bias
-            _scaled_copy(bg.view(-1), matrix[:, n_in], scale)
+            _scaled_copy(bg, matrix[:, n_in].reshape(bg.shape), scale)
 
 
 def _scaled_copy(dst: torch.Tensor, src: torch.Tensor, scale: torch.Tensor | None) -> None:
@@ -202,7 +202,11 @@ class Conv2dHelper(LayerHelper):
         return self.module.out_channels
 
     def _padded(self, x: torch.Tensor) -> torch.Tensor:
-        """The batched input, padded exactly as the module's forward pads it, contiguous."""
+        """The batched input, padded exactly as the module's forward pads it, in whatever memory format.
+
+        Not copied to a contiguous tensor: the row extraction below reads through the input's own strides,
+        so a ``channels_last`` (or any strided) input is read in place.
+        """
         m = self.module
         if x.dim() == 3:
             x = x.unsqueeze(0)
@@ -213,7 +217,7 @@ class Conv2dHelper(LayerHelper):
             x = F.pad(x, m._reversed_padding_repeated_twice, mode=mode)
         elif not isinstance(m.padding, str) and (m.padding[0] or m.padding[1]):  # str: explicit above
             x = F.pad(x, (m.padding[1], m.padding[1], m.padding[0], m.padding[0]))
-        return x.contiguous()
+        return x
 
     def _out_size(self, H: int, W: int) -> tuple[int, int]:
         """(Ho, Wo) of a padded ``H x W`` input."""
@@ -223,17 +227,19 @@ class Conv2dHelper(LayerHelper):
     def a_rows(self, x: torch.Tensor) -> torch.Tensor:
         """Patch rows ``R x (C*kh*kw)``, columns in the order of ``weight.view(out, -1)``.
 
-        The patches are one strided view of the (padded) input, copied once by the final
-        reshape; ``F.unfold`` followed by the transpose to rows would copy them twice.
+        The patches are one strided view of the (padded) input, through its own strides (any memory
+        format), copied once by the final reshape; ``F.unfold`` followed by the transpose to rows would
+        copy them twice.
         """
         m = self.module
         x = self._padded(x)
         (kh, kw), (sh, sw), (dh, dw) = m.kernel_size, m.stride, m.dilation
         B, C, H, W = x.shape
         ho, wo = self._out_size(H, W)
+        s_b, s_c, s_h, s_w = x.stride()
         patches = x.as_strided(
             (B, ho, wo, C, kh, kw),
-            (C * H * W, sh * W, sw, H * W, dh * W, dw),
+            (s_b, sh * s_h, sw * s_w, s_c, dh * s_h, dw * s_w),
         )
         return patches.reshape(B * ho * wo, C * kh * kw)
 
@@ -243,14 +249,16 @@ class Conv2dHelper(LayerHelper):
         Entry (c, i, j) of the mean patch is the mean of ``x[c, i*dh + p*sh, j*dw + q*sw]`` over the
         output locations (p, q); the sum separates: over p for each kernel row i (a strided view of
         ``B x C x kh x W``), then over q for each kernel column j. That reads ``kh*Ho*W + kh*kw*Wo``
-        values per channel instead of the ``kh*kw*Ho*Wo`` of the patches, and does no GEMM.
+        values per channel instead of the ``kh*kw*Ho*Wo`` of the patches, and does no GEMM. The input is
+        read through its own strides (any memory format).
         """
         m = self.module
         x = self._padded(x)
         (kh, kw), (sh, sw), (dh, dw) = m.kernel_size, m.stride, m.dilation
         B, C, H, W = x.shape
         ho, wo = self._out_size(H, W)
-        rows = x.as_strided((B, C, kh, W, ho), (C * H * W, H * W, dh * W, 1, sh * W)).sum(-1, dtype=dtype)
+        s_b, s_c, s_h, s_w = x.stride()
+        rows = x.as_strided((B, C, kh, W, ho), (s_b, s_c, dh * s_h, s_w, sh * s_h)).sum(-1, dtype=dtype)
         rows = rows.contiguous()  # (B, C, kh, W)
         cols = rows.as_strided((B, C, kh, kw, wo), (C * kh * W, kh * W, W, dw, sw)).sum(-1)
         return cols.reshape(B, C * kh * kw).mul_(1.0 / (ho * wo))
