@@ -2,9 +2,13 @@
 
 - ``channels_last`` convolutions (and a Linear whose weight is stored column-major): their gradients are
   not contiguous; a channels_last model trains exactly like the same model in the contiguous format.
+- ``weight_norm`` / ``spectral_norm`` layers (parametrizations and the old hooks): skipped at setup with one
+  warning each, their gradients untouched.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import pytest
 import torch
@@ -81,3 +85,45 @@ def test_channels_last_cnn_trains_like_the_contiguous_one(factor_approx):
     for name, layer in p_plain.layers.items():
         assert_same([p_cl.layers[name].A, p_cl.layers[name].G], [layer.A, layer.G], atol=1e-5)
     assert not torch.allclose(plain.c1.weight, CNN().c1.weight)  # it trained
+
+
+# --------------------------------------------------------------------------- weight_norm / spectral_norm
+def normed_model():
+    torch.manual_seed(0)
+    P = torch.nn.utils.parametrizations
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch.nn.utils.weight_norm is deprecated
+        old_wn = torch.nn.utils.weight_norm(nn.Linear(8, 8))
+    return nn.Sequential(
+        nn.Linear(6, 8), nn.Tanh(),
+        P.weight_norm(nn.Linear(8, 8)), nn.Tanh(),
+        P.spectral_norm(nn.Linear(8, 8)), nn.Tanh(),
+        old_wn, nn.Tanh(),
+        torch.nn.utils.spectral_norm(nn.Linear(8, 8)), nn.Tanh(),
+        nn.Linear(8, 3),
+    )
+
+
+def test_weight_norm_and_spectral_norm_layers_are_skipped_with_one_warning_each():
+    model = normed_model()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        pre = kfac(model)
+    msgs = kfac_warnings(record)
+    normed = ["2", "4", "6", "8"]
+    assert len(msgs) == 4
+    for name, msg, how in zip(normed, msgs, ["_WeightNorm", "_SpectralNorm", "WeightNorm", "SpectralNorm"]):
+        assert f"'{name}'" in msg and "computed from other parameters" in msg and how in msg, msg
+    assert list(pre.layers) == ["0", "10"]  # no factor work is spent on the others
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # e.g. "The .grad attribute of a Tensor that is not a leaf"
+        for x, y in batches(2):
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            skipped = [p for n in normed for p in model[int(n)].parameters()]
+            raw = [p.grad.clone() for p in skipped]
+            pre.step()
+            assert all(torch.equal(p.grad, r) for p, r in zip(skipped, raw))
+            opt.step()
+    assert pre.layers["0"].A is not None and pre.layers["10"].A is not None

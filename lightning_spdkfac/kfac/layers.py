@@ -275,12 +275,42 @@ class Conv2dHelper(LayerHelper):
         return grad_output.sum((2, 3), dtype=dtype)  # (B, out, Ho, Wo) -> (B, out)
 
 
+def computed_parameter(module: nn.Module) -> str | None:
+    """Why the module's weight (or bias) is not a Parameter of its own, or None when both are.
+
+    ``torch.nn.utils.parametrizations.weight_norm`` / ``spectral_norm`` (and any ``parametrize``
+    parametrization) make ``module.weight`` a tensor computed from other parameters at every access; the
+    older ``torch.nn.utils.weight_norm`` / ``spectral_norm`` recompute it in a forward pre-hook. The
+    optimizer then updates those other parameters (e.g. ``weight_g`` and ``weight_v``), whose gradients are
+    not the gradient of the computed weight, and the computed weight has no ``.grad`` to precondition.
+    """
+    for pname in ("weight", "bias"):
+        value = getattr(module, pname, None)
+        if value is None or module._parameters.get(pname) is value:
+            continue
+        parametrizations = getattr(module, "parametrizations", None)
+        if parametrizations is not None and pname in parametrizations:
+            how = "parametrization " + ", ".join(type(p).__name__ for p in parametrizations[pname])
+        else:
+            hooks = [type(h).__name__ for h in module._forward_pre_hooks.values()]
+            how = "forward pre-hook " + ", ".join(hooks) if hooks else "an attribute that is not a Parameter"
+        return (
+            f"its {pname} is computed from other parameters ({how}; e.g. weight_norm or spectral_norm), "
+            f"and K-FAC's factors of the computed {pname} do not apply to the parameters the optimizer "
+            "updates; it is left to the optimizer unpreconditioned"
+        )
+    return None
+
+
 def make_helper(module: nn.Module) -> tuple[LayerHelper | None, str | None]:
     """The helper for a module, or ``(None, reason)`` when the module is not supported."""
+    if not isinstance(module, nn.Linear | nn.Conv2d):
+        return None, None
+    computed = computed_parameter(module)
+    if computed is not None:
+        return None, computed
     if isinstance(module, nn.Linear):
         return LinearHelper(module), None
-    if isinstance(module, nn.Conv2d):
-        if module.groups != 1:
-            return None, f"grouped convolution (groups={module.groups}) is not supported by K-FAC"
-        return Conv2dHelper(module), None
-    return None, None
+    if module.groups != 1:
+        return None, f"grouped convolution (groups={module.groups}) is not supported by K-FAC"
+    return Conv2dHelper(module), None
