@@ -2,20 +2,34 @@
 
 - ``channels_last`` convolutions (and a Linear whose weight is stored column-major): their gradients are
   not contiguous; a channels_last model trains exactly like the same model in the contiguous format.
+- Activation checkpointing with a training-mode pass under ``torch.no_grad()`` in the same step
+  (pseudo-labels, EMA-style targets): every call is counted once; the run equals one without checkpointing.
+- A trainable layer inside a submodule kept in ``eval()`` (a frozen-BatchNorm backbone) is preconditioned
+  like the same layer in training mode; validation inside fit (inference_mode or no_grad) adds nothing,
+  nor does an evaluation forward with grad enabled that is never back-propagated.
 - ``weight_norm`` / ``spectral_norm`` layers (parametrizations and the old hooks): skipped at setup with one
   warning each, their gradients untouched.
 """
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import pytest
+import pytorch_lightning as pl
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from helpers.lightning_models import trainer
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.checkpoint import checkpoint
+from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_spdkfac import KFACPreconditioner
+from lightning_spdkfac import KFAC, KFACPreconditioner
+from lightning_spdkfac.comm.scheduler import SPDDistributor, SPDOptions
+from lightning_spdkfac.multiprocess import run_distributed
 
 DAMPING = 0.05
 
@@ -85,6 +99,186 @@ def test_channels_last_cnn_trains_like_the_contiguous_one(factor_approx):
     for name, layer in p_plain.layers.items():
         assert_same([p_cl.layers[name].A, p_cl.layers[name].G], [layer.A, layer.G], atol=1e-5)
     assert not torch.allclose(plain.c1.weight, CNN().c1.weight)  # it trained
+
+
+# --------------------------------------------------------------------------- checkpointing + no_grad passes
+class Checkpointed(nn.Module):
+    def __init__(self, mode):
+        super().__init__()
+        torch.manual_seed(0)
+        self.mode = mode  # None: no checkpointing; False / True: use_reentrant
+        self.inp = nn.Linear(6, 8)
+        self.block = nn.ModuleDict({"a": nn.Linear(8, 8), "b": nn.Linear(8, 8)})
+        self.head = nn.Linear(8, 3)
+
+    def run_block(self, h):
+        h = torch.tanh(self.block["a"](h))
+        h = torch.tanh(self.block["b"](h))
+        return torch.tanh(self.block["b"](h))  # "b" twice: shared weights inside the checkpoint
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        h = self.run_block(h) if self.mode is None else checkpoint(self.run_block, h, use_reentrant=self.mode)
+        return self.head(h)
+
+
+def train_with_no_grad_passes(mode, steps=3, micro_batches=2, ddp=None, distributor=None, seed=6):
+    """Each micro-batch: soft pseudo-labels from a training-mode pass under no_grad, then the loss; after the
+    backward passes, one more no_grad pass (as an EMA-target or logging pass would)."""
+    model = Checkpointed(mode)
+    net = model if ddp is None else ddp(model)
+    pre = kfac(model, distributor=distributor)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # e.g. "3 forward call(s) but 2 backward call(s)" must not happen
+        # torch's own note on reentrant checkpointing under no_grad (nothing to differentiate there)
+        warnings.filterwarnings("ignore", "None of the inputs have requires_grad")
+        for _ in range(steps):
+            opt.zero_grad()
+            for mb in range(micro_batches):
+                pre.final_micro_batch = mb == micro_batches - 1
+                x, y = torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
+                with torch.no_grad():
+                    soft = model(x).softmax(1)
+                sync = ddp is None or pre.final_micro_batch
+                with contextlib.nullcontext() if sync else net.no_sync():
+                    out = net(x)
+                    loss = F.cross_entropy(out, y) + F.cross_entropy(out, soft)
+                    (loss / micro_batches).backward()
+            with torch.no_grad():
+                model(torch.randn(8, 6, generator=g))
+            pre.step()
+            opt.step()
+    return model, pre
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_checkpointing_with_no_grad_training_passes_counts_each_call_once(use_reentrant):
+    plain, p_plain = train_with_no_grad_passes(None)
+    ckpt, p_ckpt = train_with_no_grad_passes(use_reentrant)
+    for name, lp in p_plain.layers.items():
+        lc = p_ckpt.layers[name]
+        assert lc.A is not None, f"{name} never got factors"
+        assert_same([lc.A, lc.G], [lp.A, lp.G], atol=1e-6)
+        assert lc.calls_per_micro_batch == lp.calls_per_micro_batch == (2 if name == "block.b" else 1)
+    assert_same(ckpt.parameters(), plain.parameters(), atol=1e-6)
+    assert p_ckpt.skipped_factor_steps == 0 and p_ckpt.steps == 3
+
+
+def _no_grad_passes_on_ranks(rank, world):
+    """Per rank, under DDP and pipelined SPD-KFAC: the plain, non-reentrant and reentrant checkpointed runs."""
+    torch.set_num_threads(1)
+    out = {}
+    for mode in (None, False, True):
+        distributor = SPDDistributor(SPDOptions.from_schedule("spd", profile_steps=(1, 2)),
+                                     process_group=dist.new_group())
+        model, pre = train_with_no_grad_passes(mode, steps=5, ddp=DDP, distributor=distributor, seed=10 + rank)
+        assert distributor.pipelined  # steps 0-2 profile (factors held to step()), steps 3-4 pipelined
+        out[mode] = ({n: (ly.A.clone(), ly.G.clone()) for n, ly in pre.layers.items()},
+                     [p.detach().clone() for p in model.parameters()])
+    return out
+
+
+def test_checkpointing_with_no_grad_passes_on_two_ranks_with_pipelined_spd():
+    runs = run_distributed(_no_grad_passes_on_ranks, 2, timeout=180)
+    for out in runs:
+        plain_f, plain_p = out[None]
+        for mode in (False, True):
+            factors, params = out[mode]
+            for name, (A, G) in plain_f.items():
+                assert_same(factors[name], [A, G], atol=1e-6)
+            assert_same(params, plain_p, atol=1e-6)
+    for mode in (False, True):
+        assert all(torch.equal(a, b) for a, b in zip(runs[0][mode][1], runs[1][mode][1]))  # the replicas agree
+
+
+# --------------------------------------------------------------------------- eval-mode submodules
+class FrozenNormBackbone(pl.LightningModule):
+    """A backbone whose BatchNorm keeps its (pretrained) running statistics: ``eval_whole_backbone`` puts the
+    whole backbone in eval mode (the usual ``backbone.eval()``), otherwise only the BatchNorm; the forward is
+    the same, and so must training be."""
+
+    def __init__(self, eval_whole_backbone):
+        super().__init__()
+        torch.manual_seed(0)
+        self.backbone = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Tanh())
+        self.head = nn.Linear(8, 3)
+        with torch.no_grad():
+            self.backbone[1].running_mean.uniform_(-0.5, 0.5)
+            self.backbone[1].running_var.uniform_(0.5, 2.0)
+        self.eval_whole_backbone = eval_whole_backbone
+        self.linear_modes = set()  # backbone[0].training in each training step
+
+    def on_train_epoch_start(self):  # (Lightning restores these modes after each validation)
+        (self.backbone if self.eval_whole_backbone else self.backbone[1]).eval()
+
+    def forward(self, x):
+        return self.head(self.backbone(x))
+
+    def training_step(self, batch, _):
+        self.linear_modes.add(self.backbone[0].training)
+        return F.cross_entropy(self(batch[0]), batch[1])
+
+    def validation_step(self, batch, _):
+        self.log("val_loss", F.cross_entropy(self(batch[0]), batch[1]))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(*map(torch.cat, zip(*batches()))), batch_size=8)
+
+    def val_dataloader(self):
+        return DataLoader(TensorDataset(*map(torch.cat, zip(*batches(2, seed=1)))), batch_size=8)
+
+
+def fit_backbone(eval_whole_backbone, validate=False, inference_mode=True, **kfac_kw):
+    model = FrozenNormBackbone(eval_whole_backbone)
+    callback = KFAC(damping=DAMPING, factor_update_steps=1, inv_update_steps=1, **kfac_kw)
+    extra = dict(val_check_interval=2, num_sanity_val_steps=1) if validate else dict(limit_val_batches=0)
+    trainer(max_steps=4, callbacks=[callback], inference_mode=inference_mode, **extra).fit(model)
+    return model, callback.state_dict()
+
+
+@pytest.mark.parametrize("inference_mode", [True, False])
+def test_trainable_layer_in_an_eval_mode_backbone_is_preconditioned_and_validation_adds_nothing(inference_mode):
+    evaluated, state = fit_backbone(True, validate=True, inference_mode=inference_mode)
+    reference, ref_state = fit_backbone(False)
+    assert evaluated.linear_modes == {False} and reference.linear_modes == {True}  # the premise
+    assert_same(evaluated.parameters(), reference.parameters(), atol=1e-6)
+    assert set(state["layers"]) == set(ref_state["layers"]) == {"backbone.0", "head"}
+    for name, factors in ref_state["layers"].items():
+        for key, ref in factors.items():
+            if isinstance(ref, torch.Tensor):
+                assert_same([state["layers"][name][key]], [ref], atol=1e-6)
+    # and K-FAC did act on it: without K-FAC on the backbone, training ends elsewhere
+    unpreconditioned, _ = fit_backbone(False, skip_layers=["backbone"])
+    assert not torch.allclose(unpreconditioned.backbone[0].weight, reference.backbone[0].weight, atol=1e-4)
+
+
+def test_an_eval_forward_with_grad_enabled_that_is_not_back_propagated_adds_nothing():
+    runs = []
+    for evaluate in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+        pre = kfac(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for x, y in batches():
+                if evaluate:  # an evaluation written without no_grad
+                    model.eval()
+                    F.cross_entropy(model(x), y).item()
+                    model.train()
+                opt.zero_grad()
+                F.cross_entropy(model(x), y).backward()
+                pre.step()
+                opt.step()
+        runs.append((model, pre))
+    (plain, p_plain), (evaluated, p_eval) = runs
+    assert torch.equal(p_eval.layers["0"].A, p_plain.layers["0"].A)
+    assert_same(evaluated.parameters(), plain.parameters(), atol=0)
 
 
 # --------------------------------------------------------------------------- weight_norm / spectral_norm

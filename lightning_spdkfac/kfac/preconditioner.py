@@ -42,7 +42,7 @@ from .inverse import (
     robust_inverses,
 )
 from .layer_state import KFACLayer
-from .layers import make_helper
+from .layers import LayerHelper, make_helper
 from .options import KFACOptions
 
 __all__ = ["STATE_VERSION", "KFACLayer", "KFACPreconditioner"]
@@ -168,7 +168,7 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
                 continue
             reduce = self.factor_approx == "reduce" or (self.factor_approx == "auto" and helper.auto_reduce)
             layer = KFACLayer(name=name, helper=helper, index=len(self.layers), reduce=reduce)
-            layer.handles.append(module.register_forward_hook(self._make_forward_hook(layer)))
+            layer.handles.append(module.register_forward_hook(self._make_forward_hook(layer, helper)))
             self.layers[name] = layer
         if not self.layers:
             found = ", ".join(sorted(set(seen_types)))
@@ -191,42 +191,40 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
         return self.steps % self.factor_update_steps == 0
 
     # ------------------------------------------------------------------ hooks
-    def _make_forward_hook(self, layer: KFACLayer) -> Callable[[nn.Module, tuple[Any, ...], Any], None]:
+    def _make_forward_hook(self, layer: KFACLayer,
+                           helper: LayerHelper) -> Callable[[nn.Module, tuple[Any, ...], Any], None]:
+        """The forward hook of one module of ``layer`` (``helper``: that module's rows)."""
+
         def forward_hook(module: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
-            if not module.training:
-                return
-            if not torch.is_grad_enabled():
-                layer.nograd_calls += 1
-                return
-            recomputed = in_backward()
-            if recomputed:
-                # Activation checkpointing recomputes this forward during backward. Non-reentrant
-                # (use_reentrant=False): the first forward already counted the call and hooked its
-                # output, whose gradient is the one backward uses; counting it again would double A.
-                # Reentrant: the first forward ran without grad; this call is the one backward uses.
-                if layer.nograd_calls == 0:
-                    return
-                layer.nograd_calls -= 1
-            if not layer.trainable():  # frozen (requires_grad=False): not collected, not preconditioned
+            # Grad mode, not module.training, tells a forward that trains: a forward without grad (validation or
+            # inference under no_grad / inference_mode, a pseudo-label or EMA-target pass, reentrant
+            # checkpointing's first pass) gets no gradient, while a trainable layer in eval mode (inside a
+            # frozen-BatchNorm backbone) does.
+            if not torch.is_grad_enabled() or not layer.trainable():  # frozen: not collected, not preconditioned
                 return
             layer.ran = True
             if not self.collecting or not isinstance(output, torch.Tensor) or not output.requires_grad:
                 return
+            # A forward during backward is activation checkpointing's recomputation. Non-reentrant
+            # (use_reentrant=False): the first forward was counted and its output's gradient is the one backward
+            # uses; this output gets none. Reentrant: the first forward ran without grad; this output is the one
+            # backward differentiates.
+            recomputed = in_backward()
             if self._backward_seen and not recomputed:  # a forward after a backward starts a new micro-batch
                 self._micro_batch += 1
                 self._backward_seen = False
                 for ly in self.layers.values():
                     ly.mb_a_calls = ly.mb_g_calls = 0
             x = inputs[0]
-            with self.timer.phase("factor_compute"):
-                with autocast_off(x.device.type):
-                    self._accumulate_a(layer, x)
-                final = self._pipelining_final(layer, layer.mb_a_calls)
-                if final:
-                    layer.submitted["A"] = layer.a_calls
-                    A_new = layer.step_a()
-            output.register_hook(self._make_grad_hook(layer, x))  # type: ignore[no-untyped-call]
-            if final:
+            if recomputed or not module.training:
+                # Counted when its output gets a gradient, and only then: that tells the two recomputations
+                # apart, and an eval-mode forward with grad enabled that is not back-propagated (an
+                # evaluation without no_grad) adds nothing. The input is held until then.
+                output.register_hook(self._make_grad_hook(layer, helper, x, deferred=True))  # type: ignore[no-untyped-call]
+                return
+            A_new = self._collect_a(layer, helper, x)
+            output.register_hook(self._make_grad_hook(layer, helper, x))  # type: ignore[no-untyped-call]
+            if A_new is not None:
                 self.distributor.factor_final(layer.index, "A", A_new)
 
         # Under torch.compile the hooks run as plain Python (a graph break at each K-FAC layer): traced,
@@ -234,15 +232,32 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
         # in-place updates of persistent buffers replayed as side effects.
         return eager(forward_hook)
 
-    def _make_grad_hook(self, layer: KFACLayer, x: torch.Tensor) -> Callable[[torch.Tensor], None]:
-        batch = layer.helper.examples(x, layer.reduce)
+    def _collect_a(self, layer: KFACLayer, helper: LayerHelper, x: torch.Tensor) -> torch.Tensor | None:
+        """Add one call's input to A; this step's A when this call makes it final (pipelining), else None."""
+        with self.timer.phase("factor_compute"):
+            with autocast_off(x.device.type):
+                self._accumulate_a(layer, helper, x)
+            if not self._pipelining_final(layer, layer.mb_a_calls):
+                return None
+            layer.submitted["A"] = layer.a_calls
+            return layer.step_a()
+
+    def _make_grad_hook(self, layer: KFACLayer, helper: LayerHelper, x: torch.Tensor,
+                        deferred: bool = False) -> Callable[[torch.Tensor], None]:
+        """The output-gradient hook of one call; ``deferred``: the call's A is added here too, first."""
+        batch = helper.examples(x, layer.reduce)
         micro_batch = self._micro_batch
+        held = x.detach() if deferred else None
 
         def grad_hook(grad_output: torch.Tensor) -> None:
             self._backward_seen = True
+            if held is not None:
+                A_new = self._collect_a(layer, helper, held)
+                if A_new is not None:
+                    self.distributor.factor_final(layer.index, "A", A_new)
             with self.timer.phase("factor_compute"):
                 with autocast_off(grad_output.device.type):
-                    self._accumulate_g(layer, grad_output, batch, micro_batch)
+                    self._accumulate_g(layer, helper, grad_output, batch, micro_batch)
                 final = self._pipelining_final(layer, layer.mb_g_calls)
                 if final:
                     layer.submitted["G"] = layer.g_calls
@@ -252,11 +267,11 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
 
         return eager(grad_hook)
 
-    def _accumulate_a(self, layer: KFACLayer, x: torch.Tensor) -> None:
+    def _accumulate_a(self, layer: KFACLayer, helper: LayerHelper, x: torch.Tensor) -> None:
         if layer.reduce:
-            a = layer.helper.a_reduced(x.detach(), self.factor_dtype)
+            a = helper.a_reduced(x.detach(), self.factor_dtype)
         else:
-            a = layer.helper.a_rows(x.detach()).to(self.factor_dtype)
+            a = helper.a_rows(x.detach()).to(self.factor_dtype)
         if layer.a_calls == 0:
             if layer.xx is None or layer.xx.shape[0] != a.shape[1] or layer.xx.device != a.device:
                 layer.xx = torch.empty(a.shape[1], a.shape[1], dtype=self.factor_dtype, device=a.device)
@@ -272,11 +287,12 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
         layer.a_calls += 1
         layer.mb_a_calls += 1
 
-    def _accumulate_g(self, layer: KFACLayer, grad_output: torch.Tensor, batch: int, micro_batch: int) -> None:
+    def _accumulate_g(self, layer: KFACLayer, helper: LayerHelper, grad_output: torch.Tensor, batch: int,
+                      micro_batch: int) -> None:
         if layer.reduce:
-            d = layer.helper.g_reduced(grad_output, self.factor_dtype)
+            d = helper.g_reduced(grad_output, self.factor_dtype)
         else:
-            d = layer.helper.g_rows(grad_output).to(self.factor_dtype)
+            d = helper.g_rows(grad_output).to(self.factor_dtype)
         if layer.g_calls == 0:
             if layer.dd is None or layer.dd.shape[0] != d.shape[1] or layer.dd.device != d.device:
                 layer.dd = torch.empty(d.shape[1], d.shape[1], dtype=self.factor_dtype, device=d.device)
