@@ -4,6 +4,9 @@
   not contiguous; a channels_last model trains exactly like the same model in the contiguous format.
 - Activation checkpointing with a training-mode pass under ``torch.no_grad()`` in the same step
   (pseudo-labels, EMA-style targets): every call is counted once; the run equals one without checkpointing.
+- One Parameter in two modules: modules sharing all their parameters are one K-FAC block, equal to one
+  module called twice (and to a dense reference for convolutions of different strides); any other sharing
+  is skipped with one warning naming the modules, and those gradients reach the optimizer untouched.
 - A trainable layer inside a submodule kept in ``eval()`` (a frozen-BatchNorm backbone) is preconditioned
   like the same layer in training mode; validation inside fit (inference_mode or no_grad) adds nothing,
   nor does an evaluation forward with grad enabled that is never back-propagated.
@@ -21,6 +24,7 @@ import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from helpers.dense_reference import a_rows, assert_close, d_rows, damped_invs, grad_matrix
 from helpers.lightning_models import trainer
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -191,6 +195,131 @@ def test_checkpointing_with_no_grad_passes_on_two_ranks_with_pipelined_spd():
             assert_same(params, plain_p, atol=1e-6)
     for mode in (False, True):
         assert all(torch.equal(a, b) for a, b in zip(runs[0][mode][1], runs[1][mode][1]))  # the replicas agree
+
+
+# --------------------------------------------------------------------------- shared parameters
+class TwoLinears(nn.Module):
+    """``a`` then ``second``: a module sharing a's weight and bias (tied=True), or ``a`` itself again."""
+
+    def __init__(self, tied):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(6, 5)
+        self.a = nn.Linear(5, 5)
+        self.head = nn.Linear(5, 3)
+        self.tied = tied
+        if tied:
+            self.b = nn.Linear(5, 5)
+            self.b.weight, self.b.bias = self.a.weight, self.a.bias
+
+    def forward(self, x):
+        h = torch.tanh(self.a(torch.tanh(self.inp(x))))
+        return self.head(torch.tanh((self.b if self.tied else self.a)(h)))
+
+
+def test_modules_sharing_all_parameters_train_like_one_module_called_twice():
+    runs = []
+    for tied in (True, False):
+        model = TwoLinears(tied)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # nothing to warn about: the shared block is supported
+            pre = kfac(model)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            g = torch.Generator().manual_seed(3)
+            for micro_batches in (1, 2, 1):
+                opt.zero_grad()
+                for _ in range(micro_batches):
+                    x, y = torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
+                    (F.cross_entropy(model(x), y) / micro_batches).backward()
+                pre.step()
+                opt.step()
+        runs.append((model, pre))
+    (tied, p_tied), (twice, p_twice) = runs
+    assert list(p_tied.layers) == list(p_twice.layers) == ["inp", "a", "head"]  # one block for a and b
+    assert p_tied.layers["a"].calls_per_micro_batch == 2
+    for name in p_twice.layers:
+        assert_same([p_tied.layers[name].A, p_tied.layers[name].G],
+                    [p_twice.layers[name].A, p_twice.layers[name].G], atol=1e-6)
+    assert_same([tied.inp.weight, tied.a.weight, tied.a.bias, tied.head.weight],
+                [twice.inp.weight, twice.a.weight, twice.a.bias, twice.head.weight], atol=1e-6)
+    assert tied.b.weight is tied.a.weight
+
+
+def test_convolutions_sharing_parameters_with_other_strides_match_the_dense_reference():
+    torch.manual_seed(0)
+    fine, coarse = nn.Conv2d(2, 3, 3, padding=1), nn.Conv2d(2, 3, 3, stride=2)
+    coarse.weight, coarse.bias = fine.weight, fine.bias
+    model = nn.ModuleDict({"fine": fine, "coarse": coarse})
+    pre = kfac(model, kl_clip=None, factor_approx="expand")
+    assert list(pre.layers) == ["fine"]
+    inputs, gouts = [], []
+
+    def capture(module, args, out):
+        inputs.append((module, args[0].detach()))
+        out.register_hook(lambda g: gouts.append((module, g.detach())))
+
+    for m in (fine, coarse):
+        m.register_forward_hook(capture)
+    img = torch.randn(4, 2, 7, 7, generator=torch.Generator().manual_seed(4))
+    (fine(img).pow(2).mean() + coarse(img).tanh().sum((2, 3)).pow(2).mean()).backward()
+    raw = grad_matrix(fine)  # the shared parameters' gradient: both modules' parts
+    pre.step()
+    a = torch.cat([a_rows(m, x) for m, x in inputs])
+    d = torch.cat([d_rows(m, g) for m, g in gouts])
+    A, G = a.T @ a / a.shape[0], 4 * (d.T @ d)  # the 4 images counted once, like one layer called twice
+    layer = pre.layers["fine"]
+    assert_close(layer.A, A, 1e-5)
+    assert_close(layer.G, G, 1e-5)
+    A_inv, G_inv = damped_invs(A, G, DAMPING)
+    assert_close(grad_matrix(fine), G_inv @ raw @ A_inv, 1e-4)
+
+
+def _weight_only(model):
+    model.b = nn.Linear(5, 5)
+    model.b.weight = model.a.weight
+    return ["a", "b"], "some but not all"
+
+
+def _bias_only(model):
+    model.b = nn.Linear(5, 5)
+    model.b.bias = model.a.bias
+    return ["a", "b"], "some but not all"
+
+
+def _embedding(model):
+    model.emb = nn.Embedding(3, 5)
+    model.head.weight = model.emb.weight  # a tied head
+    return ["head"], "'emb' (Embedding)"
+
+
+def _skipped_twin(model):
+    model.b = nn.Linear(5, 5)
+    model.b.weight, model.b.bias = model.a.weight, model.a.bias
+    return ["a"], "'b' (Linear)"
+
+
+@pytest.mark.parametrize("share", [_weight_only, _bias_only, _embedding, _skipped_twin])
+def test_other_parameter_sharing_is_skipped_with_one_warning_and_left_untouched(share):
+    model = TwoLinears(False)
+    names, reason = share(model)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        pre = kfac(model, skip_layers=["^b$"] if share is _skipped_twin else [])
+    msgs = kfac_warnings(record)
+    assert len(msgs) == 1 and reason in msgs[0] and all(repr(n) in msgs[0] for n in names), msgs
+    assert not set(names) & set(pre.layers) and all(n in pre.skipped for n in names)
+    x = torch.randn(8, 6, generator=torch.Generator().manual_seed(5))
+    out = model(x) + (model.b(x[:, :5]).sum() if hasattr(model, "b") else 0)
+    if hasattr(model, "emb"):
+        out = out + model.emb(torch.tensor([0, 2])).sum()
+    out.pow(2).mean().backward()
+    skipped = [p for n in names for p in getattr(model, n).parameters()]
+    raw = [p.grad.clone() for p in skipped]
+    other = [p for n in pre.layers for p in getattr(model, n).parameters()]
+    raw_other = [p.grad.clone() for p in other]
+    pre.step()
+    assert all(torch.equal(p.grad, r) for p, r in zip(skipped, raw))  # the optimizer gets them untouched
+    assert not any(torch.equal(p.grad, r) for p, r in zip(other, raw_other))  # the others: preconditioned
 
 
 # --------------------------------------------------------------------------- eval-mode submodules

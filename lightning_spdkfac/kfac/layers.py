@@ -314,3 +314,66 @@ def make_helper(module: nn.Module) -> tuple[LayerHelper | None, str | None]:
     if module.groups != 1:
         return None, f"grouped convolution (groups={module.groups}) is not supported by K-FAC"
     return Conv2dHelper(module), None
+
+
+Candidate = tuple[str, nn.Module, LayerHelper]
+
+
+def shared_parameter_groups(model: nn.Module,
+                            candidates: list[Candidate]) -> list[tuple[list[Candidate], str | None]]:
+    """The candidate layers grouped by the Parameters they share, each group with why it cannot be one K-FAC
+    block (None: it can), in the order of each group's first layer in ``candidates``.
+
+    A layer that shares no parameter is a group of its own. Layers that share all their parameters (``b.weight =
+    a.weight`` and ``b.bias = a.bias``, of one kind) are one block: the gradient of the shared parameters is the
+    sum of both layers' contributions, as for one layer called twice, and their factors sum both layers' calls.
+    Any other sharing cannot be one Kronecker-factored block, so the group is refused: some but not all
+    parameters shared (only the weight, or only the bias), layers of different kinds, or a parameter also used by
+    a module K-FAC does not handle (an ``nn.Embedding`` tied to a head, a layer skipped for another reason,
+    a parent that holds the parameter), whose part of the gradient the factors would not see.
+    """
+    owners: dict[int, list[tuple[str, nn.Module]]] = {}
+    for name, module in model.named_modules():
+        for p in module.parameters(recurse=False):
+            owners.setdefault(id(p), []).append((name, module))
+    position = {id(module): i for i, (_, module, _) in enumerate(candidates)}
+    root = list(range(len(candidates)))
+
+    def find(i: int) -> int:
+        while root[i] != i:
+            root[i] = root[root[i]]
+            i = root[i]
+        return i
+
+    outside: list[tuple[int, str, nn.Module]] = []  # (candidate, name, module K-FAC does not handle)
+    for i, (_, module, _) in enumerate(candidates):
+        for p in module.parameters(recurse=False):
+            for other_name, other in owners[id(p)]:
+                j = position.get(id(other))
+                if j is None:
+                    outside.append((i, other_name, other))
+                else:
+                    root[find(j)] = find(i)
+    groups: dict[int, list[Candidate]] = {}
+    for i, candidate in enumerate(candidates):
+        groups.setdefault(find(i), []).append(candidate)
+    users: dict[int, dict[str, str]] = {}  # group root -> outside module name -> its type
+    for i, other_name, other in outside:
+        users.setdefault(find(i), {})[other_name or "<root>"] = type(other).__name__
+    return [(group, _why_not_one_block(group, users.get(r))) for r, group in groups.items()]
+
+
+def _why_not_one_block(group: list[Candidate], outside: dict[str, str] | None) -> str | None:
+    if outside:
+        used_by = ", ".join(f"{n!r} ({t})" for n, t in outside.items())
+        return (f"a parameter is also used by {used_by}, whose part of the gradient K-FAC's factors do not see "
+                "(e.g. an embedding tied to a head); left to the optimizer unpreconditioned")
+    if len(group) == 1:
+        return None
+    first = [id(p) for p in group[0][1].parameters(recurse=False)]
+    if any(type(h) is not type(group[0][2]) for _, _, h in group):
+        return "they share parameters but are layers of different kinds; left to the optimizer unpreconditioned"
+    if any([id(p) for p in module.parameters(recurse=False)] != first for _, module, _ in group[1:]):
+        return ("they share some but not all of their parameters (e.g. the weight but not the bias), which is "
+                "not one Kronecker-factored block; left to the optimizer unpreconditioned")
+    return None

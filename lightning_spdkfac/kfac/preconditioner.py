@@ -42,7 +42,7 @@ from .inverse import (
     robust_inverses,
 )
 from .layer_state import KFACLayer
-from .layers import LayerHelper, make_helper
+from .layers import LayerHelper, make_helper, shared_parameter_groups
 from .options import KFACOptions
 
 __all__ = ["STATE_VERSION", "KFACLayer", "KFACPreconditioner"]
@@ -151,6 +151,7 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
     # ------------------------------------------------------------------ registration
     def _register(self, model: nn.Module) -> None:
         seen_types = []
+        candidates: list[tuple[str, nn.Module, LayerHelper]] = []
         for name, module in model.named_modules():
             seen_types.append(type(module).__name__)
             helper, reason = make_helper(module)
@@ -166,9 +167,22 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
             if not all(p.requires_grad for p in module.parameters(recurse=False)):
                 self.skipped[name] = "parameters do not all require grad"
                 continue
+            candidates.append((name, module, helper))
+        for group, why in shared_parameter_groups(model, candidates):
+            if why is not None:
+                names = ", ".join(repr(n) for n, _, _ in group)
+                warnings.warn(f"K-FAC skips layer{'s' if len(group) > 1 else ''} {names}: {why}", stacklevel=3)
+                for name, _, _ in group:
+                    self.skipped[name] = why
+                continue
+            # One K-FAC block for modules that share all their parameters (one module: the usual case),
+            # named after the first; each module's calls add to its factors with that module's own
+            # geometry, like the calls of one layer called several times per forward.
+            name, _, helper = group[0]
             reduce = self.factor_approx == "reduce" or (self.factor_approx == "auto" and helper.auto_reduce)
             layer = KFACLayer(name=name, helper=helper, index=len(self.layers), reduce=reduce)
-            layer.handles.append(module.register_forward_hook(self._make_forward_hook(layer, helper)))
+            for _, module, module_helper in group:
+                layer.handles.append(module.register_forward_hook(self._make_forward_hook(layer, module_helper)))
             self.layers[name] = layer
         if not self.layers:
             found = ", ".join(sorted(set(seen_types)))
