@@ -12,11 +12,14 @@
   nor does an evaluation forward with grad enabled that is never back-propagated.
 - ``weight_norm`` / ``spectral_norm`` layers (parametrizations and the old hooks): skipped at setup with one
   warning each, their gradients untouched.
+- A layer put into the model after the preconditioner was built: one RuntimeError naming it; a layer frozen
+  at setup that trains later: one warning naming it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import warnings
 
 import pytest
@@ -450,3 +453,90 @@ def test_weight_norm_and_spectral_norm_layers_are_skipped_with_one_warning_each(
             assert all(torch.equal(p.grad, r) for p, r in zip(skipped, raw))
             opt.step()
     assert pre.layers["0"].A is not None and pre.layers["10"].A is not None
+
+
+# --------------------------------------------------------------------------- layers changed after setup
+def test_a_layer_replaced_after_the_preconditioner_was_built_fails_naming_it():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    pre = kfac(model)
+    x, y = batches(1)[0]
+    F.cross_entropy(model(x), y).backward()
+    pre.step()
+    model[2] = nn.Linear(8, 3)  # e.g. a new head for fine-tuning
+    model.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    with pytest.raises(RuntimeError, match=r"layer\(s\) '2' joined the model after the KFACPreconditioner was "
+                                           r"built.*Build the preconditioner once the model is final"):
+        pre.step()
+
+
+def test_layers_added_after_setup_that_do_not_train_are_fine():
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    pre = kfac(model)
+    model.teacher = copy.deepcopy(model.net)  # used only under no_grad: its parameters get no gradient
+    model.frozen = nn.Linear(3, 3).requires_grad_(False)
+    model.net[1] = nn.Identity()  # a registered module replaced by a kind K-FAC does not handle
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for x, _ in batches(2):
+            model.zero_grad()
+            with torch.no_grad():
+                target = model.teacher(x).softmax(1)
+            F.cross_entropy(model.frozen(model.net(x)), target).backward()
+            pre.step()
+    assert pre.layers["net.0"].A is not None
+
+
+class ChangesItsHead(pl.LightningModule):
+    """Puts a new head in place during fit (``on_train_start``), or creates its head in ``configure_model``
+    (which Lightning calls after the callbacks' ``setup``, where KFAC builds its preconditioner)."""
+
+    def __init__(self, hook):
+        super().__init__()
+        torch.manual_seed(0)
+        self.hook = hook
+        self.body = nn.Linear(6, 8)
+        self.head = nn.Linear(8, 3) if hook == "on_train_start" else None
+
+    def on_train_start(self):
+        if self.hook == "on_train_start":
+            self.head = nn.Linear(8, 3)
+
+    def configure_model(self):
+        if self.hook == "configure_model" and self.head is None:
+            self.head = nn.Linear(8, 3)
+
+    def training_step(self, batch, _):
+        return F.cross_entropy(self.head(torch.tanh(self.body(batch[0]))), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(*map(torch.cat, zip(*batches()))), batch_size=8)
+
+
+@pytest.mark.parametrize("hook", ["on_train_start", "configure_model"])
+def test_a_lightning_module_changing_a_layer_after_kfac_setup_gets_one_clear_error(hook):
+    with pytest.raises(RuntimeError, match=r"'head' joined the model after the KFACPreconditioner was built"):
+        trainer(max_steps=2, callbacks=[KFAC(factor_update_steps=1)]).fit(ChangesItsHead(hook))
+
+
+def test_a_layer_frozen_at_setup_that_trains_later_warns_once_naming_it():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    model[0].requires_grad_(False)
+    pre = kfac(model)
+    assert "0" not in pre.layers
+    model[0].requires_grad_(True)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for x, y in batches(3):
+            model.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            pre.step()
+    msgs = kfac_warnings(record)
+    assert len(msgs) == 1 and "layer '0' was skipped" in msgs[0] and "without K-FAC" in msgs[0], msgs

@@ -316,6 +316,22 @@ def make_helper(module: nn.Module) -> tuple[LayerHelper | None, str | None]:
     return Conv2dHelper(module), None
 
 
+def linear_and_conv_modules(model: nn.Module) -> list[nn.Module]:
+    """The ``nn.Linear`` and ``nn.Conv2d`` modules of ``model``, each once: ``model.modules()`` without
+    building every module's name (half the time; this runs on factor steps)."""
+    found: list[nn.Module] = []
+    stack, seen = [model], {id(model)}
+    while stack:
+        module = stack.pop()
+        if isinstance(module, nn.Linear | nn.Conv2d):
+            found.append(module)
+        for child in module._modules.values():
+            if child is not None and id(child) not in seen:
+                seen.add(id(child))
+                stack.append(child)
+    return found
+
+
 Candidate = tuple[str, nn.Module, LayerHelper]
 
 

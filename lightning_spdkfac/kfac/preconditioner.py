@@ -42,10 +42,13 @@ from .inverse import (
     robust_inverses,
 )
 from .layer_state import KFACLayer
-from .layers import LayerHelper, make_helper, shared_parameter_groups
+from .layers import LayerHelper, linear_and_conv_modules, make_helper, shared_parameter_groups
 from .options import KFACOptions
 
 __all__ = ["STATE_VERSION", "KFACLayer", "KFACPreconditioner"]
+
+# The reason recorded for a layer skipped because it was frozen at registration (see _check_layers).
+FROZEN_AT_SETUP = "parameters do not all require grad"
 
 
 class KFACPreconditioner(NonFiniteGuard, CheckpointState):
@@ -139,6 +142,9 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
         self._warned: set[tuple[str, str]] = set()
         self.layers: dict[str, KFACLayer] = {}
         self.skipped: dict[str, str] = {}
+        # id -> (module, None for a registered module or the reason it was skipped): the supported modules
+        # seen at registration, held so that their ids stay theirs (see _check_layers).
+        self._known: dict[int, tuple[nn.Module, str | None]] = {}
         self._register(model)
         self._grad_params = [p for ly in self.layers.values() for p in ly.helper.params()]
         kfac_ids = {id(p) for p in self._grad_params}
@@ -157,23 +163,23 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
             helper, reason = make_helper(module)
             if helper is None:
                 if reason is not None:
-                    self.skipped[name] = reason
+                    self._skip(name, module, reason)
                     warnings.warn(f"K-FAC skips layer {name!r}: {reason}", stacklevel=3)
                 continue
             cls = type(module).__name__
             if any(p.search(name) or p.search(cls) for p in self.skip_layers):
-                self.skipped[name] = "matched skip_layers"
+                self._skip(name, module, "matched skip_layers")
                 continue
             if not all(p.requires_grad for p in module.parameters(recurse=False)):
-                self.skipped[name] = "parameters do not all require grad"
+                self._skip(name, module, FROZEN_AT_SETUP)
                 continue
             candidates.append((name, module, helper))
         for group, why in shared_parameter_groups(model, candidates):
             if why is not None:
                 names = ", ".join(repr(n) for n, _, _ in group)
                 warnings.warn(f"K-FAC skips layer{'s' if len(group) > 1 else ''} {names}: {why}", stacklevel=3)
-                for name, _, _ in group:
-                    self.skipped[name] = why
+                for name, module, _ in group:
+                    self._skip(name, module, why)
                 continue
             # One K-FAC block for modules that share all their parameters (one module: the usual case),
             # named after the first; each module's calls add to its factors with that module's own
@@ -183,6 +189,7 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
             layer = KFACLayer(name=name, helper=helper, index=len(self.layers), reduce=reduce)
             for _, module, module_helper in group:
                 layer.handles.append(module.register_forward_hook(self._make_forward_hook(layer, module_helper)))
+                self._known[id(module)] = (module, None)
             self.layers[name] = layer
         if not self.layers:
             found = ", ".join(sorted(set(seen_types)))
@@ -190,6 +197,51 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
             raise ValueError(
                 "KFACPreconditioner found no supported layer (nn.Linear, nn.Conv2d) in model; "
                 f"module types found: {found}" + (f"; skipped: {detail}" if detail else "")
+            )
+
+    def _skip(self, name: str, module: nn.Module, reason: str) -> None:
+        self.skipped[name] = reason
+        self._known[id(module)] = (module, reason)
+
+    def _check_layers(self) -> None:
+        """Supported layers that got trainable after registration, or joined the model after it.
+
+        A layer added to the model (or put in place of a registered one: ``model.fc = nn.Linear(...)``) after
+        the preconditioner was built has no hooks, so its gradient would reach the optimizer
+        unpreconditioned while its predecessor keeps its factors: one RuntimeError naming it. A layer
+        skipped because it was frozen when the preconditioner was built and that trains now: one warning.
+        Only layers that train count: some parameter requires grad and has a gradient (wherever the
+        gradients are not ``param.grad``, requiring grad is enough). One pass over the model's modules,
+        called on factor steps.
+        """
+        plain_grads = type(self.grad_access) is GradAccess
+        added = []
+        for module in linear_and_conv_modules(self.model):
+            known = self._known.get(id(module))
+            if known is not None and known[1] != FROZEN_AT_SETUP:
+                continue
+            if not any(p.requires_grad and (p.grad is not None or not plain_grads)
+                       for p in module.parameters(recurse=False)):
+                continue
+            if known is not None:
+                name = next(n for n, m in self.model.named_modules() if m is module)
+                self._warn_once(
+                    name, "unfrozen",
+                    f"K-FAC layer {name!r} was skipped because its parameters did not all require grad when the "
+                    "KFACPreconditioner was built; they train now, with their raw gradients, without K-FAC. To "
+                    "precondition it, build the preconditioner while the layer is trainable (K-FAC leaves a layer "
+                    "alone while it is frozen and takes it up again when it is unfrozen)",
+                )
+            elif make_helper(module)[0] is not None:
+                added.append(module)
+        if added:
+            names = [n for n, m in self.model.named_modules() if any(m is a for a in added)]
+            raise RuntimeError(
+                f"K-FAC: layer(s) {', '.join(repr(n) for n in names)} joined the model after the KFACPreconditioner "
+                "was built (added, or put in place of a registered layer), so K-FAC has no hooks on them and their "
+                "gradients would reach the optimizer unpreconditioned. Build the preconditioner once the model is "
+                "final (with the KFAC callback: create the layers in the LightningModule's __init__ and do not "
+                "replace them during fit), or freeze these layers if they are not trained"
             )
 
     def remove_hooks(self) -> None:
@@ -541,6 +593,7 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
         self._grads = self.grad_access.open(self._grad_params)
         self._grads_finite = True
         if self.collecting:
+            self._check_layers()
             if self._local:
                 with self.timer.phase("factor_update"):
                     self._update_factors(k)
