@@ -28,10 +28,7 @@ class KFACLayer:
     a_calls: int = 0
     g_calls: int = 0
     last_micro_batch: int = -1
-    ran: bool = False  # forward ran in training mode since the last step
-    # Training-mode forwards without grad since the last step: the first pass of reentrant activation
-    # checkpointing, whose recomputation during backward then counts (see _make_forward_hook).
-    nograd_calls: int = 0
+    ran: bool = False  # a forward with grad enabled ran since the last step
     # Pipelining: calls in the current micro-batch, the count that makes a factor final
     # (learned from the previous step), and what was handed to the distributor.
     mb_a_calls: int = 0
@@ -54,7 +51,6 @@ class KFACLayer:
         self.mb_a_calls = self.mb_g_calls = 0
         self.last_micro_batch = -1
         self.ran = False
-        self.nograd_calls = 0
         self.submitted.clear()
 
     def trainable(self) -> bool:

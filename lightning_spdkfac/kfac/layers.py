@@ -113,17 +113,17 @@ class LayerHelper:
         """Write ``scale * matrix`` back into the gradient tensors of ``grads``, in place.
 
         ``matrix`` came from :meth:`grad_matrix` of the same ``grads``, so every gradient is there.
+        The source is shaped like each gradient, not the gradient like the matrix: a gradient in any memory
+        format (a ``channels_last`` convolution weight's is not contiguous) is written through its own strides.
         """
-        w = self._weight()
         n_in = self.in_features
-        wg = grads[w]
+        wg = grads[self._weight()]
         assert wg is not None  # grad_matrix returned a matrix: the weight has a gradient
-        w_view = wg.view(w.shape[0], n_in)
-        _scaled_copy(w_view, matrix[:, :n_in], scale)
+        _scaled_copy(wg, matrix[:, :n_in].reshape(wg.shape), scale)
         if self.has_bias:
             bg = grads[self._bias()]
             assert bg is not None  # likewise for the bias
-            _scaled_copy(bg.view(-1), matrix[:, n_in], scale)
+            _scaled_copy(bg, matrix[:, n_in].reshape(bg.shape), scale)
 
 
 def _scaled_copy(dst: torch.Tensor, src: torch.Tensor, scale: torch.Tensor | None) -> None:
@@ -202,7 +202,11 @@ class Conv2dHelper(LayerHelper):
         return self.module.out_channels
 
     def _padded(self, x: torch.Tensor) -> torch.Tensor:
-        """The batched input, padded exactly as the module's forward pads it, contiguous."""
+        """The batched input, padded exactly as the module's forward pads it, in whatever memory format.
+
+        Not copied to a contiguous tensor: the row extraction below reads through the input's own strides,
+        so a ``channels_last`` (or any strided) input is read in place.
+        """
         m = self.module
         if x.dim() == 3:
             x = x.unsqueeze(0)
@@ -213,7 +217,7 @@ class Conv2dHelper(LayerHelper):
             x = F.pad(x, m._reversed_padding_repeated_twice, mode=mode)
         elif not isinstance(m.padding, str) and (m.padding[0] or m.padding[1]):  # str: explicit above
             x = F.pad(x, (m.padding[1], m.padding[1], m.padding[0], m.padding[0]))
-        return x.contiguous()
+        return x
 
     def _out_size(self, H: int, W: int) -> tuple[int, int]:
         """(Ho, Wo) of a padded ``H x W`` input."""
@@ -223,17 +227,19 @@ class Conv2dHelper(LayerHelper):
     def a_rows(self, x: torch.Tensor) -> torch.Tensor:
         """Patch rows ``R x (C*kh*kw)``, columns in the order of ``weight.view(out, -1)``.
 
-        The patches are one strided view of the (padded) input, copied once by the final
-        reshape; ``F.unfold`` followed by the transpose to rows would copy them twice.
+        The patches are one strided view of the (padded) input, through its own strides (any memory
+        format), copied once by the final reshape; ``F.unfold`` followed by the transpose to rows would
+        copy them twice.
         """
         m = self.module
         x = self._padded(x)
         (kh, kw), (sh, sw), (dh, dw) = m.kernel_size, m.stride, m.dilation
         B, C, H, W = x.shape
         ho, wo = self._out_size(H, W)
+        s_b, s_c, s_h, s_w = x.stride()
         patches = x.as_strided(
             (B, ho, wo, C, kh, kw),
-            (C * H * W, sh * W, sw, H * W, dh * W, dw),
+            (s_b, sh * s_h, sw * s_w, s_c, dh * s_h, dw * s_w),
         )
         return patches.reshape(B * ho * wo, C * kh * kw)
 
@@ -243,14 +249,16 @@ class Conv2dHelper(LayerHelper):
         Entry (c, i, j) of the mean patch is the mean of ``x[c, i*dh + p*sh, j*dw + q*sw]`` over the
         output locations (p, q); the sum separates: over p for each kernel row i (a strided view of
         ``B x C x kh x W``), then over q for each kernel column j. That reads ``kh*Ho*W + kh*kw*Wo``
-        values per channel instead of the ``kh*kw*Ho*Wo`` of the patches, and does no GEMM.
+        values per channel instead of the ``kh*kw*Ho*Wo`` of the patches, and does no GEMM. The input is
+        read through its own strides (any memory format).
         """
         m = self.module
         x = self._padded(x)
         (kh, kw), (sh, sw), (dh, dw) = m.kernel_size, m.stride, m.dilation
         B, C, H, W = x.shape
         ho, wo = self._out_size(H, W)
-        rows = x.as_strided((B, C, kh, W, ho), (C * H * W, H * W, dh * W, 1, sh * W)).sum(-1, dtype=dtype)
+        s_b, s_c, s_h, s_w = x.stride()
+        rows = x.as_strided((B, C, kh, W, ho), (s_b, s_c, dh * s_h, s_w, sh * s_h)).sum(-1, dtype=dtype)
         rows = rows.contiguous()  # (B, C, kh, W)
         cols = rows.as_strided((B, C, kh, kw, wo), (C * kh * W, kh * W, W, dw, sw)).sum(-1)
         return cols.reshape(B, C * kh * kw).mul_(1.0 / (ho * wo))
@@ -267,12 +275,121 @@ class Conv2dHelper(LayerHelper):
         return grad_output.sum((2, 3), dtype=dtype)  # (B, out, Ho, Wo) -> (B, out)
 
 
+def computed_parameter(module: nn.Module) -> str | None:
+    """Why the module's weight (or bias) is not a Parameter of its own, or None when both are.
+
+    ``torch.nn.utils.parametrizations.weight_norm`` / ``spectral_norm`` (and any ``parametrize``
+    parametrization) make ``module.weight`` a tensor computed from other parameters at every access; the
+    older ``torch.nn.utils.weight_norm`` / ``spectral_norm`` recompute it in a forward pre-hook. The
+    optimizer then updates those other parameters (e.g. ``weight_g`` and ``weight_v``), whose gradients are
+    not the gradient of the computed weight, and the computed weight has no ``.grad`` to precondition.
+    """
+    for pname in ("weight", "bias"):
+        value = getattr(module, pname, None)
+        if value is None or module._parameters.get(pname) is value:
+            continue
+        parametrizations = getattr(module, "parametrizations", None)
+        if parametrizations is not None and pname in parametrizations:
+            how = "parametrization " + ", ".join(type(p).__name__ for p in parametrizations[pname])
+        else:
+            hooks = [type(h).__name__ for h in module._forward_pre_hooks.values()]
+            how = "forward pre-hook " + ", ".join(hooks) if hooks else "an attribute that is not a Parameter"
+        return (
+            f"its {pname} is computed from other parameters ({how}; e.g. weight_norm or spectral_norm), "
+            f"and K-FAC's factors of the computed {pname} do not apply to the parameters the optimizer "
+            "updates; it is left to the optimizer unpreconditioned"
+        )
+    return None
+
+
 def make_helper(module: nn.Module) -> tuple[LayerHelper | None, str | None]:
     """The helper for a module, or ``(None, reason)`` when the module is not supported."""
+    if not isinstance(module, nn.Linear | nn.Conv2d):
+        return None, None
+    computed = computed_parameter(module)
+    if computed is not None:
+        return None, computed
     if isinstance(module, nn.Linear):
         return LinearHelper(module), None
-    if isinstance(module, nn.Conv2d):
-        if module.groups != 1:
-            return None, f"grouped convolution (groups={module.groups}) is not supported by K-FAC"
-        return Conv2dHelper(module), None
-    return None, None
+    if module.groups != 1:
+        return None, f"grouped convolution (groups={module.groups}) is not supported by K-FAC"
+    return Conv2dHelper(module), None
+
+
+def linear_and_conv_modules(model: nn.Module) -> list[nn.Module]:
+    """The ``nn.Linear`` and ``nn.Conv2d`` modules of ``model``, each once: ``model.modules()`` without
+    building every module's name (half the time; this runs on factor steps)."""
+    found: list[nn.Module] = []
+    stack, seen = [model], {id(model)}
+    while stack:
+        module = stack.pop()
+        if isinstance(module, nn.Linear | nn.Conv2d):
+            found.append(module)
+        for child in module._modules.values():
+            if child is not None and id(child) not in seen:
+                seen.add(id(child))
+                stack.append(child)
+    return found
+
+
+Candidate = tuple[str, nn.Module, LayerHelper]
+
+
+def shared_parameter_groups(model: nn.Module,
+                            candidates: list[Candidate]) -> list[tuple[list[Candidate], str | None]]:
+    """The candidate layers grouped by the Parameters they share, each group with why it cannot be one K-FAC
+    block (None: it can), in the order of each group's first layer in ``candidates``.
+
+    A layer that shares no parameter is a group of its own. Layers that share all their parameters (``b.weight =
+    a.weight`` and ``b.bias = a.bias``, of one kind) are one block: the gradient of the shared parameters is the
+    sum of both layers' contributions, as for one layer called twice, and their factors sum both layers' calls.
+    Any other sharing cannot be one Kronecker-factored block, so the group is refused: some but not all
+    parameters shared (only the weight, or only the bias), layers of different kinds, or a parameter also used by
+    a module K-FAC does not handle (an ``nn.Embedding`` tied to a head, a layer skipped for another reason,
+    a parent that holds the parameter), whose part of the gradient the factors would not see.
+    """
+    owners: dict[int, list[tuple[str, nn.Module]]] = {}
+    for name, module in model.named_modules():
+        for p in module.parameters(recurse=False):
+            owners.setdefault(id(p), []).append((name, module))
+    position = {id(module): i for i, (_, module, _) in enumerate(candidates)}
+    root = list(range(len(candidates)))
+
+    def find(i: int) -> int:
+        while root[i] != i:
+            root[i] = root[root[i]]
+            i = root[i]
+        return i
+
+    outside: list[tuple[int, str, nn.Module]] = []  # (candidate, name, module K-FAC does not handle)
+    for i, (_, module, _) in enumerate(candidates):
+        for p in module.parameters(recurse=False):
+            for other_name, other in owners[id(p)]:
+                j = position.get(id(other))
+                if j is None:
+                    outside.append((i, other_name, other))
+                else:
+                    root[find(j)] = find(i)
+    groups: dict[int, list[Candidate]] = {}
+    for i, candidate in enumerate(candidates):
+        groups.setdefault(find(i), []).append(candidate)
+    users: dict[int, dict[str, str]] = {}  # group root -> outside module name -> its type
+    for i, other_name, other in outside:
+        users.setdefault(find(i), {})[other_name or "<root>"] = type(other).__name__
+    return [(group, _why_not_one_block(group, users.get(r))) for r, group in groups.items()]
+
+
+def _why_not_one_block(group: list[Candidate], outside: dict[str, str] | None) -> str | None:
+    if outside:
+        used_by = ", ".join(f"{n!r} ({t})" for n, t in outside.items())
+        return (f"a parameter is also used by {used_by}, whose part of the gradient K-FAC's factors do not see "
+                "(e.g. an embedding tied to a head); left to the optimizer unpreconditioned")
+    if len(group) == 1:
+        return None
+    first = [id(p) for p in group[0][1].parameters(recurse=False)]
+    if any(type(h) is not type(group[0][2]) for _, _, h in group):
+        return "they share parameters but are layers of different kinds; left to the optimizer unpreconditioned"
+    if any([id(p) for p in module.parameters(recurse=False)] != first for _, module, _ in group[1:]):
+        return ("they share some but not all of their parameters (e.g. the weight but not the bias), which is "
+                "not one Kronecker-factored block; left to the optimizer unpreconditioned")
+    return None

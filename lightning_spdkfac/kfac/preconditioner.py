@@ -42,7 +42,7 @@ from .inverse import (
     robust_inverses,
 )
 from .layer_state import KFACLayer
-from .layers import make_helper
+from .layers import LayerHelper, linear_and_conv_modules, make_helper, shared_parameter_groups
 from .options import KFACOptions
 from .param_groups import StepGroups, step_groups
 
@@ -116,6 +116,9 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
         # Set False on micro-batches that do not end the optimizer step (gradient accumulation)
         # so that pipelined factor reductions wait for the last one.
         self.final_micro_batch = True
+        # Set True while forwards are not trained through (Lightning's SWA BatchNorm pass: forwards, no
+        # backward): the hooks collect nothing.
+        self.paused = False
         # layer index -> (layer, P, grad matrix) of this step
         self._preconditioned: dict[int, tuple[KFACLayer, torch.Tensor, torch.Tensor]] = {}
         # The layers the optimizer given to step() steps (layer index -> its param group's lr), or None:
@@ -144,6 +147,9 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
         self._warned: set[tuple[str, str]] = set()
         self.layers: dict[str, KFACLayer] = {}
         self.skipped: dict[str, str] = {}
+        # id -> (module, None for a registered module or the reason it was skipped): the supported modules
+        # seen at registration, held so that their ids stay theirs (see _check_layers).
+        self._known: dict[int, tuple[nn.Module, str | None]] = {}
         self._register(model)
         self._grad_params = [p for ly in self.layers.values() for p in ly.helper.params()]
         kfac_ids = {id(p) for p in self._grad_params}
@@ -157,24 +163,40 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
     # ------------------------------------------------------------------ registration
     def _register(self, model: nn.Module) -> None:
         seen_types = []
+        candidates: list[tuple[str, nn.Module, LayerHelper]] = []
         for name, module in model.named_modules():
             seen_types.append(type(module).__name__)
             helper, reason = make_helper(module)
             if helper is None:
                 if reason is not None:
-                    self.skipped[name] = reason
+                    self._skip(name, module, reason)
                     warnings.warn(f"K-FAC skips layer {name!r}: {reason}", stacklevel=3)
                 continue
             cls = type(module).__name__
             if any(p.search(name) or p.search(cls) for p in self.skip_layers):
-                self.skipped[name] = "matched skip_layers"
+                self._skip(name, module, "matched skip_layers")
                 continue
-            if not all(p.requires_grad for p in module.parameters(recurse=False)):
-                self.skipped[name] = "parameters do not all require grad"
+            # A layer frozen now is registered too: frozen layers are left alone step by step (trainable()), and
+            # one frozen at setup may be unfrozen later (BackboneFinetuning, a warm-up): it then gets K-FAC like
+            # the others. (Distributed, its factor slots travel, empty, while it is frozen: exclude a layer that
+            # stays frozen for the whole run with skip_layers.)
+            candidates.append((name, module, helper))
+        for group, why in shared_parameter_groups(model, candidates):
+            if why is not None:
+                names = ", ".join(repr(n) for n, _, _ in group)
+                warnings.warn(f"K-FAC skips layer{'s' if len(group) > 1 else ''} {names}: {why}", stacklevel=3)
+                for name, module, _ in group:
+                    self._skip(name, module, why)
                 continue
+            # One K-FAC block for modules that share all their parameters (one module: the usual case),
+            # named after the first; each module's calls add to its factors with that module's own
+            # geometry, like the calls of one layer called several times per forward.
+            name, _, helper = group[0]
             reduce = self.factor_approx == "reduce" or (self.factor_approx == "auto" and helper.auto_reduce)
             layer = KFACLayer(name=name, helper=helper, index=len(self.layers), reduce=reduce)
-            layer.handles.append(module.register_forward_hook(self._make_forward_hook(layer)))
+            for _, module, module_helper in group:
+                layer.handles.append(module.register_forward_hook(self._make_forward_hook(layer, module_helper)))
+                self._known[id(module)] = (module, None)
             self.layers[name] = layer
         if not self.layers:
             found = ", ".join(sorted(set(seen_types)))
@@ -207,6 +229,39 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
                   for ly in self.layers.values()]
         return ", ".join(f"{k}={v}" for k, v in fields.items()) + "; layers: " + " ".join(layers)
 
+    def _skip(self, name: str, module: nn.Module, reason: str) -> None:
+        self.skipped[name] = reason
+        self._known[id(module)] = (module, reason)
+
+    def _check_layers(self) -> None:
+        """Supported layers that got trainable after registration, or joined the model after it.
+
+        A layer added to the model (or put in place of a registered one: ``model.fc = nn.Linear(...)``) after
+        the preconditioner was built has no hooks, so its gradient would reach the optimizer
+        unpreconditioned while its predecessor keeps its factors: one RuntimeError naming it. Only layers that train count: some parameter requires grad and has a gradient (wherever the
+        gradients are not ``param.grad``, requiring grad is enough). One pass over the model's modules,
+        called on factor steps.
+        """
+        plain_grads = type(self.grad_access) is GradAccess
+        added = []
+        for module in linear_and_conv_modules(self.model):
+            if id(module) in self._known:
+                continue
+            if not any(p.requires_grad and (p.grad is not None or not plain_grads)
+                       for p in module.parameters(recurse=False)):
+                continue
+            if make_helper(module)[0] is not None:
+                added.append(module)
+        if added:
+            names = [n for n, m in self.model.named_modules() if any(m is a for a in added)]
+            raise RuntimeError(
+                f"K-FAC: layer(s) {', '.join(repr(n) for n in names)} joined the model after the KFACPreconditioner "
+                "was built (added, or put in place of a registered layer), so K-FAC has no hooks on them and their "
+                "gradients would reach the optimizer unpreconditioned. Build the preconditioner once the model is "
+                "final (with the KFAC callback: create the layers in the LightningModule's __init__ and do not "
+                "replace them during fit), or freeze these layers if they are not trained"
+            )
+
     def remove_hooks(self) -> None:
         """Detach all hooks from the model (the preconditioner is unusable afterwards)."""
         for layer in self.layers.values():
@@ -220,42 +275,40 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
         return self.steps % self.factor_update_steps == 0
 
     # ------------------------------------------------------------------ hooks
-    def _make_forward_hook(self, layer: KFACLayer) -> Callable[[nn.Module, tuple[Any, ...], Any], None]:
+    def _make_forward_hook(self, layer: KFACLayer,
+                           helper: LayerHelper) -> Callable[[nn.Module, tuple[Any, ...], Any], None]:
+        """The forward hook of one module of ``layer`` (``helper``: that module's rows)."""
+
         def forward_hook(module: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
-            if not module.training:
-                return
-            if not torch.is_grad_enabled():
-                layer.nograd_calls += 1
-                return
-            recomputed = in_backward()
-            if recomputed:
-                # Activation checkpointing recomputes this forward during backward. Non-reentrant
-                # (use_reentrant=False): the first forward already counted the call and hooked its
-                # output, whose gradient is the one backward uses; counting it again would double A.
-                # Reentrant: the first forward ran without grad; this call is the one backward uses.
-                if layer.nograd_calls == 0:
-                    return
-                layer.nograd_calls -= 1
-            if not layer.trainable():  # frozen (requires_grad=False): not collected, not preconditioned
+            # Grad mode, not module.training, tells a forward that trains: a forward without grad (validation or
+            # inference under no_grad / inference_mode, a pseudo-label or EMA-target pass, reentrant
+            # checkpointing's first pass) gets no gradient, while a trainable layer in eval mode (inside a
+            # frozen-BatchNorm backbone) does.
+            if self.paused or not torch.is_grad_enabled() or not layer.trainable():  # frozen: not collected
                 return
             layer.ran = True
             if not self.collecting or not isinstance(output, torch.Tensor) or not output.requires_grad:
                 return
+            # A forward during backward is activation checkpointing's recomputation. Non-reentrant
+            # (use_reentrant=False): the first forward was counted and its output's gradient is the one backward
+            # uses; this output gets none. Reentrant: the first forward ran without grad; this output is the one
+            # backward differentiates.
+            recomputed = in_backward()
             if self._backward_seen and not recomputed:  # a forward after a backward starts a new micro-batch
                 self._micro_batch += 1
                 self._backward_seen = False
                 for ly in self.layers.values():
                     ly.mb_a_calls = ly.mb_g_calls = 0
             x = inputs[0]
-            with self.timer.phase("factor_compute"):
-                with autocast_off(x.device.type):
-                    self._accumulate_a(layer, x)
-                final = self._pipelining_final(layer, layer.mb_a_calls)
-                if final:
-                    layer.submitted["A"] = layer.a_calls
-                    A_new = layer.step_a()
-            output.register_hook(self._make_grad_hook(layer, x))  # type: ignore[no-untyped-call]
-            if final:
+            if recomputed or not module.training:
+                # Counted when its output gets a gradient, and only then: that tells the two recomputations
+                # apart, and an eval-mode forward with grad enabled that is not back-propagated (an
+                # evaluation without no_grad) adds nothing. The input is held until then.
+                output.register_hook(self._make_grad_hook(layer, helper, x, deferred=True))  # type: ignore[no-untyped-call]
+                return
+            A_new = self._collect_a(layer, helper, x)
+            output.register_hook(self._make_grad_hook(layer, helper, x))  # type: ignore[no-untyped-call]
+            if A_new is not None:
                 self.distributor.factor_final(layer.index, "A", A_new)
 
         # Under torch.compile the hooks run as plain Python (a graph break at each K-FAC layer): traced,
@@ -263,15 +316,32 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
         # in-place updates of persistent buffers replayed as side effects.
         return eager(forward_hook)
 
-    def _make_grad_hook(self, layer: KFACLayer, x: torch.Tensor) -> Callable[[torch.Tensor], None]:
-        batch = layer.helper.examples(x, layer.reduce)
+    def _collect_a(self, layer: KFACLayer, helper: LayerHelper, x: torch.Tensor) -> torch.Tensor | None:
+        """Add one call's input to A; this step's A when this call makes it final (pipelining), else None."""
+        with self.timer.phase("factor_compute"):
+            with autocast_off(x.device.type):
+                self._accumulate_a(layer, helper, x)
+            if not self._pipelining_final(layer, layer.mb_a_calls):
+                return None
+            layer.submitted["A"] = layer.a_calls
+            return layer.step_a()
+
+    def _make_grad_hook(self, layer: KFACLayer, helper: LayerHelper, x: torch.Tensor,
+                        deferred: bool = False) -> Callable[[torch.Tensor], None]:
+        """The output-gradient hook of one call; ``deferred``: the call's A is added here too, first."""
+        batch = helper.examples(x, layer.reduce)
         micro_batch = self._micro_batch
+        held = x.detach() if deferred else None
 
         def grad_hook(grad_output: torch.Tensor) -> None:
             self._backward_seen = True
+            if held is not None:
+                A_new = self._collect_a(layer, helper, held)
+                if A_new is not None:
+                    self.distributor.factor_final(layer.index, "A", A_new)
             with self.timer.phase("factor_compute"):
                 with autocast_off(grad_output.device.type):
-                    self._accumulate_g(layer, grad_output, batch, micro_batch)
+                    self._accumulate_g(layer, helper, grad_output, batch, micro_batch)
                 final = self._pipelining_final(layer, layer.mb_g_calls)
                 if final:
                     layer.submitted["G"] = layer.g_calls
@@ -281,11 +351,11 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
 
         return eager(grad_hook)
 
-    def _accumulate_a(self, layer: KFACLayer, x: torch.Tensor) -> None:
+    def _accumulate_a(self, layer: KFACLayer, helper: LayerHelper, x: torch.Tensor) -> None:
         if layer.reduce:
-            a = layer.helper.a_reduced(x.detach(), self.factor_dtype)
+            a = helper.a_reduced(x.detach(), self.factor_dtype)
         else:
-            a = layer.helper.a_rows(x.detach()).to(self.factor_dtype)
+            a = helper.a_rows(x.detach()).to(self.factor_dtype)
         if layer.a_calls == 0:
             if layer.xx is None or layer.xx.shape[0] != a.shape[1] or layer.xx.device != a.device:
                 layer.xx = torch.empty(a.shape[1], a.shape[1], dtype=self.factor_dtype, device=a.device)
@@ -301,11 +371,12 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
         layer.a_calls += 1
         layer.mb_a_calls += 1
 
-    def _accumulate_g(self, layer: KFACLayer, grad_output: torch.Tensor, batch: int, micro_batch: int) -> None:
+    def _accumulate_g(self, layer: KFACLayer, helper: LayerHelper, grad_output: torch.Tensor, batch: int,
+                      micro_batch: int) -> None:
         if layer.reduce:
-            d = layer.helper.g_reduced(grad_output, self.factor_dtype)
+            d = helper.g_reduced(grad_output, self.factor_dtype)
         else:
-            d = layer.helper.g_rows(grad_output).to(self.factor_dtype)
+            d = helper.g_rows(grad_output).to(self.factor_dtype)
         if layer.g_calls == 0:
             if layer.dd is None or layer.dd.shape[0] != d.shape[1] or layer.dd.device != d.device:
                 layer.dd = torch.empty(d.shape[1], d.shape[1], dtype=self.factor_dtype, device=d.device)
@@ -593,6 +664,7 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
         self._grads = self.grad_access.open(self._grad_params)
         self._grads_finite = True
         if self.collecting:
+            self._check_layers()
             if self._local:
                 with self.timer.phase("factor_update"):
                     self._update_factors(k)

@@ -302,6 +302,11 @@ class KFAC(Callback):
                 self._start_trace()
         # Pipelined factor reductions wait for the micro-batch that ends the optimizer step.
         self.preconditioner.final_micro_batch = self._final_micro_batch(trainer)
+        # Lightning's StochasticWeightAveraging recomputes BatchNorm statistics in an epoch of forwards without
+        # backward (fit_loop._skip_backward), still ending each batch in an optimizer step on the last real
+        # gradients: K-FAC neither collects those forwards nor preconditions those (already preconditioned)
+        # gradients a second time.
+        self.preconditioner.paused = bool(getattr(trainer.fit_loop, "_skip_backward", False))
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if self.preconditioner is not None and self.preconditioner.final_micro_batch:
@@ -331,7 +336,7 @@ class KFAC(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
         pre = self.preconditioner
-        if pre is None or not pre.final_micro_batch:
+        if pre is None or not pre.final_micro_batch or pre.paused:
             # DeepSpeed calls this hook on every micro-batch; K-FAC steps at the accumulation boundary.
             return
         t0 = time.perf_counter()
