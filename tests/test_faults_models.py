@@ -33,10 +33,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from helpers.checkpointed import Checkpointed
 from helpers.dense_reference import Recorder, a_rows, assert_close, d_rows, damped_invs, grad_matrix
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.checkpoint import checkpoint
 
 from lightning_spdkfac import KFACPreconditioner
 from lightning_spdkfac.comm.scheduler import SPDDistributor, SPDOptions
@@ -350,26 +350,6 @@ def test_compiled_block_inside_an_eager_model():
 
 
 # --------------------------------------------------------------------------- activation checkpointing
-class Checkpointed(nn.Module):
-    def __init__(self, mode):
-        super().__init__()
-        torch.manual_seed(0)
-        self.mode = mode  # None: no checkpointing; False / True: use_reentrant
-        self.inp = nn.Linear(6, 8)
-        self.block = nn.ModuleDict({"a": nn.Linear(8, 8), "b": nn.Linear(8, 8)})
-        self.head = nn.Linear(8, 3)
-
-    def run_block(self, h):
-        h = torch.tanh(self.block["a"](h))
-        h = torch.tanh(self.block["b"](h))
-        return torch.tanh(self.block["b"](h))  # "b" twice: shared weights inside the checkpoint
-
-    def forward(self, x):
-        h = torch.tanh(self.inp(x))
-        h = self.run_block(h) if self.mode is None else checkpoint(self.run_block, h, use_reentrant=self.mode)
-        return self.head(h)
-
-
 def train_checkpointed(mode, steps=3, micro_batches=2):
     model = Checkpointed(mode)
     pre = KFACPreconditioner(model, factor_decay=0.5, damping=DAMPING, factor_update_steps=1, inv_update_steps=1,

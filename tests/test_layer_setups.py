@@ -27,11 +27,11 @@ import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from helpers.checkpointed import Checkpointed
 from helpers.dense_reference import a_rows, assert_close, d_rows, damped_invs, grad_matrix
 from helpers.lightning_models import trainer
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_spdkfac import KFAC, KFACPreconditioner
@@ -109,26 +109,6 @@ def test_channels_last_cnn_trains_like_the_contiguous_one(factor_approx):
 
 
 # --------------------------------------------------------------------------- checkpointing + no_grad passes
-class Checkpointed(nn.Module):
-    def __init__(self, mode):
-        super().__init__()
-        torch.manual_seed(0)
-        self.mode = mode  # None: no checkpointing; False / True: use_reentrant
-        self.inp = nn.Linear(6, 8)
-        self.block = nn.ModuleDict({"a": nn.Linear(8, 8), "b": nn.Linear(8, 8)})
-        self.head = nn.Linear(8, 3)
-
-    def run_block(self, h):
-        h = torch.tanh(self.block["a"](h))
-        h = torch.tanh(self.block["b"](h))
-        return torch.tanh(self.block["b"](h))  # "b" twice: shared weights inside the checkpoint
-
-    def forward(self, x):
-        h = torch.tanh(self.inp(x))
-        h = self.run_block(h) if self.mode is None else checkpoint(self.run_block, h, use_reentrant=self.mode)
-        return self.head(h)
-
-
 def train_with_no_grad_passes(mode, steps=3, micro_batches=2, ddp=None, distributor=None, seed=6):
     """Each micro-batch: soft pseudo-labels from a training-mode pass under no_grad, then the loss; after the
     backward passes, one more no_grad pass (as an EMA-target or logging pass would)."""
