@@ -201,3 +201,45 @@ def test_a_stalled_rank_under_ddp_fails_the_others_at_comm_timeout_s():
     assert error, "the waiting rank finished although its peer stalled"
     assert seconds < STALL_S - 4, f"the waiting rank failed only after {seconds:.1f} s"
     assert "comm_timeout_s" in error, error[-2000:]
+
+
+class Routed(nn.Module):
+    """An 'expert' layer that some steps route no example to on one rank (an empty input, 0 rows)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk, self.expert, self.head = nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x, routed):
+        h = torch.tanh(self.trunk(x))
+        out = h.clone()
+        out[:routed] = h[:routed] + torch.tanh(self.expert(h[:routed]))
+        return self.head(out)
+
+
+def _train_routed(rank, world):
+    torch.set_num_threads(1)
+    model = Routed()
+    ddp = DDP(model)
+    options = SPDOptions.from_schedule("spd", profile_steps=(1, 3))  # pipelined from step 3 on
+    pre = KFACPreconditioner(model, distributor=SPDDistributor(options, process_group=dist.new_group()), **KFAC_KW)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(8):
+        x, y = batch(step, rank)
+        opt.zero_grad()
+        F.cross_entropy(ddp(x, 0 if takes_branch(step, rank) else BATCH), y).backward()
+        pre.step()
+        opt.step()
+    assert pre.distributor.pipelined
+    return [p.detach().clone() for p in model.parameters()], pre.skipped_factor_steps
+
+
+def test_an_empty_input_on_one_rank_under_pipelined_spd_sends_no_data_not_nan():
+    """The rank with no rows for the expert sends 'no data' (not 0/0): no step is skipped as non-finite,
+    and the replicas stay equal."""
+    results = run_distributed(_train_routed, 2, timeout=120)
+    (p0, skipped0), (p1, skipped1) = results
+    assert skipped0 == skipped1 == 0
+    for a, b in zip(p0, p1):
+        assert torch.equal(a, b)

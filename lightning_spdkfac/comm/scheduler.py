@@ -218,7 +218,7 @@ class SPDDistributor(Distributor):
         self._timings: list[dict[FactorKey, float]] = []
         self._t_begin = 0.0
         self._step_ready: dict[FactorKey, float] = {}
-        self._held: dict[FactorKey, torch.Tensor] = {}
+        self._held: dict[FactorKey, torch.Tensor | None] = {}
         self.plan_groups: tuple[tuple[int, ...], ...] = ()
         self.placement_owners: tuple[int, ...] = ()
 
@@ -343,7 +343,7 @@ class SPDDistributor(Distributor):
         self._t_begin = time.perf_counter()
         self._fused.begin_step()
 
-    def factor_final(self, index: int, which: str, matrix: torch.Tensor) -> None:
+    def factor_final(self, index: int, which: str, matrix: torch.Tensor | None) -> None:
         key = (index, which)
         if self._measuring:
             self._step_ready[key] = time.perf_counter() - self._t_begin

@@ -11,7 +11,8 @@ Contract, per optimizer step (every rank calls the same methods in the same orde
 1. ``begin_step()`` before the first forward of the step (called by the preconditioner).
 2. With ``pipelined`` true, the preconditioner calls ``factor_final(index, which, matrix)``
    from its hooks as soon as a layer's A (forward) or G (backward) of this step is final,
-   on the micro-batch that ends the step. The distributor may launch communication at once.
+   on the micro-batch that ends the step (None: this rank has no data for it, e.g. an empty input).
+   The distributor may launch communication at once.
 3. ``reduce_factors(local)`` in ``step()``: ``local`` maps ``(layer index, "A" or "G")`` to
    this rank's step factor for every factor not already given to ``factor_final`` (None where
    this rank has no data for it). Returns a value for every factor of every layer: the factor
@@ -66,7 +67,7 @@ class Distributor:
     def begin_step(self) -> None:
         """A new optimizer step starts (before its first forward)."""
 
-    def factor_final(self, index: int, which: str, matrix: torch.Tensor) -> None:
+    def factor_final(self, index: int, which: str, matrix: torch.Tensor | None) -> None:
         raise RuntimeError("factor_final is only called on pipelined distributors")
 
     def reduce_factors(self, local: dict[FactorKey, torch.Tensor | None]) -> dict[FactorKey, torch.Tensor | None]:

@@ -306,25 +306,24 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
                 # evaluation without no_grad) adds nothing. The input is held until then.
                 output.register_hook(self._make_grad_hook(layer, helper, x, deferred=True))  # type: ignore[no-untyped-call]
                 return
-            A_new = self._collect_a(layer, helper, x)
             output.register_hook(self._make_grad_hook(layer, helper, x))  # type: ignore[no-untyped-call]
-            if A_new is not None:
-                self.distributor.factor_final(layer.index, "A", A_new)
+            self._collect_a(layer, helper, x)
 
         # Under torch.compile the hooks run as plain Python (a graph break at each K-FAC layer): traced,
         # K-FAC's bookkeeping would be compiled into graphs guarded on per-layer Python state, with its
         # in-place updates of persistent buffers replayed as side effects.
         return eager(forward_hook)
 
-    def _collect_a(self, layer: KFACLayer, helper: LayerHelper, x: torch.Tensor) -> torch.Tensor | None:
-        """Add one call's input to A; this step's A when this call makes it final (pipelining), else None."""
+    def _collect_a(self, layer: KFACLayer, helper: LayerHelper, x: torch.Tensor) -> None:
+        """Add one call's input to A; when this call makes this step's A final (pipelining), send it."""
         with self.timer.phase("factor_compute"):
             with autocast_off(x.device.type):
                 self._accumulate_a(layer, helper, x)
             if not self._pipelining_final(layer, layer.mb_a_calls):
-                return None
+                return
             layer.submitted["A"] = layer.a_calls
-            return layer.step_a()
+            A_new = layer.step_a() if layer.rows else None  # empty input: no data from this rank, not 0/0
+        self.distributor.factor_final(layer.index, "A", A_new)
 
     def _make_grad_hook(self, layer: KFACLayer, helper: LayerHelper, x: torch.Tensor,
                         deferred: bool = False) -> Callable[[torch.Tensor], None]:
@@ -336,16 +335,15 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
         def grad_hook(grad_output: torch.Tensor) -> None:
             self._backward_seen = True
             if held is not None:
-                A_new = self._collect_a(layer, helper, held)
-                if A_new is not None:
-                    self.distributor.factor_final(layer.index, "A", A_new)
+                self._collect_a(layer, helper, held)
             with self.timer.phase("factor_compute"):
                 with autocast_off(grad_output.device.type):
                     self._accumulate_g(layer, helper, grad_output, batch, micro_batch)
                 final = self._pipelining_final(layer, layer.mb_g_calls)
                 if final:
                     layer.submitted["G"] = layer.g_calls
-                    G_new = layer.step_g(self._g_scale())
+                    # No rows this step (an empty input): no data from this rank, not 0/0.
+                    G_new = layer.step_g(self._g_scale()) if layer.rows else None
             if final:
                 self.distributor.factor_final(layer.index, "G", G_new)
 
