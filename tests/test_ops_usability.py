@@ -1,0 +1,92 @@
+"""Operations from the user's side (issue 16, items 5 and 6): exact resume of the demo data, shipped
+configs, the K-FAC thread cap, and benchmark scripts that never overwrite committed results by default.
+
+References are independent runs of the same code on the same machine: an uninterrupted fit, the data
+order that ``DataLoader(shuffle=True, generator=manual_seed(seed))`` gave before the sampler existed.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from torch.utils.data import DataLoader
+
+import lightning_spdkfac
+from lightning_spdkfac import KFAC
+from lightning_spdkfac.demo import DigitsCNN, DigitsDataModule
+
+warnings.filterwarnings("ignore", ".*does not have many workers.*")
+warnings.filterwarnings("ignore", ".*GPU available but not used.*")
+
+REPO = Path(__file__).resolve().parents[1]
+EPOCHS = 3
+
+
+class _StopAfterEpoch(pl.Callback):
+    """Save a checkpoint at the end of epoch ``epoch`` (0-based) and stop: an interrupted run."""
+
+    def __init__(self, epoch: int, path: Path) -> None:
+        self.epoch, self.path = epoch, path
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.current_epoch == self.epoch:
+            trainer.save_checkpoint(self.path)
+            trainer.should_stop = True
+
+
+def _fit(root: Path, kfac: bool, callbacks: list[pl.Callback] | None = None, ckpt: Path | None = None):
+    pl.seed_everything(0, verbose=False)
+    model = DigitsCNN(channels=(4, 8), hidden=16, lr=0.05)  # cosine schedule over EPOCHS: resume must keep it
+    data = DigitsDataModule(batch_size=256)  # 6 batches per epoch
+    cbs = list(callbacks or [])
+    if kfac:
+        cbs.append(KFAC(factor_update_steps=1, inv_update_steps=4, log_step_time=False))
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_epochs=EPOCHS, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, deterministic=True, default_root_dir=root,
+        callbacks=cbs, num_sanity_val_steps=0,
+    )
+    trainer.fit(model, datamodule=data, ckpt_path=ckpt)
+    return {k: v.clone() for k, v in model.state_dict().items()}, trainer
+
+
+@pytest.mark.parametrize("kfac", [False, True], ids=["sgd", "kfac"])
+def test_digits_fit_resumed_from_checkpoint_equals_uninterrupted_fit_bitwise(tmp_path, kfac):
+    whole, _ = _fit(tmp_path / "whole", kfac)
+    ckpt = tmp_path / "epoch1.ckpt"
+    first, _ = _fit(tmp_path / "part", kfac, callbacks=[_StopAfterEpoch(1, ckpt)])
+    resumed, trainer = _fit(tmp_path / "resumed", kfac, ckpt=ckpt)
+    assert trainer.current_epoch == EPOCHS
+    assert any(not torch.equal(first[k], whole[k]) for k in whole)  # the interrupted run really stopped early
+    for k in whole:
+        assert torch.equal(resumed[k], whole[k]), k
+
+
+def test_digits_epoch_order_is_that_of_a_seeded_shuffling_loader(tmp_path):
+    data = DigitsDataModule(batch_size=100, seed=3)
+    data.setup("fit")
+    assert data.train_set is not None
+    old = DataLoader(data.train_set, batch_size=100, shuffle=True, generator=torch.Generator().manual_seed(3))
+    old_epochs = [torch.cat([y for _, y in old]) for _ in range(3)]
+    loader = data.train_dataloader()
+    for epoch in (2, 0, 1):  # any order: epoch e depends on (seed, e) only
+        loader.sampler.set_epoch(epoch)
+        assert torch.equal(torch.cat([y for _, y in loader]), old_epochs[epoch])
+    assert not torch.equal(old_epochs[0], old_epochs[1])
+
+
+def test_configs_ship_inside_the_package():
+    folder = lightning_spdkfac.configs_dir()
+    assert folder.is_dir() and folder.parent == Path(lightning_spdkfac.__file__).parent
+    shipped = {p.relative_to(folder) for p in folder.rglob("*.yaml")}
+    assert Path("digits.yaml") in shipped and Path("digits_sgd.yaml") in shipped
+    repo_configs = REPO / "configs"
+    if repo_configs.is_dir():  # a source checkout: the same files, byte for byte
+        in_repo = {p.relative_to(repo_configs) for p in repo_configs.rglob("*.yaml")}
+        assert shipped == in_repo
+        for rel in in_repo:
+            assert (folder / rel).read_bytes() == (repo_configs / rel).read_bytes(), rel
