@@ -90,3 +90,45 @@ def test_configs_ship_inside_the_package():
         assert shipped == in_repo
         for rel in in_repo:
             assert (folder / rel).read_bytes() == (repo_configs / rel).read_bytes(), rel
+
+
+def _bench(name: str):
+    import importlib
+    import sys
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+
+
+def _outputs(name: str, argv: list[str]) -> list[Path]:
+    module = _bench(name)
+    if name == "paper_table":
+        return [Path(p) for p in module._outputs(module._parser().parse_args(argv))]
+    args = module.parse_args(argv)
+    return [Path(p) for p in (args.json, getattr(args, "png", None)) if p]
+
+
+COMMITTED = {
+    "iteration_time": ["benchmarks/results/iteration_time.json", "benchmarks/results/iteration_time.png"],
+    "soak": ["benchmarks/results/soak.json"],
+    "timeline": ["docs/timeline.json", "docs/timeline.png"],
+    "paper_table": ["benchmarks/results/paper_table.json", "benchmarks/results/scaling_resnet50.png",
+                    "docs/simulated_timeline.png"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(COMMITTED))
+def test_benchmarks_write_a_fresh_folder_unless_told_to_refresh_the_committed_files(tmp_path, monkeypatch, name):
+    common = _bench("_common")
+    monkeypatch.setattr(common, "RESULTS", str(tmp_path))
+    default = _outputs(name, [])
+    assert default and all(p.parent.parent == tmp_path and p.parent.name.startswith("run-") for p in default)
+    assert len({p.parent for p in default}) == 1  # one run, one folder
+    again = _outputs(name, [])
+    assert {p.parent for p in again}.isdisjoint({p.parent for p in default})  # a second run never overwrites
+    committed = {(REPO / p).resolve() for p in COMMITTED[name]}
+    assert all((REPO / p).is_file() for p in COMMITTED[name])
+    assert {p.resolve() for p in _outputs(name, ["--refresh"])} == committed
