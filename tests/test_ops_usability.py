@@ -132,3 +132,23 @@ def test_benchmarks_write_a_fresh_folder_unless_told_to_refresh_the_committed_fi
     committed = {(REPO / p).resolve() for p in COMMITTED[name]}
     assert all((REPO / p).is_file() for p in COMMITTED[name])
     assert {p.resolve() for p in _outputs(name, ["--refresh"])} == committed
+
+
+def test_deepspeed_says_so_before_building_its_op_once(tmp_path, monkeypatch, caplog):
+    pytest.importorskip("deepspeed")
+    import logging
+
+    from lightning_spdkfac.lightning.deepspeed import _announce_op_build
+
+    caplog.set_level(logging.INFO)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # an empty cache: a first run
+    if not _announce_op_build("ShareMemCommBuilder"):
+        pytest.skip("DeepSpeed would not build this op here (prebuilt, or not compatible)")
+    lines = [r.getMessage() for r in caplog.records if "DeepSpeed is building" in r.getMessage()]
+    assert len(lines) == 1 and "later runs reuse it" in lines[0] and str(tmp_path) in lines[0]
+    built = Path(lines[0].split("in ", 1)[1].split(")")[0])
+    built.mkdir(parents=True, exist_ok=True)
+    (built / "deepspeed_shm_comm.so").write_bytes(b"")  # what the build leaves behind
+    caplog.clear()
+    assert not _announce_op_build("ShareMemCommBuilder")  # a later run: nothing to say
+    assert not any("DeepSpeed is building" in r.getMessage() for r in caplog.records)
