@@ -152,3 +152,57 @@ def test_deepspeed_says_so_before_building_its_op_once(tmp_path, monkeypatch, ca
     caplog.clear()
     assert not _announce_op_build("ShareMemCommBuilder")  # a later run: nothing to say
     assert not any("DeepSpeed is building" in r.getMessage() for r in caplog.records)
+
+
+def _threads_inside_kfac(monkeypatch, threads: int) -> tuple[set[int], int]:
+    """torch's intra-op threads seen by K-FAC's inversions and factor hooks, and after the step."""
+    from torch import nn
+
+    import lightning_spdkfac.kfac.preconditioner as prec
+    from lightning_spdkfac import KFACPreconditioner
+
+    seen: set[int] = set()
+    real_inverses, real_accumulate = prec.robust_inverses, prec.KFACPreconditioner._accumulate_a
+
+    def inverses(*args, **kwargs):
+        seen.add(torch.get_num_threads())
+        return real_inverses(*args, **kwargs)
+
+    def accumulate(self, *args, **kwargs):
+        seen.add(torch.get_num_threads())
+        return real_accumulate(self, *args, **kwargs)
+
+    monkeypatch.setattr(prec, "robust_inverses", inverses)
+    monkeypatch.setattr(prec.KFACPreconditioner, "_accumulate_a", accumulate)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3))
+        pre = KFACPreconditioner(model, lr=0.1)
+        model(torch.randn(8, 6)).square().sum().backward()
+        pre.step()
+        return seen, torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_kfac_runs_its_own_work_on_one_thread_by_default_and_restores_torchs_setting(monkeypatch):
+    monkeypatch.delenv("SPDKFAC_KFAC_THREADS", raising=False)
+    seen, after = _threads_inside_kfac(monkeypatch, 2)
+    assert seen == {1} and after == 2
+
+
+@pytest.mark.parametrize(("value", "expected"), [("0", {2}), ("off", {2}), ("2", {2}), ("1", {1})])
+def test_kfac_thread_cap_follows_the_environment_variable(monkeypatch, value, expected):
+    monkeypatch.setenv("SPDKFAC_KFAC_THREADS", value)
+    seen, after = _threads_inside_kfac(monkeypatch, 2)
+    assert seen == expected and after == 2
+
+
+def test_kfac_thread_cap_refuses_a_value_that_is_not_a_thread_count(monkeypatch):
+    from lightning_spdkfac import KFACPreconditioner
+
+    monkeypatch.setenv("SPDKFAC_KFAC_THREADS", "two")
+    with pytest.raises(ValueError, match="SPDKFAC_KFAC_THREADS must be a positive integer.*'two'"):
+        KFACPreconditioner(torch.nn.Linear(2, 2))
