@@ -19,9 +19,9 @@ Times are host times: on a GPU they are the time to *issue* the work unless some
 phase synchronizes (factor and inverse waits do).
 
 Thread cap: every phase also runs with at most :func:`kfac_thread_cap` intra-op threads (torch's setting
-is lowered on entry and restored on exit; the switch costs well under a microsecond). K-FAC's own CPU
-work is many small matmuls and inversions, which gain little from a second thread and lose a lot when a
-thread waits for a core that something else holds (``benchmarks/threads.py``; the README's "Threads").
+is lowered on entry and restored on exit; the switch costs about a microsecond). K-FAC's own CPU work is
+many small matmuls and inversions, each a parallel region that stalls when one of its threads waits for
+a core something else holds (measured by ``benchmarks/threads.py``; the README's "Threads on CPU").
 The cap is 1 unless the environment variable ``SPDKFAC_KFAC_THREADS`` says otherwise (a positive
 integer, or ``0``/``off`` for no cap), read when the preconditioner is built.
 
