@@ -79,6 +79,20 @@ def test_digits_epoch_order_is_that_of_a_seeded_shuffling_loader(tmp_path):
     assert not torch.equal(old_epochs[0], old_epochs[1])
 
 
+def test_text_crops_of_each_epoch_are_those_of_one_seeded_stream():
+    from torch.utils.data import RandomSampler
+
+    from lightning_spdkfac.demo.digits import EpochSeededSampler
+
+    data = range(1000)
+    stream = RandomSampler(data, replacement=True, num_samples=70, generator=torch.Generator().manual_seed(5))
+    old_epochs = [list(stream) for _ in range(3)]
+    sampler = EpochSeededSampler(data, 5, replacement=True, num_samples=70)
+    for epoch in (1, 2, 0):
+        sampler.set_epoch(epoch)
+        assert list(sampler) == old_epochs[epoch]
+
+
 def test_configs_ship_inside_the_package():
     folder = lightning_spdkfac.configs_dir()
     assert folder.is_dir() and folder.parent == Path(lightning_spdkfac.__file__).parent
