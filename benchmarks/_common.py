@@ -227,6 +227,28 @@ def format_table(rows: Sequence[dict], columns: Sequence[tuple[str, str, str]]) 
     return "\n".join(lines)
 
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(REPO, "benchmarks", "results")
+
+
+def fresh_run_dir(tag: str) -> str:
+    """A new folder ``benchmarks/results/run-<date>-<time>-<tag>/`` (suffixed if taken), created now.
+
+    The default destination of every benchmark's files: a run never overwrites committed results
+    unless told to (``--refresh`` or an explicit path).
+    """
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    base = os.path.join(RESULTS, f"run-{stamp}-{tag}")
+    path, n = base, 1
+    while True:
+        try:
+            os.makedirs(path)
+            return path
+        except FileExistsError:
+            n += 1
+            path = f"{base}-{n}"
+
+
 def write_json(path: str, payload: dict) -> None:
     def default(o):
         if hasattr(o, "__dataclass_fields__"):

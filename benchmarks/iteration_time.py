@@ -89,7 +89,7 @@ import traceback
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _common import env_info, format_table, write_json
+from _common import env_info, format_table, fresh_run_dir, write_json
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -833,13 +833,18 @@ def parse_args(argv=None):
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=1200.0, help="bound on the whole distributed run (s)")
-    p.add_argument("--json", metavar="OUT", default=None, help="write all numbers as JSON")
+    p.add_argument("--json", metavar="OUT", default=None,
+                   help="write all numbers as JSON (default: iteration_time.json in a fresh benchmarks/results/run-*/)")
     p.add_argument(
         "--png",
         metavar="OUT",
-        default="benchmarks/results/iteration_time.png",
-        help="stacked-bar chart of the breakdown ('' for none; needs matplotlib)",
+        default=None,
+        help="stacked-bar chart of the breakdown ('' for none; needs matplotlib; default: iteration_time.png "
+        "in a fresh benchmarks/results/run-*/)",
     )
+    p.add_argument("--refresh", action="store_true",
+                   help="write the committed benchmarks/results/iteration_time.{json,png} the README shows "
+                   "(unless --json/--png say otherwise)")
     args = p.parse_args(argv)
     args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     bad = [c for c in args.configs if c not in CONFIGS + DEEPSPEED_CONFIGS + EXTRA_CONFIGS]
@@ -858,12 +863,27 @@ def parse_args(argv=None):
     if len(ps) != 2 or not 0 <= ps[0] < ps[1]:
         p.error("--profile-steps: start,end with 0 <= start < end")
     args.profile_steps = (ps[0], ps[1])
+    _resolve_outputs(args)
     for name in ("blocks", "steps", "batch", "n_batches", "world_size", "threads", "comm_repeats"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.warmup < 0:
         p.error("--warmup must be >= 0")
     return args
+
+
+COMMITTED_RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")  # the README's charts
+
+
+def _resolve_outputs(args: argparse.Namespace) -> None:
+    """Default outputs: a fresh run folder; the committed files only with --refresh."""
+    if args.json is not None and args.png is not None:
+        return
+    folder = COMMITTED_RESULTS if args.refresh else fresh_run_dir("iteration_time")
+    if args.json is None:
+        args.json = os.path.join(folder, "iteration_time.json")
+    if args.png is None:
+        args.png = os.path.join(folder, "iteration_time.png")
 
 
 def main(argv=None) -> int:

@@ -6,9 +6,10 @@ out in lightning_spdkfac/simulate/paper.py: the compute side (FF&BP, FactorComp,
 the gradient all-reduce) and the network (the fitted all-reduce model) are inputs; every other number of
 D-KFAC, MPD-KFAC and SPD-KFAC is a prediction.
 
-Prints, and writes to benchmarks/results/paper_table.json (and scaling_resnet50.png beside it, and the committed
-figure docs/simulated_timeline.png); with ``--out PATH`` everything goes beside PATH instead (``--docs-figure``:
-the timeline figure still refreshes the committed one):
+Prints, and writes paper_table.json, scaling_resnet50.png and simulated_timeline.png into a fresh
+benchmarks/results/run-<date>-<time>-paper_table/; with ``--out PATH`` everything goes beside PATH instead;
+``--refresh`` rewrites the committed benchmarks/results/paper_table.json, scaling_resnet50.png and
+docs/simulated_timeline.png (``--docs-figure``: the timeline figure refreshes the committed one even with --out):
 
 1. per model, the simulated breakdown of D-KFAC, MPD-KFAC and SPD-KFAC (as the paper's code ran it:
    ``spd-paper``) beside the paper's, and the ratio of the totals (target: within 10%);
@@ -30,6 +31,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import fresh_run_dir  # noqa: E402
 
 from lightning_spdkfac.simulate import CATEGORIES, simulate, with_schedule  # noqa: E402
 from lightning_spdkfac.simulate.paper import (  # noqa: E402
@@ -70,8 +74,11 @@ def _row(values: Sequence[float]) -> str:
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None, metavar="JSON",
-                    help=f"the JSON to write; the figures go beside it (default: {DEFAULT_OUT.relative_to(REPO)}, "
-                         f"and then the timeline figure refreshes the committed {DOCS_TIMELINE.relative_to(REPO)})")
+                    help="the JSON to write; the figures go beside it (default: paper_table.json in a fresh "
+                         "benchmarks/results/run-*/)")
+    ap.add_argument("--refresh", action="store_true",
+                    help=f"write the committed {DEFAULT_OUT.relative_to(REPO)}, scaling_resnet50.png beside it and "
+                         f"{DOCS_TIMELINE.relative_to(REPO)} (the README's figures)")
     ap.add_argument("--docs-figure", action="store_true",
                     help=f"write the timeline figure to {DOCS_TIMELINE.relative_to(REPO)} even with --out "
                          "(refresh the committed figure)")
@@ -80,10 +87,17 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _outputs(args: argparse.Namespace) -> tuple[Path, Path, Path]:
-    """(the JSON, the scaling figure, the timeline figure): the committed files by default; everything
-    beside ``--out`` when it is given, the timeline figure in docs/ only with ``--docs-figure``."""
-    out = DEFAULT_OUT if args.out is None else Path(args.out)
-    timeline = DOCS_TIMELINE if args.out is None or args.docs_figure else out.with_name(DOCS_TIMELINE.name)
+    """(the JSON, the scaling figure, the timeline figure): everything in a fresh run folder by default,
+    beside ``--out`` when it is given; the committed files with ``--refresh`` (the timeline figure in
+    docs/ also with ``--docs-figure``)."""
+    if args.out is not None:
+        out = Path(args.out)
+    elif args.refresh:
+        out = DEFAULT_OUT
+    else:
+        out = Path(fresh_run_dir("paper_table")) / DEFAULT_OUT.name
+    committed_timeline = args.docs_figure or (args.refresh and args.out is None)
+    timeline = DOCS_TIMELINE if committed_timeline else out.with_name(DOCS_TIMELINE.name)
     return out, out.with_name("scaling_resnet50.png"), timeline
 
 

@@ -57,7 +57,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _common import env_info, format_table, write_json
+from _common import env_info, format_table, fresh_run_dir, write_json
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -302,12 +302,17 @@ def parse_args(argv=None):
                    help="torch.set_flush_denormal(True) in the ranks (subnormal floats become 0)")
     p.add_argument("--max-time-slope", type=float, default=5.0, help="percent of the median step per 1000 steps")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds for the whole run")
-    p.add_argument("--json", default=str(RESULTS / "soak.json"), help="'' to skip")
+    p.add_argument("--json", default=None,
+                   help="'' to skip (default: soak.json in a fresh benchmarks/results/run-*/)")
+    p.add_argument("--refresh", action="store_true",
+                   help="write the committed benchmarks/results/soak.json (unless --json says otherwise)")
     args = p.parse_args(argv)
     if args.steps < 2 * args.window or args.window < 10:
         p.error("--steps must be at least two windows and --window at least 10")
     if args.world_size < 1 or args.threads < 1:
         p.error("--world-size and --threads must be >= 1")
+    if args.json is None:
+        args.json = str(RESULTS / "soak.json") if args.refresh else os.path.join(fresh_run_dir("soak"), "soak.json")
     return args
 
 

@@ -70,6 +70,11 @@ from dataclasses import asdict
 import torch
 from torch.profiler import record_function
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import fresh_run_dir  # noqa: E402
+
+DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs")  # committed figure
+
 MAIN_CATEGORIES = {  # key: (legend label, colour), main thread, in legend order
     "forward": ("forward", "#4c72b0"),
     "backward": ("backward", "#9ab8e0"),
@@ -607,8 +612,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="keep the traces here, in attempt<k>/ (default: a temporary folder, removed)")
     p.add_argument("--analyse-only", action="store_true",
                    help="do not train: read the traces and metadata left in --trace-dir by an earlier run")
-    p.add_argument("--json", default="docs/timeline.json", help="intervals as JSON ('' for none)")
-    p.add_argument("--png", default="docs/timeline.png", help="the picture ('' for none)")
+    p.add_argument("--json", default=None,
+                   help="intervals as JSON ('' for none; default: timeline.json in a fresh benchmarks/results/run-*/)")
+    p.add_argument("--png", default=None,
+                   help="the picture ('' for none; default: timeline.png in a fresh benchmarks/results/run-*/)")
+    p.add_argument("--refresh", action="store_true",
+                   help="write the committed docs/timeline.{json,png} the README shows (unless --json/--png say "
+                   "otherwise)")
     p.add_argument("--timeout", type=float, default=600.0, help="bound on the distributed run (s)")
     args = p.parse_args(argv)
     try:
@@ -626,6 +636,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--world-size must be >= 2")
     if args.analyse_only and not args.trace_dir:
         p.error("--analyse-only needs --trace-dir")
+    if args.json is None or args.png is None:
+        folder = DOCS if args.refresh else fresh_run_dir("timeline")
+        args.json = os.path.join(folder, "timeline.json") if args.json is None else args.json
+        args.png = os.path.join(folder, "timeline.png") if args.png is None else args.png
     return args
 
 

@@ -11,6 +11,7 @@ package and ``pytorch_lightning`` are imported, in either order (see :mod:`._reg
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import _registration
@@ -35,6 +36,7 @@ __all__ = [
     "SPDKFACDeepSpeedStrategy",
     "SPDKFACStrategy",
     "SPDOptions",
+    "configs_dir",
 ]
 
 if TYPE_CHECKING:
@@ -44,6 +46,15 @@ if TYPE_CHECKING:
     from .lightning.callback import KFAC
     from .lightning.deepspeed import SPDKFACDeepSpeedStrategy
     from .lightning.strategy import SPDKFACStrategy
+
+
+def configs_dir() -> Path:
+    """The folder of the shipped YAML configs (``digits.yaml``, ``digits_sgd.yaml``, ...), as installed.
+
+    ``spdkfac fit --config "$(python -c 'import lightning_spdkfac as s; print(s.configs_dir())')/digits.yaml"``
+    runs one from a ``pip install``; in a source checkout it is the repository's ``configs/``.
+    """
+    return Path(__file__).parent / "configs"
 
 
 def __getattr__(name: str) -> Any:

@@ -18,12 +18,20 @@ and in Chrome traces. Phases (seconds per optimizer step):
 Times are host times: on a GPU they are the time to *issue* the work unless something in the
 phase synchronizes (factor and inverse waits do).
 
+Thread cap: every phase also runs with at most :func:`kfac_thread_cap` intra-op threads (torch's setting
+is lowered on entry and restored on exit; the switch costs about a microsecond). K-FAC's own CPU work is
+many small matmuls and inversions, each a parallel region that stalls when one of its threads waits for
+a core something else holds (measured by ``benchmarks/threads.py``; the README's "Threads on CPU").
+The cap is 1 unless the environment variable ``SPDKFAC_KFAC_THREADS`` says otherwise (a positive
+integer, or ``0``/``off`` for no cap), read when the preconditioner is built.
+
 :class:`WindowStats` aggregates such per-step times (plain floats) over the steps between two
 writes of a logger: the ``KFAC`` callback logs their mean and max, not single samples.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections import defaultdict
 from collections.abc import Iterator, Mapping
@@ -44,6 +52,43 @@ PHASES = (
 )
 
 
+THREADS_ENV = "SPDKFAC_KFAC_THREADS"
+DEFAULT_THREAD_CAP = 1
+
+
+def _parse_cap(text: str) -> int | None:
+    value = text.strip().lower()
+    if value in ("0", "off", "none", ""):
+        return None
+    try:
+        cap = int(value)
+    except ValueError:
+        raise ValueError(f"{THREADS_ENV} must be a positive integer, or 0/off for no cap; got {text!r}") from None
+    if cap < 0:
+        raise ValueError(f"{THREADS_ENV} must be a positive integer, or 0/off for no cap; got {text!r}")
+    return cap or None
+
+
+def kfac_thread_cap() -> int | None:
+    """The most intra-op threads K-FAC's own phases run with (None: torch's setting, no cap)."""
+    text = os.environ.get(THREADS_ENV)
+    return DEFAULT_THREAD_CAP if text is None else _parse_cap(text)
+
+
+@contextmanager
+def capped_threads(cap: int | None) -> Iterator[None]:
+    """Run the block with at most ``cap`` intra-op threads (None: unchanged); restores torch's setting."""
+    before = torch.get_num_threads()
+    if cap is None or before <= cap:
+        yield
+        return
+    torch.set_num_threads(cap)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def _profiler_enabled() -> bool:
     return torch._C._autograd._profiler_enabled()
 
@@ -54,17 +99,19 @@ class StepTimer:
     def __init__(self) -> None:
         self._totals: dict[str, float] = defaultdict(float)
         self.last: dict[str, float] = {}
+        self.thread_cap = kfac_thread_cap()  # read once: the environment is not consulted per phase
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
         # A record_function range costs microseconds even with no profiler running, and phases sit
         # in per-layer hooks: open one only while a profiler is recording.
         with record_function(f"kfac/{name}") if _profiler_enabled() else nullcontext():
-            t0 = time.perf_counter()
-            try:
-                yield
-            finally:
-                self._totals[name] += time.perf_counter() - t0
+            with capped_threads(self.thread_cap):
+                t0 = time.perf_counter()
+                try:
+                    yield
+                finally:
+                    self._totals[name] += time.perf_counter() - t0
 
     def add(self, name: str, seconds: float) -> None:
         self._totals[name] += seconds

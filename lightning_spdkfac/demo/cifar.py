@@ -23,7 +23,14 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
 
-from .digits import NUM_CLASSES, DigitsDataModule, _sgd_with_schedule, load_digits_tensors, stratified_split
+from .digits import (
+    NUM_CLASSES,
+    DigitsDataModule,
+    _sgd_with_schedule,
+    load_digits_tensors,
+    seeded_loader,
+    stratified_split,
+)
 
 
 # ------------------------------------------------------------------------------ model
@@ -275,11 +282,8 @@ class SyntheticCIFARDataModule(pl.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         assert self.train_set is not None  # built by setup(), which Lightning calls first
-        gen = torch.Generator().manual_seed(self.seed)
-        return DataLoader(
-            self.train_set, batch_size=self.batch_size, shuffle=True, generator=gen,
-            num_workers=self.num_workers,
-        )
+        # The order of epoch e depends on (seed, e) alone, so a resumed fit continues the sequence.
+        return seeded_loader(self.train_set, self.batch_size, self.seed, self.num_workers)
 
     def val_dataloader(self) -> DataLoader:
         assert self.val_set is not None  # built by setup(), which Lightning calls first

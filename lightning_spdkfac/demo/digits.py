@@ -11,6 +11,7 @@ import json
 import math
 import os
 import time
+from collections.abc import Iterator, Sized
 from typing import Any, Literal, cast
 
 import pytorch_lightning as pl
@@ -18,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from pytorch_lightning.utilities import AttributeDict
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
 
 NUM_CLASSES = 10
@@ -47,13 +48,65 @@ def stratified_split(
     return torch.as_tensor(train_idx), torch.as_tensor(val_idx)
 
 
+class EpochSeededSampler(RandomSampler):
+    """A ``RandomSampler`` whose order in epoch ``e`` is a function of ``(seed, e)`` alone.
+
+    Epoch ``e`` yields the ``(e+1)``-th pass of one stream seeded with ``seed``, so an uninterrupted fit
+    sees the batches it saw before this class existed, and a fit resumed from a checkpoint continues the
+    same sequence: Lightning calls :meth:`set_epoch` with the restored epoch before each epoch, and the
+    sampler replays the earlier passes of its stream (index draws only) instead of restarting it.
+    With ``loader_draw`` each pass is preceded by the one int64 that ``DataLoader(shuffle=True,
+    generator=g)`` draws from ``g`` per epoch, so the order is exactly that loader's. Under DDP Lightning
+    replaces a ``RandomSampler`` (this one included) by its ``DistributedSampler``, which is already a
+    function of (seed, epoch).
+    """
+
+    def __init__(
+        self,
+        data_source: Sized,
+        seed: int,
+        replacement: bool = False,
+        num_samples: int | None = None,
+        loader_draw: bool = False,
+    ) -> None:
+        super().__init__(data_source, replacement=replacement, num_samples=num_samples)
+        self.seed = seed
+        self.loader_draw = loader_draw
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def _pass(self) -> Iterator[int]:
+        if self.loader_draw:
+            torch.empty((), dtype=torch.int64).random_(generator=self.generator)
+        yield from super().__iter__()
+
+    def __iter__(self) -> Iterator[int]:
+        self.generator = torch.Generator().manual_seed(self.seed)
+        for _ in range(self.epoch):  # replay the passes of the earlier epochs
+            for _ in self._pass():
+                pass
+        yield from self._pass()
+
+
+def seeded_loader(data: TensorDataset, batch_size: int, seed: int, num_workers: int) -> DataLoader:
+    """The shuffling training loader of the demo data modules: epoch ``e``'s order is a function of
+    ``(seed, e)`` (:class:`EpochSeededSampler`), equal to ``DataLoader(shuffle=True, generator=seed)``'s."""
+    sampler = EpochSeededSampler(data, seed, loader_draw=True)
+    # The loader's own generator only seeds workers; giving one keeps the global RNG untouched.
+    gen = torch.Generator().manual_seed(seed)
+    return DataLoader(data, batch_size=batch_size, sampler=sampler, generator=gen, num_workers=num_workers)
+
+
 class DigitsDataModule(pl.LightningDataModule):
     """scikit-learn's 8x8 digits as ``(N, 1, 8, 8)`` tensors with a stratified train/val split.
 
     Args:
         batch_size: training batch size (validation uses the whole split in one batch).
         val_fraction: fraction of the 1797 images held out for validation, in (0, 1).
-        seed: seed of the train/val split and of the training-set shuffling.
+        seed: seed of the train/val split and of the training-set shuffling (the order of epoch ``e``
+            is a function of ``(seed, e)``: see :class:`EpochSeededSampler`).
         num_workers: DataLoader workers (0 is fastest for this tiny in-memory data set).
     """
 
@@ -83,11 +136,8 @@ class DigitsDataModule(pl.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         assert self.train_set is not None  # built by setup(), which Lightning calls first
-        # An explicit generator: the shuffling order depends on `seed` alone.
-        gen = torch.Generator().manual_seed(self.seed)
-        return DataLoader(
-            self.train_set, batch_size=self.batch_size, shuffle=True, generator=gen, num_workers=self.num_workers
-        )
+        # The order of epoch e depends on (seed, e) alone, so a resumed fit continues the sequence.
+        return seeded_loader(self.train_set, self.batch_size, self.seed, self.num_workers)
 
     def val_dataloader(self) -> DataLoader:
         assert self.val_set is not None  # built by setup(), which Lightning calls first

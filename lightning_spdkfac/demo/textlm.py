@@ -30,9 +30,9 @@ import torch
 import torch.nn.functional as F
 from pytorch_lightning.utilities import AttributeDict
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, RandomSampler
+from torch.utils.data import DataLoader, Dataset
 
-from .digits import JSONRecord
+from .digits import EpochSeededSampler, JSONRecord
 
 VOCAB_SIZE = 256  # byte-level tokens
 
@@ -179,13 +179,12 @@ class StdlibTextDataModule(pl.LightningDataModule):
             self.val_starts = torch.linspace(0, last, self.val_windows, dtype=torch.float64).round().long()
 
     def train_dataloader(self) -> DataLoader:
-        # The generator is made once per fit (Lightning calls this once): the crops of epoch e are
-        # the e-th stretch of one seeded stream, the same for every run with this seed.
+        # The crops of epoch e are the e-th stretch of one seeded stream, a function of (seed, e)
+        # alone, so a fit resumed from a checkpoint continues the same sequence.
         assert self.train_tokens is not None  # read by setup(), which Lightning calls first
-        gen = torch.Generator().manual_seed(self.seed)
         data = _Windows(self.train_tokens, self.block_size)
-        sampler = RandomSampler(
-            data, replacement=True, num_samples=self.batches_per_epoch * self.batch_size, generator=gen
+        sampler = EpochSeededSampler(
+            data, self.seed, replacement=True, num_samples=self.batches_per_epoch * self.batch_size
         )
         return DataLoader(data, batch_size=self.batch_size, sampler=sampler, num_workers=self.num_workers)
 

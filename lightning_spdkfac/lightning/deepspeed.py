@@ -327,6 +327,7 @@ class SPDKFACDeepSpeedStrategy(_SPDKFACStrategyMixin, DeepSpeedStrategy):
             self._process_group_backend = self._get_process_group_backend()
             assert self.cluster_environment is not None  # (asserted by _set_node_environment_variables too)
             _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout)
+            _announce_op_build("ShareMemCommBuilder")  # init_distributed JIT-builds it on a first run, silently
             deepspeed.init_distributed(self._process_group_backend, timeout=self._timeout)
         self._new_factor_group()
 
@@ -390,6 +391,33 @@ class SPDKFACDeepSpeedStrategy(_SPDKFACStrategyMixin, DeepSpeedStrategy):
 
 _ZERO_STAGES = (0, 1, 2)
 _FP16_PRECISIONS = ("16-mixed", "16-true")
+
+
+def _announce_op_build(builder_name: str) -> bool:
+    """One line before DeepSpeed JIT-builds the op ``builder_name`` on a first run (about a minute, which
+    it spends silently): only when the op is compatible, not installed prebuilt and not in torch's
+    extension cache. Returns whether it announced; a DeepSpeed or torch without these internals: silent."""
+    try:
+        import deepspeed.ops
+        from deepspeed.accelerator import get_accelerator
+        from deepspeed.git_version_info import installed_ops
+        from pytorch_lightning.utilities.rank_zero import rank_zero_info
+        from torch.utils.cpp_extension import _get_build_directory
+
+        builder = get_accelerator().create_op_builder(builder_name)
+        if builder is None or installed_ops.get(builder.NAME, False):
+            return False
+        if not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+            return False
+        folder = _get_build_directory(builder.name, verbose=False)
+    except Exception:
+        return False
+    if os.path.exists(os.path.join(folder, f"{builder.name}.so")):
+        return False
+    rank_zero_info(
+        f"DeepSpeed is building its {builder.name} op once (about a minute, in {folder}); later runs reuse it"
+    )
+    return True
 
 
 def _fp16_requested(config: Mapping | None, precision: str | None) -> bool:
