@@ -203,7 +203,9 @@ class JSONRecord(pl.Callback):
     Args:
         path: where to write the JSON, or None to keep it in memory only. A relative path is taken
             relative to ``trainer.default_root_dir`` (the current directory unless set), so
-            ``--trainer.default_root_dir`` moves it too. Only global rank 0 writes.
+            ``--trainer.default_root_dir`` moves it too; with a logger, a copy of a relative path's
+            file also goes to the logger's versioned folder (``trainer.log_dir``), kept per run.
+            Only global rank 0 writes.
     """
 
     def __init__(self, path: str | None = None) -> None:
@@ -222,11 +224,19 @@ class JSONRecord(pl.Callback):
         path = self.resolved_path(trainer)
         if path is None or not trainer.is_global_zero:
             return
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(self.results, f, indent=2)
-        os.replace(tmp, path)
+        paths = [path]
+        # With a logger, a copy goes to the run's own versioned folder (lightning_logs/version_N) too:
+        # `path` holds the latest run's record, the version folder keeps every run's.
+        log_dir = trainer.log_dir if trainer.loggers else None
+        if log_dir and not os.path.isabs(os.path.expanduser(self.path or "")) and \
+                os.path.abspath(log_dir) != os.path.abspath(os.path.dirname(path)):
+            paths.append(os.path.join(log_dir, os.path.basename(path)))
+        for out in paths:
+            os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+            tmp = out + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump(self.results, f, indent=2)
+            os.replace(tmp, out)
 
 
 class TimeToAccuracy(JSONRecord):
