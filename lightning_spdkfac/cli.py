@@ -237,7 +237,8 @@ def outcome_lines(trainer: pl.Trainer, subcommand: str) -> list[str]:
     summary = next((c for c in trainer.callbacks if isinstance(c, RunSummary)), None)  # type: ignore[attr-defined]
     head = f"spdkfac {subcommand}: done"
     if subcommand == "fit":
-        head += f" after {trainer.current_epoch} epochs, {trainer.global_step} optimizer steps"
+        epochs = trainer.current_epoch
+        head += f" after {epochs} epoch{'' if epochs == 1 else 's'}, {trainer.global_step} optimizer steps"
     if summary is not None and summary.seconds:
         head += f", {summary.seconds:.1f} s"
     if trainer.interrupted:
@@ -345,7 +346,8 @@ def _cwd_on_path() -> None:
 def main(args: Sequence[str] | None = None) -> int:
     """Entry point of the ``spdkfac`` console script; ``args`` defaults to ``sys.argv[1:]``."""
     argv = sys.argv[1:] if args is None else list(args)
-    _cwd_on_path()
+    if args is None:  # the console script (a caller passing args keeps its own sys.path)
+        _cwd_on_path()
     if argv and argv[0] in COMMANDS:
         return COMMANDS[argv[0]](argv[1:]) or 0
     lightning_cli(args)  # None: LightningCLI reads sys.argv itself
