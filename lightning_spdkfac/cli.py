@@ -159,8 +159,10 @@ class _SaveConfig(SaveConfigCallback):
     ``trainer.default_root_dir/config.yaml``: the latest run's config where scripts look for it."""
 
     def save_config(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # (rank 0 only: the logger's own log_dir, not trainer.log_dir, which is a collective broadcast)
         root = trainer.default_root_dir
-        if trainer.log_dir is None or os.path.abspath(trainer.log_dir) == os.path.abspath(root):
+        log_dir = trainer.loggers[0].log_dir if trainer.loggers else None
+        if log_dir is None or os.path.abspath(log_dir) == os.path.abspath(root):
             return
         os.makedirs(root, exist_ok=True)
         self.parser.save(self.config, os.path.join(root, self.config_filename), skip_none=False, overwrite=True,
@@ -183,6 +185,9 @@ def _metric_line(trainer: pl.Trainer) -> str | None:
     return "  ".join(f"{k} {_fmt(v)}" for k, v in metrics.items()) or None
 
 
+_OVERLAPPED = "factor_comm_inflight"
+
+
 def _kfac_line(summary: RunSummary, kfac: KFAC | None) -> str:
     if kfac is None:
         return "off (no KFAC callback: kfac is null)"
@@ -190,7 +195,11 @@ def _kfac_line(summary: RunSummary, kfac: KFAC | None) -> str:
     if n == 0:
         return "on, no optimizer step taken"
     ms = {k: v * 1e3 / n for k, v in summary.phase_seconds.items() if v > 0}
+    # factor_comm_inflight overlaps the other phases (launch to completion of the all-reduces): not in the sum
+    inflight = ms.pop(_OVERLAPPED, None)
     phases = ", ".join(f"{k} {v:.2f}" for k, v in sorted(ms.items(), key=lambda kv: -kv[1]))
+    if inflight is not None:
+        phases += f"; {_OVERLAPPED} {inflight:.2f}, overlapped"
     counters = ", ".join(f"{k} {v}" for k, v in summary.counters.items())
     return (f"{n} steps, {sum(ms.values()):.2f} ms per step in K-FAC ({phases or 'no phase timed'}); "
             f"inverse steps {summary.inverse_steps} of {n} ({100.0 * summary.inverse_steps / n:.0f}%)"

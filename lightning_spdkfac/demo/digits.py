@@ -239,7 +239,8 @@ class JSONRecord(pl.Callback):
         paths = [path]
         # With a logger, a copy goes to the run's own versioned folder (lightning_logs/version_N) too:
         # `path` holds the latest run's record, the version folder keeps every run's.
-        log_dir = trainer.log_dir if trainer.loggers else None
+        # (the logger's own log_dir: trainer.log_dir is a collective broadcast, and only rank 0 is here)
+        log_dir = trainer.loggers[0].log_dir if trainer.loggers else None
         if log_dir and not os.path.isabs(os.path.expanduser(self.path or "")) and \
                 os.path.abspath(log_dir) != os.path.abspath(os.path.dirname(path)):
             paths.append(os.path.join(log_dir, os.path.basename(path)))
