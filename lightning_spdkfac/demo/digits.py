@@ -240,7 +240,8 @@ class JSONRecord(pl.Callback):
         # With a logger, a copy goes to the run's own versioned folder (lightning_logs/version_N) too:
         # `path` holds the latest run's record, the version folder keeps every run's.
         # (the logger's own log_dir: trainer.log_dir is a collective broadcast, and only rank 0 is here)
-        log_dir = trainer.loggers[0].log_dir if trainer.loggers else None
+        loggers = getattr(trainer, "loggers", None)  # (a stand-in trainer may have none)
+        log_dir = loggers[0].log_dir if loggers else None
         if log_dir and not os.path.isabs(os.path.expanduser(self.path or "")) and \
                 os.path.abspath(log_dir) != os.path.abspath(os.path.dirname(path)):
             paths.append(os.path.join(log_dir, os.path.basename(path)))
