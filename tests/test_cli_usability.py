@@ -207,3 +207,24 @@ def test_plan_model_from_the_modules_folder(tmp_path):
     assert wrong.returncode == 2
     assert "--model: cannot import module 'mymodul'" in wrong.stderr
     assert f"looked in the working directory {tmp_path}" in wrong.stderr and "PYTHONPATH" in wrong.stderr
+
+
+def test_a_second_config_with_kfac_settings_changes_only_those(isolated, tmp_path):
+    """The old workaround, a second --config, now merges into the kfac group instead of replacing the
+    callback list."""
+    extra = tmp_path / "damping.yaml"
+    extra.write_text("kfac:\n  damping: 0.07\n")
+    cli = lightning_cli(["--config", str(DIGITS), "--config", str(extra), f"--trainer.default_root_dir={tmp_path}"],
+                        run=False)
+    (kfac,) = [c for c in cli.trainer.callbacks if isinstance(c, KFAC)]
+    assert kfac.options.damping == 0.07
+    assert (kfac.options.factor_update_steps, kfac.options.inv_update_steps) == (5, 50)
+    assert any(isinstance(c, TimeToAccuracy) for c in cli.trainer.callbacks)
+
+
+def test_a_run_without_kfac_says_so(isolated, tmp_path, capsys):
+    assert main(["fit", "--config", str(CONFIGS / "digits_sgd.yaml"), f"--trainer.default_root_dir={tmp_path}",
+                 *SHORT]) == 0
+    out = capsys.readouterr().out
+    assert "spdkfac fit: done after 1 epoch, 3 optimizer steps" in out, out
+    assert "K-FAC: off" in out and "TimeToAccuracy: target 0.97" in out, out
