@@ -228,3 +228,14 @@ def test_a_run_without_kfac_says_so(isolated, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "spdkfac fit: done after 1 epoch, 3 optimizer steps" in out, out
     assert "K-FAC: off" in out and "TimeToAccuracy: target 0.97" in out, out
+
+
+def test_the_outcome_says_where_checkpoints_and_traces_went(isolated, tmp_path, capsys):
+    traces = tmp_path / "traces"
+    assert main(["fit", "--config", str(DIGITS), f"--trainer.default_root_dir={tmp_path}", *SHORT,
+                 "--trainer.enable_checkpointing=true", "--kfac.trace_step=1", f"--kfac.trace_dir={traces}"]) == 0
+    out = capsys.readouterr().out
+    (ckpt,) = (tmp_path / "lightning_logs" / "version_0" / "checkpoints").glob("*.ckpt")
+    assert f"checkpoint: {ckpt}" in out, out
+    (trace,) = traces.glob("*.json")
+    assert f"K-FAC trace: {trace}" in out, out
