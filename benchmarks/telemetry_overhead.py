@@ -88,7 +88,8 @@ class TimedKFAC(KFAC):
 
 def load_config(path: Path) -> dict:
     cfg = yaml.safe_load(path.read_text())
-    kfac = next(c["init_args"] for c in cfg["trainer"]["callbacks"] if c["class_path"].endswith("KFAC"))
+    kfac = cfg.get("kfac") or next(  # the kfac: group (a trainer.callbacks entry in older configs)
+        c["init_args"] for c in cfg["trainer"]["callbacks"] if c["class_path"].endswith("KFAC"))
     return {"seed": cfg["seed_everything"], "model": cfg["model"]["init_args"], "data": cfg["data"]["init_args"],
             "kfac": {k: v for k, v in kfac.items() if k != "log_step_time"}}
 

@@ -3,26 +3,45 @@
 Examples::
 
     spdkfac fit --config configs/digits.yaml
+    spdkfac fit --config configs/digits.yaml --kfac.damping=0.05 --kfac.inv_update_steps=10
+    spdkfac fit --config configs/digits_spdkfac.yaml --trainer.strategy.schedule=mpd
     spdkfac fit --config configs/digits.yaml --trainer.max_epochs=3 --trainer.default_root_dir=/tmp/run
-    spdkfac fit --print_config --config configs/digits_sgd.yaml
+    spdkfac fit --config configs/digits_sgd.yaml            # kfac: null -- plain SGD
+    spdkfac test --config configs/digits.yaml
+    spdkfac fit --kfac.help KFAC                            # every K-FAC argument
     spdkfac plan --paper resnet50
 
 ``fit``, ``validate``, ``test`` and ``predict`` are Lightning's subcommands; the model and data
-module are named by ``class_path`` in the config (subclass mode), and K-FAC is added as a
-``trainer.callbacks`` entry with ``class_path: lightning_spdkfac.KFAC``. Commands of our own
-that are not Trainer methods go into :data:`COMMANDS`.
+module are named by ``class_path`` in the config (subclass mode). K-FAC is the ``kfac:`` argument
+group: the :class:`~lightning_spdkfac.KFAC` callback, always added to the Trainer (``kfac: null`` or
+``--kfac=null`` turns it off), each argument settable on its own (``--kfac.damping=0.05``) without
+touching ``trainer.callbacks``. A config that still lists ``lightning_spdkfac.KFAC`` under
+``trainer.callbacks`` keeps working (that callback is used, and the group must then be left at
+its defaults). The strategy's arguments are set one by one the same way:
+``--trainer.strategy.<arg>=...`` (short for ``--trainer.strategy.init_args.<arg>``).
+
+At the end of a run the CLI prints its outcome (:class:`RunSummary`): the metrics, the run
+records (TimeToAccuracy, LossHistory), the K-FAC step summary and where logs, checkpoints and
+traces went. Commands of our own that are not Trainer methods go into :data:`COMMANDS`.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import math
 import os
 import sys
+import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import pytorch_lightning as pl
-from pytorch_lightning.cli import LightningCLI
+from pytorch_lightning.callbacks import ModelCheckpoint
+from pytorch_lightning.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
+from pytorch_lightning.loggers import CSVLogger
 
 from . import validation as val
+from .lightning.callback import KFAC
 
 # Our own subcommands: name -> function(argv after the name) -> exit code. Checked before
 # Lightning's (fit, validate, test, predict).
@@ -37,6 +56,9 @@ def _plan(argv: list[str]) -> int:
 
 
 COMMANDS["plan"] = _plan
+# One line each for ``spdkfac --help``.
+COMMAND_HELP = {"plan": "Recommend a K-FAC schedule for a model on a cluster (the simulator); "
+                        "spdkfac plan --help"}
 
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -75,8 +97,179 @@ def _quoted(err: BaseException, raised: list[BaseException]) -> BaseException | 
     return None
 
 
+class RunSummary(pl.Callback):
+    """Collects what the CLI prints when a run ends: the K-FAC step summary of ``fit``.
+
+    Reads the :class:`~lightning_spdkfac.KFAC` callback's preconditioner after each optimizer step
+    (its per-phase seconds of that step, whether it inverted) and, at the end of training, its
+    fault counters. Added by the ``spdkfac`` CLI to every Trainer it builds; costs a few dict
+    reads per step.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._reset(None)
+
+    def _reset(self, stage: str | None) -> None:
+        self.stage = stage
+        self.seconds = 0.0
+        self._t0 = 0.0
+        self.kfac_steps = 0
+        self.inverse_steps = 0
+        self.phase_seconds: dict[str, float] = {}
+        self.counters: dict[str, int] = {}
+        self._seen_step: int | None = None
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._reset(stage)  # a fresh record for each run of the Trainer
+        self._t0 = time.perf_counter()
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self.seconds = time.perf_counter() - self._t0
+
+    @staticmethod
+    def kfac(trainer: pl.Trainer) -> KFAC | None:
+        return next((c for c in trainer.callbacks if isinstance(c, KFAC)), None)  # type: ignore[attr-defined]
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        cb = self.kfac(trainer)
+        pre = None if cb is None else cb.preconditioner
+        if pre is None or pre.steps == self._seen_step:
+            return
+        first = self._seen_step is None
+        self._seen_step = pre.steps
+        if first and pre.steps == 0:
+            return  # (no step taken yet)
+        self.kfac_steps += 1
+        self.inverse_steps += bool(pre.last_step_inverted)
+        for name, sec in pre.timer.last.items():
+            self.phase_seconds[name] = self.phase_seconds.get(name, 0.0) + sec
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        cb = self.kfac(trainer)
+        pre = None if cb is None else cb.preconditioner
+        if pre is not None:  # (released at teardown, after this hook)
+            self.counters = {"skipped factor steps": int(pre.skipped_factor_steps),
+                             "skipped precondition steps": int(pre.skipped_precondition_steps),
+                             "inverse fallbacks": int(pre.inverse_fallbacks)}
+
+
+class _SaveConfig(SaveConfigCallback):
+    """Lightning's SaveConfigCallback (config.yaml in the logger's versioned folder), plus a copy at
+    ``trainer.default_root_dir/config.yaml``: the latest run's config where scripts look for it."""
+
+    def save_config(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # (rank 0 only: the logger's own log_dir, not trainer.log_dir, which is a collective broadcast)
+        root = trainer.default_root_dir
+        log_dir = trainer.loggers[0].log_dir if trainer.loggers else None
+        if log_dir is None or os.path.abspath(log_dir) == os.path.abspath(root):
+            return
+        os.makedirs(root, exist_ok=True)
+        self.parser.save(self.config, os.path.join(root, self.config_filename), skip_none=False, overwrite=True,
+                         multifile=self.multifile)
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}" if math.isfinite(value) else str(value)
+    return str(value)
+
+
+def _metric_line(trainer: pl.Trainer) -> str | None:
+    metrics = {}
+    for name, value in sorted(trainer.callback_metrics.items()):
+        try:
+            metrics[name] = float(value)
+        except (TypeError, ValueError, RuntimeError):
+            continue
+    return "  ".join(f"{k} {_fmt(v)}" for k, v in metrics.items()) or None
+
+
+_OVERLAPPED = "factor_comm_inflight"
+
+
+def _kfac_line(summary: RunSummary, kfac: KFAC | None) -> str:
+    if kfac is None:
+        return "off (no KFAC callback: kfac is null)"
+    n = summary.kfac_steps
+    if n == 0:
+        return "on, no optimizer step taken"
+    ms = {k: v * 1e3 / n for k, v in summary.phase_seconds.items() if v > 0}
+    # factor_comm_inflight overlaps the other phases (launch to completion of the all-reduces): not in the sum
+    inflight = ms.pop(_OVERLAPPED, None)
+    phases = ", ".join(f"{k} {v:.2f}" for k, v in sorted(ms.items(), key=lambda kv: -kv[1]))
+    if inflight is not None:
+        phases += f"; {_OVERLAPPED} {inflight:.2f}, overlapped"
+    counters = ", ".join(f"{k} {v}" for k, v in summary.counters.items())
+    return (f"{n} steps, {sum(ms.values()):.2f} ms per step in K-FAC ({phases or 'no phase timed'}); "
+            f"inverse steps {summary.inverse_steps} of {n} ({100.0 * summary.inverse_steps / n:.0f}%)"
+            + (f"; {counters}" if counters else ""))
+
+
+def _record_lines(trainer: pl.Trainer) -> list[str]:
+    """The run-record callbacks (TimeToAccuracy, LossHistory: a ``results`` dict and a JSON path)."""
+    lines = []
+    for cb in trainer.callbacks:  # type: ignore[attr-defined]
+        results = getattr(cb, "results", None)
+        resolved = getattr(cb, "resolved_path", None)
+        if not isinstance(results, dict) or not results or not callable(resolved):
+            continue
+        scalars = ", ".join(f"{k} {_fmt(v)}" for k, v in results.items() if not isinstance(v, (list, dict)))
+        path = resolved(trainer)
+        lines.append(f"{type(cb).__name__}: {scalars}" + (f" -> {path}" if path else ""))
+    return lines
+
+
+def _where_lines(trainer: pl.Trainer, kfac: KFAC | None) -> list[str]:
+    lines = []
+    if not trainer.loggers:
+        lines.append("logs: none (trainer.logger is false)")
+    for logger in trainer.loggers:
+        where = logger.log_dir if hasattr(logger, "log_dir") else getattr(logger, "save_dir", None)
+        hint = ""
+        if isinstance(logger, CSVLogger) and importlib.util.find_spec("tensorboard") is None:
+            hint = " (CSV: metrics.csv; `pip install tensorboard` for TensorBoard)"
+        lines.append(f"logs: {type(logger).__name__} -> {where}{hint}")
+    for cb in trainer.checkpoint_callbacks:
+        if isinstance(cb, ModelCheckpoint) and (cb.best_model_path or cb.last_model_path):
+            best = f" (best {cb.monitor} {_fmt(float(cb.best_model_score))})" if cb.monitor and \
+                cb.best_model_score is not None else ""
+            lines.append(f"checkpoint: {cb.best_model_path or cb.last_model_path}{best}")
+    trace = getattr(kfac, "trace_path", None)
+    if trace:
+        lines.append(f"K-FAC trace: {trace}")
+    return lines
+
+
+def outcome_lines(trainer: pl.Trainer, subcommand: str) -> list[str]:
+    """What ``spdkfac SUBCOMMAND`` prints when it ends (rank 0): metrics, run records, K-FAC, locations."""
+    summary = next((c for c in trainer.callbacks if isinstance(c, RunSummary)), None)  # type: ignore[attr-defined]
+    head = f"spdkfac {subcommand}: done"
+    if subcommand == "fit":
+        epochs = trainer.current_epoch
+        head += f" after {epochs} epoch{'' if epochs == 1 else 's'}, {trainer.global_step} optimizer steps"
+    if summary is not None and summary.seconds:
+        head += f", {summary.seconds:.1f} s"
+    if trainer.interrupted:
+        head += " (interrupted)"
+    lines = [head]
+    metrics = _metric_line(trainer)
+    if metrics:
+        lines.append(f"metrics: {metrics}")
+    if subcommand == "fit":
+        lines += _record_lines(trainer)
+        kfac = RunSummary.kfac(trainer)
+        if summary is not None:
+            lines.append(f"K-FAC: {_kfac_line(summary, kfac)}")
+    else:
+        kfac = None
+    lines += _where_lines(trainer, kfac)
+    return [lines[0]] + ["  " + line for line in lines[1:]]
+
+
 class _CLI(LightningCLI):
-    """LightningCLI whose construction errors read as one line.
+    """LightningCLI with the ``kfac`` argument group, an outcome printed at the end, and
+    construction errors that read as one line.
 
     jsonargparse reports a constructor's ValueError/TypeError (our "damping must be >= 0, got -1.0") inside
     its own "Does not validate against any of the Union subtypes" error and a traceback; the user then has
@@ -84,6 +277,20 @@ class _CLI(LightningCLI):
     as for any other invalid argument. Other errors, and errors raised later (during fit), keep their
     traceback.
     """
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        # Subclass mode: `kfac: null` (or --kfac=null) can turn it off, `kfac: {damping: 0.05}` needs no
+        # class_path, and --kfac.damping=0.05 sets one argument.
+        parser.add_lightning_class_args(KFAC, "kfac", subclass_mode=True, required=False)
+        parser.set_defaults({"kfac": {"class_path": "lightning_spdkfac.KFAC"}})
+
+    def _add_subcommands(self, parser: LightningArgumentParser, **kwargs: Any) -> None:
+        super()._add_subcommands(parser, **kwargs)
+        # Our own commands are dispatched by main() before Lightning parses; listed here for --help.
+        action = getattr(parser, "_subcommands_action", None)
+        if action is not None:
+            for name, text in COMMAND_HELP.items():
+                action.add_subcommand(name, LightningArgumentParser(description=text), help=text)
 
     def instantiate_classes(self) -> None:
         with val.collecting_errors() as raised:
@@ -96,6 +303,33 @@ class _CLI(LightningCLI):
                 sys.stderr.write(f"spdkfac: invalid configuration: {type(ours).__name__}: {ours}\n")
                 raise SystemExit(2) from err
 
+    def _kfac_group_is_default(self) -> bool:
+        config = self.config.get(str(self.subcommand), self.config) if self.subcommand else self.config
+        given = config.get("kfac")
+        default = self._parser(self.subcommand).get_defaults().get("kfac")
+        return given is not None and default is not None and given.get("init_args") == default.get("init_args")
+
+    def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[pl.Callback]) -> pl.Trainer:
+        listed = config.get("callbacks") or []
+        listed = listed if isinstance(listed, list) else [listed]
+        extra = [c for c in callbacks if c is not None]  # kfac: null
+        group = next((c for c in extra if isinstance(c, KFAC)), None)
+        if group is not None and any(isinstance(c, KFAC) for c in listed):
+            if not self._kfac_group_is_default():
+                sys.stderr.write(
+                    "spdkfac: invalid configuration: K-FAC is configured twice, as a lightning_spdkfac.KFAC entry "
+                    "of trainer.callbacks and as the kfac group (kfac: / --kfac.*); keep one: move that entry's "
+                    "init_args under kfac: (or give kfac: null to use the trainer.callbacks entry)\n")
+                raise SystemExit(2)
+            extra.remove(group)  # an older config: its trainer.callbacks entry is the K-FAC of this run
+        extra.append(RunSummary())
+        return super()._instantiate_trainer(config, extra)
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        super()._run_subcommand(subcommand)
+        if self.trainer.is_global_zero:
+            print("\n".join(outcome_lines(self.trainer, subcommand)), flush=True)
+
 
 def lightning_cli(args: Sequence[str] | None = None, run: bool = True) -> LightningCLI:
     """Build (and with ``run=True`` run) the LightningCLI behind ``spdkfac fit|validate|test|predict``."""
@@ -104,15 +338,25 @@ def lightning_cli(args: Sequence[str] | None = None, run: bool = True) -> Lightn
         pl.LightningDataModule,
         subclass_mode_model=True,
         subclass_mode_data=True,
+        save_config_callback=_SaveConfig,
         save_config_kwargs={"overwrite": True},
         args=None if args is None else list(args),
         run=run,
     )
 
 
+def _cwd_on_path() -> None:
+    """Put the working directory on the import path, as ``python -m`` does: ``class_path: mymodule.Net``
+    (or ``spdkfac plan --model mymodule:Net``) run from the folder of ``mymodule.py`` then imports it."""
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+
+
 def main(args: Sequence[str] | None = None) -> int:
     """Entry point of the ``spdkfac`` console script; ``args`` defaults to ``sys.argv[1:]``."""
     argv = sys.argv[1:] if args is None else list(args)
+    if args is None:  # the console script (a caller passing args keeps its own sys.path)
+        _cwd_on_path()
     if argv and argv[0] in COMMANDS:
         return COMMANDS[argv[0]](argv[1:]) or 0
     lightning_cli(args)  # None: LightningCLI reads sys.argv itself

@@ -33,8 +33,7 @@ def every_step_config(tmp_path: Path) -> Path:
     not the library's default 5 / 50): the SPD fusion plan is made after 8 factor steps, within the
     12 steps this test runs."""
     config = yaml.safe_load(CONFIG.read_text())
-    kfac = next(c for c in config["trainer"]["callbacks"] if c["class_path"] == "lightning_spdkfac.KFAC")
-    kfac["init_args"].update(factor_update_steps=1, inv_update_steps=5)
+    config["kfac"].update(factor_update_steps=1, inv_update_steps=5)  # the config's kfac: group
     path = tmp_path / "digits_spdkfac_every_step.yaml"
     path.write_text(yaml.safe_dump(config))
     return path

@@ -158,6 +158,13 @@ class ResNetCIFAR(pl.LightningModule):
         self.log("val_loss", F.cross_entropy(logits, y), on_epoch=True, batch_size=len(y), sync_dist=True)
         self.log("val_acc", self.val_acc, on_epoch=True, batch_size=len(y))
 
+    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        # For ``spdkfac test``: the loss and accuracy on the data module's test loader (the held-out split).
+        x, y = batch
+        logits = self(x)
+        self.log("test_loss", F.cross_entropy(logits, y), on_epoch=True, batch_size=len(y), sync_dist=True)
+        self.log("test_acc", (logits.argmax(-1) == y).float().mean(), on_epoch=True, batch_size=len(y), sync_dist=True)
+
     def configure_optimizers(self) -> Any:
         # The optimizer and schedules of DigitsCNN: they read only hyperparameters both modules
         # share (lr, momentum, weight_decay, nesterov, lr_schedule, warmup_epochs, step_epochs,
@@ -288,3 +295,8 @@ class SyntheticCIFARDataModule(pl.LightningDataModule):
     def val_dataloader(self) -> DataLoader:
         assert self.val_set is not None  # built by setup(), which Lightning calls first
         return DataLoader(self.val_set, batch_size=self.batch_size, num_workers=self.num_workers)
+
+    def test_dataloader(self) -> DataLoader:
+        """The held-out split again, for ``spdkfac test``: the demo data has no third split (carving one
+        out would change the training set of the published runs)."""
+        return self.val_dataloader()

@@ -143,6 +143,11 @@ class DigitsDataModule(pl.LightningDataModule):
         assert self.val_set is not None  # built by setup(), which Lightning calls first
         return DataLoader(self.val_set, batch_size=len(self.val_set), num_workers=self.num_workers)
 
+    def test_dataloader(self) -> DataLoader:
+        """The held-out split again, for ``spdkfac test``: the demo data has no third split (carving one
+        out would change the training set of the published runs)."""
+        return self.val_dataloader()
+
 
 class DigitsCNN(pl.LightningModule):
     """A small CNN for 8x8 digits, trained with SGD (momentum) and an optional LR schedule.
@@ -208,6 +213,13 @@ class DigitsCNN(pl.LightningModule):
         self.log("val_loss", F.cross_entropy(logits, y), on_epoch=True, batch_size=len(y), sync_dist=True)
         self.log("val_acc", self.val_acc, on_epoch=True, batch_size=len(y))
 
+    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        # For ``spdkfac test``: the loss and accuracy on the data module's test loader (the held-out split).
+        x, y = batch
+        logits = self(x)
+        self.log("test_loss", F.cross_entropy(logits, y), on_epoch=True, batch_size=len(y), sync_dist=True)
+        self.log("test_acc", (logits.argmax(-1) == y).float().mean(), on_epoch=True, batch_size=len(y), sync_dist=True)
+
     def configure_optimizers(self) -> Any:
         return _sgd_with_schedule(self)
 
@@ -253,7 +265,9 @@ class JSONRecord(pl.Callback):
     Args:
         path: where to write the JSON, or None to keep it in memory only. A relative path is taken
             relative to ``trainer.default_root_dir`` (the current directory unless set), so
-            ``--trainer.default_root_dir`` moves it too. Only global rank 0 writes.
+            ``--trainer.default_root_dir`` moves it too; with a logger, a copy of a relative path's
+            file also goes to the logger's versioned folder (``trainer.log_dir``), kept per run.
+            Only global rank 0 writes.
     """
 
     def __init__(self, path: str | None = None) -> None:
@@ -272,11 +286,21 @@ class JSONRecord(pl.Callback):
         path = self.resolved_path(trainer)
         if path is None or not trainer.is_global_zero:
             return
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(self.results, f, indent=2)
-        os.replace(tmp, path)
+        paths = [path]
+        # With a logger, a copy goes to the run's own versioned folder (lightning_logs/version_N) too:
+        # `path` holds the latest run's record, the version folder keeps every run's.
+        # (the logger's own log_dir: trainer.log_dir is a collective broadcast, and only rank 0 is here)
+        loggers = getattr(trainer, "loggers", None)  # (a stand-in trainer may have none)
+        log_dir = loggers[0].log_dir if loggers else None
+        if log_dir and not os.path.isabs(os.path.expanduser(self.path or "")) and \
+                os.path.abspath(log_dir) != os.path.abspath(os.path.dirname(path)):
+            paths.append(os.path.join(log_dir, os.path.basename(path)))
+        for out in paths:
+            os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+            tmp = out + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump(self.results, f, indent=2)
+            os.replace(tmp, out)
 
 
 class TimeToAccuracy(JSONRecord):

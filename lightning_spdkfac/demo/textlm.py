@@ -193,6 +193,11 @@ class StdlibTextDataModule(pl.LightningDataModule):
         data = _Windows(self.val_tokens, self.block_size, self.val_starts)
         return DataLoader(data, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers)
 
+    def test_dataloader(self) -> DataLoader:
+        """The held-out split again, for ``spdkfac test``: the demo data has no third split (carving one
+        out would change the training set of the published runs)."""
+        return self.val_dataloader()
+
 
 # ----------------------------------------------------------------------------- the model
 class CausalSelfAttention(nn.Module):
@@ -383,6 +388,10 @@ class TinyGPT(pl.LightningModule):
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         # Every window has T tokens, so the mean over batches weighted by batch size is the mean per token.
         self.log("val_loss", self.loss(batch), on_epoch=True, batch_size=len(batch[0]), sync_dist=True)
+
+    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        # For ``spdkfac test``: mean cross-entropy per token on the data module's test windows.
+        self.log("test_loss", self.loss(batch), on_epoch=True, batch_size=len(batch[0]), sync_dist=True)
 
     def param_groups(self) -> list[dict[str, Any]]:
         """Weight decay on Linear weights and embeddings; none on biases and LayerNorm parameters."""

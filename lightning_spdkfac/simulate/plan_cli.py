@@ -409,6 +409,15 @@ def _inputs(args: argparse.Namespace) -> tuple[PlanInputs | None, _Teardown]:
     return inputs, teardown
 
 
+def _import_hint(e: PlanError) -> str:
+    """For a --model whose module was not found: where it was looked for and how to make it importable."""
+    if e.flag != "--model" or "ModuleNotFoundError" not in e.message:
+        return ""
+    return (f"\n  (looked in the working directory {os.getcwd()} and the installed packages; give the dotted "
+            f"module path as you would import it (pkg.module:Class), run from the folder that holds it, or add "
+            f"that folder to PYTHONPATH)")
+
+
 def main(argv: list[str] | None = None) -> int:
     """``spdkfac plan [options]``: print the plan; 0 on success, 2 on a bad argument (message on stderr)."""
     parser = _parser()
@@ -434,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except PlanError as e:
         parser.print_usage(sys.stderr)
-        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        print(f"{parser.prog}: error: {e}{_import_hint(e)}", file=sys.stderr)
         return 2
     finally:
         teardown()
