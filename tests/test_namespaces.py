@@ -124,15 +124,34 @@ def test_a_lightning_pytorch_user_gets_the_callback_both_strategies_and_every_na
     assert "spdkfac_deepspeed_stage_1 SPDKFACDeepSpeedStrategy spd" in lines
 
 
+def test_lightning_pytorchs_own_cli_takes_the_callback_and_the_strategy_by_name():
+    out = _python("""
+        import torch
+        import lightning.pytorch as L
+        from lightning.pytorch.cli import LightningCLI
+
+        class Model(L.LightningModule):
+            def __init__(self):
+                super().__init__()
+                self.net = torch.nn.Linear(2, 2)
+
+        args = ["--trainer.callbacks", "lightning_spdkfac.unified.KFAC", "--trainer.callbacks.damping", "0.02",
+                "--trainer.strategy", "spdkfac_mpd", "--trainer.accelerator", "cpu", "--trainer.devices", "1",
+                "--trainer.logger", "false", "--trainer.enable_progress_bar", "false"]
+        cli = LightningCLI(Model, run=False, args=args)
+        kfac = [c for c in cli.trainer.callbacks if type(c).__name__ == "KFAC"]
+        print(type(kfac[0]).__module__, kfac[0].options.damping, type(cli.trainer.strategy).__module__,
+              cli.trainer.strategy.spd_options.schedule)
+    """)
+    assert out.strip().splitlines()[-1] == "lightning_spdkfac.unified 0.02 lightning_spdkfac.unified mpd"
+
+
 @pytest.mark.parametrize("imports", [
     "import lightning_spdkfac; import lightning.pytorch as L",
-    "import lightning.pytorch as L; import lightning_spdkfac",
-    "import lightning_spdkfac; import lightning as L; L = L.pytorch",
     "import lightning as L; import lightning_spdkfac; L = L.pytorch",
-    "import lightning_spdkfac; import lightning.pytorch as L; import pytorch_lightning",
+    "import lightning_spdkfac; import lightning as L; import pytorch_lightning; L = L.pytorch",
     "import pytorch_lightning; import lightning.pytorch as L; import lightning_spdkfac",
-], ids=["package-first", "lightning.pytorch-first", "package-then-lightning", "lightning-first",
-        "then-pytorch_lightning", "both-namespaces-first"])
+], ids=["package-first", "lightning-first", "package-lightning-pytorch_lightning", "both-namespaces-first"])
 def test_every_import_order_registers_the_names_in_each_imported_namespace(imports):
     out = _python(f"""
         import sys
