@@ -1,5 +1,7 @@
 # `make demo` and `make test` work on a fresh machine with nothing but Python 3.10+:
-# they create .venv, install the pinned torch, then this package with its extras.
+# they create .venv, install the pinned torch, then this package: `make demo` with what the demo
+# needs only (torch, Lightning and the package's own dependencies), `make test` (and lint, bench)
+# with the dev and deepspeed extras on top (DeepSpeed builds from source: a much larger environment).
 PYTHON ?= python3
 TORCH_VERSION ?= 2.13.0
 VENV ?= .venv
@@ -8,23 +10,38 @@ PIP := $(PY) -m pip
 # Every pip call after torch goes through this constraints file, so no dependency's
 # version range can replace the pinned torch (an unpinned torch is several GB of CUDA).
 CONSTRAINTS := $(VENV)/torch-constraint.txt
+TORCH_STAMP := $(VENV)/.torch-$(TORCH_VERSION)
+DEMO_STAMP := $(VENV)/.installed-demo-$(TORCH_VERSION)
 STAMP := $(VENV)/.installed-$(TORCH_VERSION)
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-no-cpu-fp16 lint bench clean
+.PHONY: install install-demo demo test test-no-cpu-fp16 lint bench clean
 
 install: $(STAMP)
+
+install-demo: $(DEMO_STAMP)
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
-$(STAMP): $(PY) pyproject.toml
+$(TORCH_STAMP): $(PY)
 	echo "torch==$(TORCH_VERSION)" > $(CONSTRAINTS)
 	$(PIP) install "torch==$(TORCH_VERSION)"
-	$(PIP) install -c $(CONSTRAINTS) -e ".[dev,deepspeed]"
-	touch $(STAMP)
+	touch $(TORCH_STAMP)
 
-demo: install
+# The package and its dependencies only: what `python -m lightning_spdkfac.demo` imports.
+$(DEMO_STAMP): $(TORCH_STAMP) pyproject.toml
+	$(PIP) install -c $(CONSTRAINTS) -e .
+	touch $(DEMO_STAMP)
+
+# Tests, lint and benchmarks: the dev extras (pytest, ruff, mypy, the unified `lightning` package, ...)
+# and DeepSpeed. This environment also runs the demo.
+$(STAMP): $(TORCH_STAMP) pyproject.toml
+	$(PIP) install -c $(CONSTRAINTS) -e ".[dev,deepspeed]"
+	touch $(STAMP) $(DEMO_STAMP)
+
+# (An environment installed for the tests has what the demo needs: $(STAMP) touches $(DEMO_STAMP) too.)
+demo: $(DEMO_STAMP)
 	$(PY) -m lightning_spdkfac.demo
 
 test: install

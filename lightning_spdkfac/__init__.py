@@ -2,10 +2,14 @@
 
 The package root is lazy: ``from lightning_spdkfac import KFACPreconditioner, SPDDistributor, SPDOptions``
 imports the plain-PyTorch core only, and works without Lightning installed. The Lightning adapters
-(``KFAC``, ``SPDKFACStrategy``, ``SPDKFACDeepSpeedStrategy``) are imported when first named.
+(``KFAC``, ``SPDKFACStrategy``, ``SPDKFACDeepSpeedStrategy``) are imported when first named; these
+are ``pytorch_lightning``'s. Users of the unified ``lightning`` package (``import lightning.pytorch as L``)
+import the same three names from :mod:`lightning_spdkfac.unified`: the same code on ``lightning.pytorch``'s
+base classes, which its Trainer requires.
 
-The ``"spdkfac*"`` strategy names are registered in Lightning's strategy registry as soon as both this
-package and ``pytorch_lightning`` are imported, in either order (see :mod:`._registration`).
+The ``"spdkfac*"`` strategy names are registered in each namespace's strategy registry as soon as both
+this package and that namespace (``pytorch_lightning``, ``lightning.pytorch``) are imported, in either
+order (see :mod:`._registration`).
 """
 
 from __future__ import annotations

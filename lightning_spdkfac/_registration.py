@@ -1,16 +1,19 @@
 """Registering the ``"spdkfac*"`` strategy names with Lightning without importing Lightning early.
 
 ``Trainer(strategy="spdkfac")`` needs the names in Lightning's ``StrategyRegistry``, which the
-strategy modules fill when they are imported. The package root must not import Lightning (plain
-PyTorch users, and users who have not imported it yet), so:
+strategy modules fill when they are imported. Lightning comes in two namespaces with a registry each:
+``pytorch_lightning`` (filled by :mod:`lightning_spdkfac.lightning`) and the unified package's
+``lightning.pytorch`` (filled by :mod:`lightning_spdkfac.unified`). The package root must not import
+Lightning (plain PyTorch users, and users who have not imported it yet), so for each namespace:
 
-- if ``pytorch_lightning`` is already imported, the strategy modules are imported now;
-- otherwise a one-shot import hook waits for ``pytorch_lightning`` to finish importing, then imports
-  them (and removes itself). Nothing happens if Lightning is never imported or is not installed.
+- if it is already imported, the module that registers in it is imported now;
+- otherwise a one-shot import hook waits for it to finish importing, then imports that module
+  (and removes itself). Nothing happens if it is never imported or is not installed.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.abc
 import importlib.machinery
@@ -19,22 +22,26 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
-_LIGHTNING = "pytorch_lightning"
+# Lightning namespace -> the module whose import registers the strategies in its StrategyRegistry
+_REGISTERING = {
+    "pytorch_lightning": "lightning_spdkfac.lightning",
+    "lightning.pytorch": "lightning_spdkfac.unified",
+}
 
 
-def _register() -> None:
-    importlib.import_module("lightning_spdkfac.lightning")  # its modules register on import
+def _register(namespace: str) -> None:
+    importlib.import_module(_REGISTERING[namespace])  # its modules register on import
 
 
-def _register_quietly() -> None:
-    """From inside the user's ``import pytorch_lightning``: a failure here must not fail that import."""
+def _register_quietly(namespace: str) -> None:
+    """From inside the user's ``import``: a failure here must not fail that import."""
     try:
-        _register()
+        _register(namespace)
     except Exception as e:  # noqa: BLE001 - reported, and raised again when the strategies are used
         import warnings
 
-        warnings.warn(f"lightning_spdkfac could not register its Lightning strategies: {type(e).__name__}: {e}",
-                      stacklevel=2)
+        warnings.warn(f"lightning_spdkfac could not register its strategies with {namespace}: "
+                      f"{type(e).__name__}: {e}", stacklevel=2)
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
@@ -82,7 +89,8 @@ class _ThenLoader(importlib.abc.Loader):
 
 
 def register_with_lightning() -> None:
-    if _LIGHTNING in sys.modules:
-        _register()
-    elif not any(isinstance(f, _AfterImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _AfterImport(_LIGHTNING, _register_quietly))
+    for namespace in _REGISTERING:
+        if namespace in sys.modules:
+            _register(namespace)
+        elif not any(isinstance(f, _AfterImport) and f.target == namespace for f in sys.meta_path):
+            sys.meta_path.insert(0, _AfterImport(namespace, functools.partial(_register_quietly, namespace)))

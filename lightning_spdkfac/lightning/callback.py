@@ -40,12 +40,16 @@ from .protocol import KFACStrategy
 if TYPE_CHECKING:
     from torch.profiler import profile
 
+    _CallbackBase = Callback  # what the type checker sees; at run time each flavour adds its namespace's Callback
+else:
+    _CallbackBase = object
+
 _D = KFACOptions()  # the defaults of the K-FAC hyperparameters, shown in KFAC's signature
 _FACTOR_DTYPE = str(_D.factor_dtype).removeprefix("torch.")  # as a name: what a YAML config shows
 _INV_DTYPE = str(_D.inv_dtype).removeprefix("torch.")
 
 
-class KFAC(Callback):
+class KFACCallbackBody(_CallbackBase):
     """K-FAC preconditioning for ``Trainer(callbacks=[KFAC(...)])``.
 
     Args:
@@ -159,7 +163,7 @@ class KFAC(Callback):
         # Every argument is checked here (TypeError: wrong type, ValueError: a value that is not
         # accepted; the message names the argument), so that a bad YAML value fails at construction:
         # the K-FAC hyperparameters by KFACOptions, the callback's own below, the rest by annotation.
-        val.check_annotations(KFAC.__init__, locals(), skip=_CHECKED)
+        val.check_annotations(KFACCallbackBody.__init__, locals(), skip=_CHECKED)
         # A schedule is also called once with step 0 here, so that a YAML schedule that fails, fails now.
         schedules = {"damping": (damping, val.NONNEGATIVE), "factor_decay": (factor_decay, val.DECAY),
                      "kl_clip": (kl_clip, val.POSITIVE), "lr": (lr, val.NONNEGATIVE)}
@@ -513,3 +517,9 @@ def _folder(name: str, value: object) -> str:
     if not isinstance(path, str) or not path or "\x00" in path:
         raise ValueError(f"{name} must be a folder path (a non-empty string without NUL), got {value!r}")
     return path
+
+
+class KFAC(KFACCallbackBody, Callback):
+    # The ``pytorch_lightning`` flavour; ``lightning_spdkfac.unified.KFAC`` is the ``lightning.pytorch`` one
+    # (the same body; each Trainer accepts the callbacks of its own namespace).
+    __doc__ = KFACCallbackBody.__doc__

@@ -39,8 +39,7 @@ import torch
 import torch.distributed as dist
 from lightning_fabric.utilities.distributed import _init_dist_connection
 from lightning_fabric.utilities.seed import reset_seed
-from pytorch_lightning.accelerators import CUDAAccelerator
-from pytorch_lightning.strategies import DDPStrategy, DeepSpeedStrategy, StrategyRegistry
+from pytorch_lightning.strategies import DeepSpeedStrategy, StrategyRegistry
 
 from .. import validation as val
 from ..kfac.gradients import GradAccess
@@ -206,8 +205,14 @@ def _fusable(params: Sequence[torch.nn.Parameter]) -> bool:
     )
 
 
+if TYPE_CHECKING:
+    _DeepSpeedBase = DeepSpeedStrategy  # the type checker's view; at run time each flavour adds its namespace's
+else:
+    _DeepSpeedBase = object
+
+
 @spd_documented
-class SPDKFACDeepSpeedStrategy(_SPDKFACStrategyMixin, DeepSpeedStrategy):
+class SPDKFACDeepSpeedStrategyBody(_SPDKFACStrategyMixin, _DeepSpeedBase):
     """DeepSpeed ZeRO stage 0, 1 or 2 plus the SPD-KFAC scheduler for the ``KFAC`` callback.
 
     Args:
@@ -260,7 +265,7 @@ class SPDKFACDeepSpeedStrategy(_SPDKFACStrategyMixin, DeepSpeedStrategy):
             val.check_bool("fused_grad_gather", fused_grad_gather)
             self.fused_grad_gather = fused_grad_gather
             val.check_timedelta("timeout", timeout)
-            val.check_annotations(SPDKFACDeepSpeedStrategy.__init__, arguments,
+            val.check_annotations(SPDKFACDeepSpeedStrategyBody.__init__, arguments,
                                  skip=("schedule", *SPD_ARGUMENTS, "stage", "config", "fused_grad_gather", "timeout"))
             self.spd_options = _spd_options(arguments)
             timeout = pg_timeout(timeout, self.spd_options)
@@ -269,7 +274,7 @@ class SPDKFACDeepSpeedStrategy(_SPDKFACStrategyMixin, DeepSpeedStrategy):
 
     # -------------------------------------------------------------- CPU (gloo) support
     def _on_cuda(self) -> bool:
-        return isinstance(self.accelerator, CUDAAccelerator)
+        return isinstance(self.accelerator, self._lightning("accelerators").CUDAAccelerator)
 
     def _configure_launcher(self) -> None:
         # The Trainer calls this once the accelerator and the precision are known, in the launching
@@ -311,7 +316,7 @@ class SPDKFACDeepSpeedStrategy(_SPDKFACStrategyMixin, DeepSpeedStrategy):
         if self._on_cuda():
             super().setup_environment()
         else:  # DeepSpeedStrategy refuses non-CUDA accelerators; DDP's setup is what it needs
-            DDPStrategy.setup_environment(self)
+            self._lightning("strategies").DDPStrategy.setup_environment(self)
 
     def setup_distributed(self) -> None:
         if self._on_cuda():
@@ -488,6 +493,11 @@ def _check_zero_stage(config: dict | None, origin: str = "") -> None:
             f"0, 1 and 2, but the DeepSpeed config asks for stage {stage!r}{origin}"
             + (_STAGE_3 if stage == 3 else "")
         )
+
+
+class SPDKFACDeepSpeedStrategy(SPDKFACDeepSpeedStrategyBody, DeepSpeedStrategy):
+    # The ``pytorch_lightning`` flavour; ``lightning_spdkfac.unified`` has the ``lightning.pytorch`` one.
+    __doc__ = SPDKFACDeepSpeedStrategyBody.__doc__
 
 
 SPDKFACDeepSpeedStrategy.register_strategies(StrategyRegistry)

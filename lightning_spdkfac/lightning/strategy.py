@@ -18,8 +18,9 @@ ablations of the paper). The ``KFAC`` callback asks the strategy for its distrib
 
 from __future__ import annotations
 
+import importlib
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -110,6 +111,9 @@ def _timeout_note(exception: BaseException, timeout: timedelta | None) -> None:
 class _SPDKFACStrategyMixin:
     """What every K-FAC-aware strategy adds: SPD options, a factor process group, the distributor."""
 
+    # The Lightning namespace the concrete class subclasses: "pytorch_lightning" or "lightning.pytorch".
+    # The bodies are written once; each namespace gets its own thin classes (see lightning_spdkfac.unified).
+    lightning_package: ClassVar[str] = "pytorch_lightning"
     spd_options: SPDOptions
     _factor_group: dist.ProcessGroup | None = None
     # Provided by the strategy the mixin is combined with (DDPStrategy, DeepSpeedStrategy):
@@ -119,6 +123,10 @@ class _SPDKFACStrategyMixin:
 
         @property
         def root_device(self) -> torch.device: ...
+
+    def _lightning(self, module: str) -> Any:
+        """``module`` of this class's Lightning namespace, e.g. ``_lightning("strategies").DDPStrategy``."""
+        return importlib.import_module(f"{self.lightning_package}.{module}")
 
     def _new_factor_group(self) -> None:
         # K-FAC traffic gets a group of its own so that it runs beside the gradient reduction
@@ -149,8 +157,14 @@ class _SPDKFACStrategyMixin:
         self._factor_group = None
 
 
+if TYPE_CHECKING:
+    _DDPBase = DDPStrategy  # what the type checker sees; at run time each flavour adds its namespace's DDPStrategy
+else:
+    _DDPBase = object
+
+
 @spd_documented
-class SPDKFACStrategy(_SPDKFACStrategyMixin, DDPStrategy):
+class SPDKFACStrategyBody(_SPDKFACStrategyMixin, _DDPBase):
     """DDP plus the SPD-KFAC scheduler for the ``KFAC`` callback.
 
     Args:
@@ -185,7 +199,7 @@ class SPDKFACStrategy(_SPDKFACStrategyMixin, DDPStrategy):
         # an error to the CLI, which prints it as one line (jsonargparse's Union error does not chain it).
         with val.reported():
             val.check_timedelta("timeout", timeout)
-            val.check_annotations(SPDKFACStrategy.__init__, arguments, skip=("schedule", *SPD_ARGUMENTS, "timeout"))
+            val.check_annotations(SPDKFACStrategyBody.__init__, arguments, skip=("schedule", *SPD_ARGUMENTS, "timeout"))
             self.spd_options = _spd_options(arguments)
             timeout = pg_timeout(timeout, self.spd_options)
             super().__init__(timeout=timeout, **kwargs)
@@ -204,6 +218,11 @@ class SPDKFACStrategy(_SPDKFACStrategyMixin, DDPStrategy):
             what = ", ".join(f"{k} {v!r}" for k, v in fixed.items())
             strategy_registry.register(name, cls, description=f"DDP + SPD-KFAC scheduling, {what}",
                                        override=True, **fixed)
+
+
+class SPDKFACStrategy(SPDKFACStrategyBody, DDPStrategy):
+    # The ``pytorch_lightning`` flavour; ``lightning_spdkfac.unified.SPDKFACStrategy`` is the ``lightning.pytorch`` one.
+    __doc__ = SPDKFACStrategyBody.__doc__
 
 
 SPDKFACStrategy.register_strategies(StrategyRegistry)
