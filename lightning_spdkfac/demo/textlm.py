@@ -267,9 +267,9 @@ class TinyGPT(pl.LightningModule):
         dropout: dropout on attention weights and residual branches (0: the run is deterministic
             given the seed).
         bias: biases in the Linear layers.
-        tie_weights: share the head's weight with the token embedding. Off by default: K-FAC would
-            precondition the head's gradient with the embedding's gradient added into it (if on,
-            consider ``skip_layers: [head]`` for the KFAC callback).
+        tie_weights: share the head's weight with the token embedding. Off by default: a head tied to an
+            ``nn.Embedding`` is skipped by K-FAC (with one warning at setup): its gradient holds the
+            embedding's too, which the head's factors do not describe.
         optimizer: "adamw" or "sgd" (SGD with momentum, the usual base optimizer of K-FAC).
         lr: peak learning rate.
         weight_decay: decoupled (AdamW) or L2 (SGD) weight decay, applied to the weight matrices of
