@@ -22,6 +22,7 @@ __all__ = [
     "Placement",
     "PlacementPolicy",
     "PlacementTimeline",
+    "broadcast_order",
     "inverted_by",
     "message_bytes",
     "message_elements",
@@ -91,12 +92,61 @@ def owned_by(placement: Placement, rank: int) -> list[int]:
 
 
 def inverted_by(placement: Placement, rank: int) -> list[int]:
-    """Indices of the factors that ``rank`` inverts, in the order it should invert them: its owned ones
-    first (ascending index), so that their broadcasts start early, then every replicated one."""
+    """Indices of the factors that ``rank`` inverts, in the order it inverts them: its owned ones first
+    (ascending index, the order they take in :func:`broadcast_order`), so that their broadcasts start
+    early, then every replicated one."""
     r = val.check_int("rank", rank, low=0)
     if r >= placement.world_size:
         raise ValueError(f"rank must be < world_size={placement.world_size}, got {rank!r}")
     return owned_by(placement, r) + list(placement.replicated)
+
+
+def _finish_times(owners: Sequence[int], inv_times: Sequence[float]) -> dict[int, float]:
+    """Predicted finish of every owned factor's inversion: each owner inverts its owned factors in
+    ascending index, back to back from 0, so a factor finishes at its owner's cumulative inversion time."""
+    clock: dict[int, float] = {}
+    finish: dict[int, float] = {}
+    for i, o in enumerate(owners):
+        if o != REPLICATED:
+            clock[o] = clock.get(o, 0.0) + inv_times[i]
+            finish[i] = clock[o]
+    return finish
+
+
+def _by_finish(finish: dict[int, float]) -> tuple[int, ...]:
+    return tuple(sorted(finish, key=lambda i: (finish[i], i)))
+
+
+def broadcast_order(owners: Sequence[int], ns: Sequence[int], inv: InverseCost) -> tuple[int, ...]:
+    """The order in which every rank issues the inverse broadcasts: the owned (non-replicated) factors
+    by predicted finish of their inversion, ties by lower index.
+
+    Each owner inverts its owned factors in ascending index, one after the other from the start of the
+    phase, so factor ``i`` is predicted to finish at the sum of ``inv.time(n)`` over its owner's factors
+    up to and including ``i``. Sorting by that finish lets a small inverse that is ready early go on
+    the wire before the slow inversion of another rank, instead of queueing behind it. Within one owner
+    the order stays ascending (finish times only grow), so an owner can invert in exactly this order.
+
+    Collectives on a process group are matched by issue order, so every rank must derive the same
+    order: it is a pure function of the placement, the sides and the inversion model, which the runtime
+    holds identically on every rank (the model is rank 0's, broadcast). The runtime
+    (:class:`~lightning_spdkfac.comm.scheduler.SPDDistributor`) issues its broadcasts in this order and
+    the simulator (:func:`simulate_placement`) runs them on its channel in this order.
+
+    Args:
+        owners: owner rank of every factor, or :data:`REPLICATED` (never broadcast, not listed).
+        ns: side ``n`` of every factor, aligned with ``owners``.
+        inv: inversion time model.
+
+    Returns:
+        The indices of the owned factors, in issue order.
+    """
+    own = val.check_ints("owners", owners, low=REPLICATED)
+    sizes = val.check_ints("ns", ns, low=0)
+    if len(own) != len(sizes):
+        raise ValueError(f"owners and ns must have the same length, got {len(own)} and {len(sizes)}")
+    val.check_instance("inv", inv, InverseCost)
+    return _by_finish(_finish_times(own, [inv.time(n) for n in sizes]))
 
 
 def message_elements(n: int, inverse_method: InverseMethodName = "cholesky") -> int:
@@ -231,16 +281,14 @@ def _lbp(sizes: list[int], world: int, inv: InverseCost, bcast: AlphaBeta, msg: 
 def _phase_end(owners: list[int], sizes: list[int], inv_times: list[float], send_times: list[float]) -> float:
     """:func:`simulate_placement`'s ``end`` for ``owners``, in ``O(F log F)`` (no per-rank lists)."""
     replicated = sum(t for t, o in zip(inv_times, owners) if o == REPLICATED)
+    finish = _finish_times(owners, inv_times)
     clock: dict[int, float] = {}
-    ready = []
-    for i, o in enumerate(owners):  # each owner inverts its factors in index order, then the replicated
-        if o != REPLICATED:
-            clock[o] = clock.get(o, 0.0) + inv_times[i]
-            ready.append((clock[o], i))
+    for i, t in finish.items():
+        clock[owners[i]] = max(clock.get(owners[i], 0.0), t)
     compute = max(clock.values(), default=0.0) + replicated
     free = 0.0
-    for r, i in sorted(ready):
-        free = max(free, r) + send_times[i]
+    for i in _by_finish(finish):  # broadcast_order
+        free = max(free, finish[i]) + send_times[i]
     return max(compute, free)
 
 
@@ -292,15 +340,18 @@ class PlacementTimeline:
 
 def simulate_placement(
     placement: Placement, ns: Sequence[int], inv: InverseCost, bcast: AlphaBeta, bytes_per_element: int = 4,
-    inverse_method: InverseMethodName = "cholesky",
+    inverse_method: InverseMethodName = "cholesky", order: Sequence[int] | None = None,
 ) -> PlacementTimeline:
-    """Timeline of ``placement`` when ranks invert in :func:`inverted_by` order and every broadcast
-    uses one channel shared by all ranks (every rank takes part in every broadcast, as sender or receiver).
+    """Timeline of ``placement`` when every broadcast uses one channel shared by all ranks (every rank
+    takes part in every broadcast, as sender or receiver) and the broadcasts are issued in ``order``.
 
-    An owned inverse's broadcast is ready when its owner has computed it; broadcasts run one at a time in
-    the order they become ready (ties: lower factor index). This is what per-rank ``Placement.load``
-    cannot see: broadcasts from different owners do not run in parallel, which is why replicating cheap
-    factors (no broadcast at all) pays off even though it adds compute to every rank. Pure.
+    ``order`` (default: :func:`broadcast_order`, what the runtime issues) lists every owned factor once.
+    Collectives run in issue order, so a broadcast starts when its owner has computed the inverse and
+    the one before it in ``order`` has ended. Each rank inverts its owned factors in the order they take
+    in ``order`` (the runtime inverts as its turn comes), then every replicated one; with the default
+    order that is :func:`inverted_by`. This is what per-rank ``Placement.load`` cannot see: broadcasts
+    from different owners do not run in parallel, which is why replicating cheap factors (no broadcast
+    at all) pays off even though it adds compute to every rank. Pure.
     """
     val.check_instance("placement", placement, Placement)
     sizes = val.check_ints("ns", ns, low=1)
@@ -310,27 +361,36 @@ def simulate_placement(
     val.check_instance("bcast", bcast, AlphaBeta)
     bpe = val.check_int("bytes_per_element", bytes_per_element, low=1)
     msg = _sizer(bpe, inverse_method)
+    owners = placement.owners
+    owned = [i for i, o in enumerate(owners) if o != REPLICATED]
+    if order is None:
+        issue = broadcast_order(owners, sizes, inv)
+    else:
+        issue = tuple(val.check_ints("order", order))
+        if sorted(issue) != owned:
+            raise ValueError(f"order must list every owned factor exactly once ({owned}), got {list(issue)}")
     world = placement.world_size
     ready: dict[int, float] = {}
+    clock = [0.0] * world
+    for i in issue:
+        clock[owners[i]] += inv.time(sizes[i])
+        ready[i] = clock[owners[i]]
     compute_end = []
-    for r in range(world):
-        t = 0.0
-        for i in inverted_by(placement, r):
+    for t in clock:  # then every replicated factor, one after the other
+        for i in placement.replicated:
             t += inv.time(sizes[i])
-            if placement.owners[i] == r:
-                ready[i] = t
         compute_end.append(t)
-    order = sorted(ready, key=lambda i: (ready[i], i)) if world > 1 else []
+    sent = issue if world > 1 else ()
     starts, ends = [], []
     free = 0.0
-    for i in order:
+    for i in sent:
         start = max(free, ready[i])
         free = start + bcast.time(msg(sizes[i]))
         starts.append(start)
         ends.append(free)
     return PlacementTimeline(
         compute_end=tuple(compute_end),
-        broadcast_order=tuple(order),
+        broadcast_order=tuple(sent),
         broadcast_start=tuple(starts),
         broadcast_end=tuple(ends),
     )

@@ -47,6 +47,9 @@ __all__ = ["CATEGORIES", "SIM_SCHEDULES", "Event", "SimSchedule", "Timeline", "a
 
 # How a placement weighs a factor: the cluster's inversion and broadcast models, or ``n`` (the original code).
 LbpMetric = Literal["model", "linear"]
+# The order in which every rank issues the inverse broadcasts: "finish" the runtime's
+# (:func:`~lightning_spdkfac.schedule.broadcast_order`); "owner_turns" the runtime's before issue 17.
+BroadcastOrder = Literal["finish", "owner_turns"]
 CATEGORIES = ("FF&BP", "GradComm", "FactorComp", "FactorComm", "InvComp", "InvComm", "Precondition")
 
 
@@ -77,6 +80,11 @@ class SimSchedule:
         sync_before_launch: a device-wide synchronize precedes every factor reduction (the original
             code): it waits for the reduction still on the wire, so the compute stream stalls until the
             channel is free before each launch.
+        broadcast_order: the order in which every rank issues the inverse broadcasts (they run in that
+            order on the channel, and each owner inverts in it): ``"finish"`` by predicted finish of the
+            inversion, :func:`~lightning_spdkfac.schedule.broadcast_order`, the function the runtime
+            calls; ``"owner_turns"`` the runtime's order before it (owners take turns, each with its next
+            factor in layer order, whatever its inversion costs), kept for comparison.
     """
 
     name: str
@@ -92,6 +100,7 @@ class SimSchedule:
     reduce_to_owner: bool = False
     early_inverse: bool = False
     sync_before_launch: bool = False
+    broadcast_order: BroadcastOrder = "finish"
     description: str = ""
 
     def __post_init__(self) -> None:
@@ -103,6 +112,7 @@ class SimSchedule:
         val.check_real("bucket_mb", self.bucket_mb, val.POSITIVE)
         val.check_choice("placement", self.placement, PLACEMENTS)
         val.check_choice("lbp_metric", self.lbp_metric, typing.get_args(LbpMetric))
+        val.check_choice("broadcast_order", self.broadcast_order, typing.get_args(BroadcastOrder))
         val.check_int("small_factor", self.small_factor, low=0, optional=True)
         val.check_int("bytes_per_element", self.bytes_per_element, low=1)
         val.check_instance("description", self.description, str)
@@ -127,6 +137,8 @@ SIM_SCHEDULES: dict[str, SimSchedule] = {
         SimSchedule("spd-paper-layerwise", fusion="layerwise", **_PAPER_SPD,
                     description="paper's SPD, pipelined without fusion"),
         SimSchedule("spd", description="this project's SPD: DTF on A and G, channel-aware LBP on the n^3 model"),
+        SimSchedule("spd-owner-turns", broadcast_order="owner_turns",
+                    description="spd with the runtime's broadcast order before issue 17 (owners take turns)"),
         SimSchedule("spd-lbp", placement="lbp", description="spd with the paper's LBP rule (on the n^3 model)"),
         SimSchedule("spd-no-pipelining", **_PAPER_BASE, description="spd with factors reduced after backward"),
         SimSchedule("spd-no-dtf", fusion="layerwise", description="spd with one reduction per factor"),
@@ -323,6 +335,7 @@ class _Phase:
     t_comm: float
     shown: int  # ranks whose inversion events are recorded
     events: list[Event]
+    bcast_order: list[int] = field(default_factory=list)  # owned factors (positions), in issue order
 
 
 def _inversions_in_order(ph: _Phase, tasks_per_rank: list[list[int]]) -> tuple[list[float], float]:
@@ -351,19 +364,38 @@ def _inversions_in_order(ph: _Phase, tasks_per_rank: list[list[int]]) -> tuple[l
     return rank_end, bcast_end
 
 
+def _owner_turns(order: list[tuple[int, str]], owners: Sequence[int]) -> list[int]:
+    """The runtime's broadcast order before issue 17, as positions in ``order``: the inversion tasks in
+    layer order (A, then G, of each layer), and owners taking turns: every owner's first task (by owner
+    rank), then every owner's second, and so on."""
+    tasks = sorted((p for p, o in enumerate(owners) if o != REPLICATED),
+                   key=lambda p: (order[p][0], order[p][1] != "A"))
+    turn: dict[int, int] = {}
+    key = {}
+    for p in tasks:
+        key[p] = (turn.get(owners[p], 0), owners[p], order[p][0], order[p][1] != "A")
+        turn[owners[p]] = turn.get(owners[p], 0) + 1
+    return sorted(tasks, key=key.__getitem__)
+
+
 def _inversions_planned(ph: _Phase, placement: Placement) -> tuple[list[float], float]:
-    """The runtime's own timeline of the inversion phase (:func:`~lightning_spdkfac.schedule.simulate_placement`),
-    started when the channel is free. Returns each rank's end and the end of the broadcasts."""
+    """The runtime's own timeline of the inversion phase (:func:`~lightning_spdkfac.schedule.simulate_placement`,
+    broadcasts in the schedule's order), started when the channel is free. Returns each rank's end and
+    the end of the broadcasts."""
     start, inv = ph.t_comm, ph.cluster.inverse
+    issue = _owner_turns(ph.order, placement.owners) if ph.schedule.broadcast_order == "owner_turns" else None
     pt = simulate_placement(placement, ph.sides, inv, ph.cluster.broadcast,
-                            bytes_per_element=ph.schedule.bytes_per_element)
+                            bytes_per_element=ph.schedule.bytes_per_element, order=issue)
     bcast_end = start
     for i, s, e in zip(pt.broadcast_order, pt.broadcast_start, pt.broadcast_end):
         ph.events.append(Event("comm", "InvComm", f"broadcast {ph.order[i]}", start + s, start + e))
         bcast_end = start + e
+    ph.bcast_order = list(pt.broadcast_order)
     for r in range(min(ph.cluster.world_size, ph.shown)):
-        tr = start
-        for i in inverted_by(placement, r):
+        tr = start  # each owner inverts in the issue order (the default's is inverted_by), then the replicated
+        mine = (inverted_by(placement, r) if issue is None
+                else [i for i in issue if placement.owners[i] == r] + list(placement.replicated))
+        for i in mine:
             ph.events.append(Event(f"rank {r}", "InvComp", f"invert {ph.order[i]}", tr, tr + inv.time(ph.sides[i])))
             tr += inv.time(ph.sides[i])
     return [start + e for e in pt.compute_end], bcast_end
@@ -434,7 +466,7 @@ def simulate(workload: Workload, cluster: Cluster, schedule: SimSchedule | str, 
     return Timeline(
         events=events, breakdown=breakdown, groups=plan.groups, order=order, owners=tuple(owners),
         extra={"t_compute": t_compute, "t_comm": t_comm, "t_inv": t_inv,
-               "sides": sides, "schedule": schedule},
+               "sides": sides, "schedule": schedule, "broadcast_order": phase.bcast_order},
     )
 
 
