@@ -38,6 +38,7 @@ from ..kfac.distributor import Distributor, FactorKey, Task
 from ..schedule import (
     AlphaBeta,
     InverseCost,
+    broadcast_order,
     fit_alpha_beta,
     measure_inverse_cost,
     plan_fusion,
@@ -221,6 +222,7 @@ class SPDDistributor(Distributor):
         self._held: dict[FactorKey, torch.Tensor | None] = {}
         self.plan_groups: tuple[tuple[int, ...], ...] = ()
         self.placement_owners: tuple[int, ...] = ()
+        self.last_broadcast_order: list[FactorKey] = []  # the owned factors, as the last inversion issued them
 
     # ------------------------------------------------------------------ setup and planning
     def setup(self, sides: Sequence[tuple[int, int]]) -> None:
@@ -392,13 +394,8 @@ class SPDDistributor(Distributor):
             super().invert(tasks, invert_fn, on_ready)
             return
         sides = [t[2].shape[0] for t in tasks]
-        # Owners' first tasks first: every rank starts a broadcast as early as possible.
-        turn: dict[int, int] = {}
-        rank_in_owner = []
-        for o in owners:
-            rank_in_owner.append(turn.get(o, 0))
-            turn[o] = turn.get(o, 0) + 1
-        order = sorted((i for i, o in enumerate(owners) if o >= 0), key=lambda i: (rank_in_owner[i], owners[i], i))
+        order = self._broadcast_order(tasks, owners, sides)
+        self.last_broadcast_order = [(tasks[i][0], tasks[i][1]) for i in order]
         bc = InverseBroadcaster(owners, sides, process_group=self.process_group,
                                 dtype=self.options.torch_comm_dtype, result_dtype=self.inv_dtype,
                                 device=self.device, order=order, timeout=self.options.comm_timeout_s,
@@ -417,6 +414,16 @@ class SPDDistributor(Distributor):
         with self.timer.phase("inverse_comm_wait"):
             bc.wait_all()  # this rank's own broadcasts
 
+    def _broadcast_order(self, tasks: Sequence[Task], owners: Sequence[int], sides: Sequence[int]) -> list[int]:
+        """Positions in ``tasks`` of the owned factors, in the order every rank issues their broadcasts:
+        :func:`~lightning_spdkfac.schedule.placement.broadcast_order` over the tasks in canonical factor
+        order (the placement's), with the inversion model every rank holds (rank 0's). Each owner inverts
+        in this order too (:meth:`InverseBroadcaster.exchange`), so the predicted finishes hold."""
+        assert self.models is not None  # measured in setup()
+        canonical = sorted(range(len(tasks)), key=lambda i: self._canonical[(tasks[i][0], tasks[i][1])])
+        issue = broadcast_order([owners[i] for i in canonical], [sides[i] for i in canonical], self.models.inverse)
+        return [canonical[k] for k in issue]
+
     def describe(self) -> dict[str, Any]:
         """The current plan, for logs and tests."""
         return {
@@ -426,5 +433,6 @@ class SPDDistributor(Distributor):
             "order": list(self.order),
             "groups": [list(g) for g in self.plan_groups],
             "owners": list(self.placement_owners),
+            "broadcast_order": list(self.last_broadcast_order),  # of the last inverse step
             "models": self.models,
         }
