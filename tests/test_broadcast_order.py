@@ -19,6 +19,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_spdkfac import KFACPreconditioner
+from lightning_spdkfac.comm.consistency import plan_fingerprint
 from lightning_spdkfac.comm.scheduler import Models, SPDDistributor, SPDOptions
 from lightning_spdkfac.multiprocess import run_distributed
 from lightning_spdkfac.schedule import AlphaBeta, InverseCost, Placement, broadcast_order, simulate_placement
@@ -164,3 +165,11 @@ def test_training_in_that_order_equals_dkfac_and_one_process(job):
     for a, b, d in zip(params[0], job.reference, job.results[0]["dkfac"][0]):
         torch.testing.assert_close(a, d, rtol=1e-5, atol=1e-7, msg="vs dkfac")
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg="vs one process")
+
+
+def test_plan_check_fingerprints_the_broadcast_order():
+    base = dict(order=[(0, "A"), (0, "G")], groups=[[0, 1]], owners=[0, 1], sides=[3, 4],
+                broadcast=[(0, "A"), (0, "G")])
+    fp = plan_fingerprint(**base)
+    changed = plan_fingerprint(**{**base, "broadcast": [(0, "G"), (0, "A")]})
+    assert [k for k in fp if fp[k] != changed[k]] == ["broadcast"]

@@ -1,4 +1,4 @@
-"""Cross-rank check that every rank holds the same K-FAC plan (fusion groups and placement) and settings.
+"""Cross-rank check that every rank holds the same K-FAC plan (fusion groups, placement, broadcast order) and settings.
 
 Collectives are matched by issue order, so ranks with different fusion groups or inverse owners would
 pair the wrong tensors or hang. The planners are deterministic and fed identical inputs, so this should
@@ -8,8 +8,9 @@ it must fail loudly at the re-plan, not as a hang or silently wrong factors late
 that pair their collectives correctly but damp or clip differently would drift apart without a word.
 
 :func:`check_plan_consistency` runs once per (re-)plan, on every rank at the same point: it hashes each
-part of the plan (factor order, fusion groups, placement owners, factor sides, K-FAC settings) to 63 bits
-and all-gathers the five numbers (one collective of 32 bytes per rank, bounded by the K-FAC timeout). Only when some rank
+part of the plan (factor order, fusion groups, placement owners, factor sides, K-FAC settings, inverse
+broadcast order) to 63 bits and all-gathers the six numbers (one collective of 48 bytes per rank, bounded
+by the K-FAC timeout). Only when some rank
 differs does it gather the plans themselves (every rank sees the same fingerprints, so every rank takes
 that path together) to raise :class:`PlanMismatchError` with the differing values of rank 0 and of each
 offending rank, on every rank.
@@ -30,9 +31,9 @@ from .faults import PLAN_CHECK, Work, wait_work
 
 __all__ = ["PLAN_PARTS", "PlanMismatchError", "check_plan_consistency", "plan_fingerprint"]
 
-PLAN_PARTS = ("order", "groups", "owners", "sides", "settings")
+PLAN_PARTS = ("order", "groups", "owners", "sides", "settings", "broadcast")
 _LABELS = {"order": "factor order", "groups": "fusion groups", "owners": "placement owners",
-           "sides": "factor sides", "settings": "K-FAC settings"}
+           "sides": "factor sides", "settings": "K-FAC settings", "broadcast": "inverse broadcast order"}
 _SHOW = 400  # characters of a plan part shown in the error message
 
 
@@ -46,23 +47,29 @@ class PlanMismatchError(RuntimeError):
         self.ranks = ranks
 
 
+def _key(k: object) -> object:
+    return tuple(k) if isinstance(k, (tuple, list)) else k
+
+
 def _plan_parts(order: Sequence[object], groups: Sequence[Sequence[int]], owners: Sequence[int],
-                sides: Sequence[int], settings: str = "") -> dict[str, Any]:
+                sides: Sequence[int], settings: str = "", broadcast: Sequence[object] = ()) -> dict[str, Any]:
     return {
-        "order": [tuple(k) if isinstance(k, (tuple, list)) else k for k in order],
+        "order": [_key(k) for k in order],
         "groups": [[int(i) for i in g] for g in groups],
         "owners": [int(o) for o in owners],
         "sides": [int(n) for n in sides],
         "settings": str(settings),
+        "broadcast": [_key(k) for k in broadcast],
     }
 
 
 def plan_fingerprint(order: Sequence[object], groups: Sequence[Sequence[int]], owners: Sequence[int],
-                     sides: Sequence[int], settings: str = "") -> dict[str, int]:
+                     sides: Sequence[int], settings: str = "", broadcast: Sequence[object] = ()) -> dict[str, int]:
     """A 63-bit hash of each plan part (a non-negative int64), identical for equal plans on any rank,
     Python process or platform (the hash of the part's ``repr``, not Python's salted ``hash``).
-    ``settings``: the preconditioner's description of its K-FAC settings (``settings_text``)."""
-    parts = _plan_parts(order, groups, owners, sides, settings)
+    ``settings``: the preconditioner's description of its K-FAC settings (``settings_text``);
+    ``broadcast``: the owned factors' keys in the order their inverses are broadcast."""
+    parts = _plan_parts(order, groups, owners, sides, settings, broadcast)
     return {name: int.from_bytes(hashlib.blake2b(repr(parts[name]).encode(), digest_size=8).digest(), "little")
             >> 1 for name in PLAN_PARTS}
 
@@ -111,13 +118,15 @@ def check_plan_consistency(
     process_group: dist.ProcessGroup | None = None,
     timeout_s: float = 600.0,
     settings: str = "",
+    broadcast: Sequence[object] = (),
 ) -> None:
     """Raise :class:`PlanMismatchError` on every rank unless all ranks of ``process_group`` hold this plan.
 
     Collective: call on every rank at the same point (once per plan). No-op in one process. ``order``:
     the factor keys in plan order; ``groups``: fusion groups (positions in ``order``); ``owners``: the
     placement's owner rank per factor (-1: replicated); ``sides``: each factor's side, in plan order;
-    ``settings``: the K-FAC settings, as text.
+    ``settings``: the K-FAC settings, as text; ``broadcast``: the owned factors' keys in the order every
+    rank issues their inverse broadcasts (derived from the owners, the sides and rank 0's inversion model).
     A rank that does not join within ``timeout_s`` makes the others raise KFACCommError (phase
     "K-FAC plan check").
     """
@@ -128,12 +137,13 @@ def check_plan_consistency(
         return
     rank = dist.get_rank(process_group)
     device = default_device(process_group)
-    fingerprint = plan_fingerprint(order, groups, owners, sides, settings)
+    fingerprint = plan_fingerprint(order, groups, owners, sides, settings, broadcast)
     local = torch.tensor([fingerprint[p] for p in PLAN_PARTS], dtype=torch.int64, device=device)
     gathered = [torch.empty_like(local) for _ in range(world_size)]
     work = dist.all_gather(gathered, local, group=process_group, async_op=True)
     wait_work(work, timeout_s, collective="all_gather", phase=PLAN_CHECK,
-              what="the plan fingerprints (factor order, fusion groups, placement owners, sides, K-FAC settings)",
+              what="the plan fingerprints (factor order, fusion groups, placement owners, sides, K-FAC settings, "
+                   "inverse broadcast order)",
               rank=rank, world_size=world_size)
     table = torch.stack(gathered).cpu()
     differs = table != table[0]
@@ -141,7 +151,7 @@ def check_plan_consistency(
         return
     bad_ranks = tuple(int(r) for r in differs.any(dim=1).nonzero().flatten())
     parts = tuple(p for k, p in enumerate(PLAN_PARTS) if bool(differs[:, k].any()))
-    plans = _gather_objects(_plan_parts(order, groups, owners, sides, settings), process_group, device, world_size, rank,
+    plans = _gather_objects(_plan_parts(order, groups, owners, sides, settings, broadcast), process_group, device, world_size, rank,
                             timeout_s)
     lines = []
     for r in bad_ranks:

@@ -309,7 +309,8 @@ class SPDDistributor(Distributor):
             device=self.device, timeout=self.options.comm_timeout_s, names=[f"layer {i} {w}" for i, w in self.order],
         )
         check_plan_consistency(self.order, self.plan_groups, self.placement_owners, self._fused.sides,
-                               self.process_group, self.options.comm_timeout_s, settings=self.kfac_settings)
+                               self.process_group, self.options.comm_timeout_s, settings=self.kfac_settings,
+                               broadcast=self._planned_broadcast_order())
 
     def _finish_profile(self) -> None:
         """Plan the fusion from the measured ready times (rank 0's, broadcast) on every rank."""
@@ -423,6 +424,14 @@ class SPDDistributor(Distributor):
         canonical = sorted(range(len(tasks)), key=lambda i: self._canonical[(tasks[i][0], tasks[i][1])])
         issue = broadcast_order([owners[i] for i in canonical], [sides[i] for i in canonical], self.models.inverse)
         return [canonical[k] for k in issue]
+
+    def _planned_broadcast_order(self) -> list[FactorKey]:
+        """The broadcast order of an inverse step that inverts every factor (for the cross-rank plan check)."""
+        if self.world_size == 1 or not self.placement_owners:
+            return []
+        assert self.models is not None  # measured in setup()
+        ns = [self._side(k) for k in self.keys]
+        return [self.keys[i] for i in broadcast_order(self.placement_owners, ns, self.models.inverse)]
 
     def describe(self) -> dict[str, Any]:
         """The current plan, for logs and tests."""
