@@ -8,9 +8,11 @@ inferred from the data. Replicated factors (owner -1) are inverted on every rank
 
 Ordering contract: collectives on a process group are matched by issue order, so **every rank calls
 publish/expect for the non-replicated factors in one global order**, :attr:`InverseBroadcaster.order`
-(ascending factor index unless given). At position k of the order, the owner of ``order[k]`` computes
-that inverse and calls ``publish``; every other rank calls ``expect`` (which returns at once). Because
-the calls are asynchronous, an owner's next inversion overlaps the broadcasts already in flight, and
+(ascending factor index unless given; the SPD scheduler gives
+:func:`~lightning_spdkfac.schedule.placement.broadcast_order`, by predicted finish of the inversions, so
+that an inverse ready early is not issued behind another rank's slow inversion). At position k of the
+order, the owner of ``order[k]`` computes that inverse and calls ``publish``; every other rank calls
+``expect`` (which returns at once). Because the calls are asynchronous, an owner's next inversion overlaps the broadcasts already in flight, and
 receivers go straight on to their own next inversion. Any deviation raises (the position is checked on
 each rank), rather than hanging or pairing the wrong tensors. Replicated factors are published by every
 rank at any time. :meth:`InverseBroadcaster.exchange` runs this loop for you::

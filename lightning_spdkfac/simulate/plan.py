@@ -92,6 +92,9 @@ def _runtime_notes(s: SimSchedule) -> list[str]:
         notes.append("a device synchronize before every factor reduction: the runtime never does this")
     if s.reduce_to_owner:
         notes.append("owned factors reduced to their owner: the runtime all-reduces every factor")
+    if s.broadcast_order == "owner_turns":
+        notes.append("inverse broadcasts issued with owners taking turns: the runtime issues them by predicted "
+                     "finish of the inversions (schedule.broadcast_order)")
     if s.early_inverse:
         notes.append("inversions start as soon as a factor is reduced: the runtime inverts in the "
                      "optimizer step")
