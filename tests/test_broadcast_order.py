@@ -90,22 +90,28 @@ BROADCAST = AlphaBeta(1e-4, 1e-9)
 ROUND_ROBIN = dict(schedule="spd", placement="round_robin", fusion="layerwise")
 
 
-def simulated_order():
+def simulated_order(broadcast="finish"):
     """The simulator's broadcast order for ``make_model`` at 2 ranks under ``ROUND_ROBIN`` and the fixed models."""
     work = Workload.from_rates("tiny", profile_layers(make_model(), (2, 8, 8)), 8, flops_per_s=1e9)
     cluster = Cluster(2, AlphaBeta(1e-4, 1e-9), BROADCAST, BROADCAST, INVERSE)
-    tl = simulate(work, cluster, with_schedule("spd", placement="round_robin", fusion="layerwise"))
+    tl = simulate(work, cluster, with_schedule("spd", placement="round_robin", fusion="layerwise",
+                                               broadcast_order=broadcast))
     events = [e.label for e in tl.events if e.category == "InvComm"]
     order = [tl.order[i] for i in tl.extra["broadcast_order"]]
     assert events == [f"broadcast {k}" for k in order]  # the channel runs them in that order
-    return order, tl.owners, tl.extra["sides"]
+    return order, tl.owners, tl.extra["sides"], tl.total
 
 
 def test_simulator_timeline_issues_broadcast_order():
-    order, owners, sides = simulated_order()
+    order, owners, sides, total = simulated_order()
     keys = [(i, "A") for i in range(4)] + [(i, "G") for i in reversed(range(4))]
     assert order == [keys[i] for i in broadcast_order(owners, sides, INVERSE)]
     assert order == [(0, "A"), (1, "A"), (3, "A"), (2, "G"), (0, "G"), (2, "A"), (3, "G"), (1, "G")]
+    # The runtime's order before, kept for comparison: owners take turns over the tasks in layer order
+    # (A0 r0, G0 r1, A1 r1, G1 r0, A2 r0, G2 r1, A3 r1, G3 r0).
+    turns, _, _, turns_total = simulated_order("owner_turns")
+    assert turns == [(0, "A"), (0, "G"), (1, "G"), (1, "A"), (2, "A"), (2, "G"), (3, "G"), (3, "A")]
+    assert turns_total >= total
 
 
 # ------------------------------------------------------------------------------ the runtime, 2 ranks
@@ -149,7 +155,7 @@ def job():
 
 
 def test_runtime_issues_the_simulators_order(job):
-    order, owners, _ = simulated_order()
+    order, owners, _, _ = simulated_order()
     for rank, result in enumerate(job.results):
         _, issued, used = result["ordered"]
         assert used == list(owners), f"rank {rank} placed differently from the simulator"
