@@ -285,7 +285,7 @@ def _gather_partitions(
     ``plan.chunk`` elements per rank, see :func:`_all_gather`), every rank copies them into place. Collective; None where ``plan`` is.
 
     Bitwise what ``safe_get_full_grad`` returns: its all-reduce of zeros and one owner's value leaves the
-    value, except that -0.0 + 0.0 is +0.0, which the final ``+ 0.0`` reproduces.
+    value, except that -0.0 + 0.0 is +0.0, which adding 0.0 to each piece as it is packed reproduces.
     """
     if plan is None:
         return None
@@ -302,7 +302,8 @@ def _gather_partitions(
         if fragment.numel() == p.numel() and numel != p.numel():
             # The bf16 optimizer keeps a full accumulation buffer: send this rank's share of it only.
             fragment = fragment.narrow(0, start, numel)
-        send.narrow(0, offset, numel).copy_(fragment)  # (converts a bf16 fragment exactly)
+        # + 0.0 in the copy: see the docstring (and it converts a bf16 fragment exactly)
+        torch.add(fragment, 0.0, out=send.narrow(0, offset, numel))
         offset += numel
     send.narrow(0, offset, plan.chunk - offset).zero_()
     _all_gather(gathered, group)
@@ -310,7 +311,6 @@ def _gather_partitions(
         full = gathered.narrow(0, *plan.runs[0])
     else:
         full = torch.cat([gathered.narrow(0, s, n) for s, n in plan.runs]) if plan.runs else gathered[:0]
-    full.add_(0.0)
     return {p: view.view(p.shape) for p, view in zip(params, full.split([p.numel() for p in params]))}
 
 
