@@ -12,7 +12,8 @@ asynchronous inverse broadcasts. What differs is where the reduced gradients liv
   all-gather of the partitions (on gloo, one broadcast per rank): each rank sends the elements it
   owns once, half the bytes of an all-reduce. (The public ``deepspeed.utils.safe_get_full_grad``
   all-reduces a zero-padded full gradient once per parameter, i.e. two collectives per layer; the
-  result is bitwise the same.) It writes the preconditioned gradient back with ``set_full_hp_grad``, which copies only this rank's fragment (no communication).
+  result is bitwise the same.) It writes the preconditioned gradient back with ``set_full_hp_grad``,
+  which copies only this rank's fragment (no communication).
   Where the engine's internals differ from what that fused path expects, it falls back to
   ``safe_get_full_grad`` / ``safe_set_full_grad`` parameter by parameter.
 
