@@ -1,0 +1,191 @@
+"""The ZeRO 1/2 gradient gather of the K-FAC layers: the old zero-padded all-reduce against the all-gather.
+
+On 2 gloo CPU ranks (``lightning_spdkfac.multiprocess.run_distributed``), for a few MLP sizes, a real
+DeepSpeed ZeRO-2 engine (fp32) runs one backward; then, interleaved in one invocation (the order of
+the variants alternates from repeat to repeat, a barrier before each call), each variant assembles
+the full gradients of every linear layer:
+
+- ``allreduce``: the previous fused gather, one all-reduce of a full-size buffer in which each rank
+  filled in its fragments (zeros elsewhere);
+- ``allgather``: ``DeepSpeedGradAccess``'s gather now, each rank's partition (padded to the largest)
+  sent once, on gloo as one broadcast per rank; its layout exchanged once beforehand and reused;
+- ``gloo_allgather``: the same with gloo's ``all_gather_single`` in place of the broadcasts;
+- ``each``: ``deepspeed.utils.safe_get_full_grad`` per parameter (the fallback path).
+
+Every variant's result is checked bitwise against ``safe_get_full_grad`` before timing. Prints per
+size the bytes each rank sends (computed: a ring all-reduce sends 2(W-1)/W of the buffer, an
+all-gather (W-1) chunks), the median ms of a call on rank 0 with its spread (q1-q3), and the ratios
+allgather/allreduce.
+
+    python benchmarks/zero_gather.py                   # writes benchmarks/results/run-<stamp>-zero_gather/
+    python benchmarks/zero_gather.py --out DIR         # writes DIR/zero_gather.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import env_info, format_table, fresh_run_dir, write_json  # noqa: E402
+
+from lightning_spdkfac.lightning import deepspeed as ds_module  # noqa: E402
+from lightning_spdkfac.lightning.deepspeed import DeepSpeedGradAccess  # noqa: E402
+from lightning_spdkfac.multiprocess import run_distributed  # noqa: E402
+
+VARIANTS = ("allreduce", "allgather", "gloo_allgather", "each")
+
+
+def _gloo_allgather(output: torch.Tensor, group: dist.ProcessGroup) -> None:
+    rank, size = dist.get_rank(group), output.numel() // dist.get_world_size(group)
+    dist.all_gather_single(output, output.narrow(0, rank * size, size), group=group)
+
+
+def with_gloo_allgather(access: DeepSpeedGradAccess, params: list) -> dict | None:
+    """The library's gather with gloo's own all-gather in place of its broadcasts (why it broadcasts)."""
+    saved = ds_module._all_gather
+    ds_module._all_gather = _gloo_allgather
+    try:
+        return access._gather_fused(params)
+    finally:
+        ds_module._all_gather = saved
+
+
+def allreduce_gather(params: list) -> dict:
+    """The gather before the all-gather: a zero-padded full buffer, each rank's fragments, one all-reduce."""
+    numels = [p.numel() for p in params]
+    buf = torch.zeros(sum(numels), dtype=torch.float32, device=params[0].device)
+    views = buf.split(numels)
+    for p, view in zip(params, views):
+        mapping = p._hp_mapping
+        if mapping is None:
+            continue
+        fragment = mapping.get_lp_grad_fragment(p._index_in_param_group).to(torch.float32).flatten()
+        address = mapping.lp_fragment_address
+        if fragment.numel() == p.numel():
+            fragment = fragment.narrow(0, address.start, address.numel)
+        view.narrow(0, address.start, address.numel).copy_(fragment)
+    dist.all_reduce(buf, group=params[0]._dp_group)
+    return {p: view.view(p.shape) for p, view in zip(params, views)}
+
+
+def mlp(width: int, depth: int) -> nn.Module:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.Tanh()]
+    return nn.Sequential(*layers, nn.Linear(width, 10))
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.float().view(torch.int32)
+
+
+def rank_main(rank: int, world: int, widths: list[int], depth: int, repeats: int) -> dict:
+    import argparse as ap
+
+    import deepspeed
+    from deepspeed.utils import safe_get_full_grad
+
+    warnings.filterwarnings("ignore")
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
+    deepspeed.init_distributed("gloo")
+    out = []
+    for width in widths:
+        model = mlp(width, depth)
+        engine, *_ = deepspeed.initialize(
+            args=ap.Namespace(device_rank=-1), model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            config=dict(train_micro_batch_size_per_gpu=16, zero_optimization=dict(stage=2),
+                        zero_allow_untested_optimizer=True),
+        )
+        x = torch.randn(16, width, generator=torch.Generator().manual_seed(rank))
+        engine.backward(engine(x).square().mean())
+        params = list(model.parameters())
+        access = DeepSpeedGradAccess(functools.partial(lambda e: e, engine))
+        calls = {
+            "allreduce": functools.partial(allreduce_gather, params),
+            "allgather": functools.partial(access._gather_fused, params),
+            "gloo_allgather": functools.partial(with_gloo_allgather, access, params),
+            "each": functools.partial(DeepSpeedGradAccess._gather_each, params),
+        }
+        reference = {p: safe_get_full_grad(p) for p in params}
+        for name, call in calls.items():
+            got = call()
+            assert got is not None and all(torch.equal(_bits(got[p]), _bits(reference[p])) for p in params), name
+        plan = access._cached_plan(params)
+        assert plan is not None
+        times: dict[str, list[float]] = {name: [] for name in VARIANTS}
+        for r in range(repeats):
+            for name in VARIANTS if r % 2 == 0 else VARIANTS[::-1]:
+                dist.barrier()
+                t0 = time.perf_counter()
+                calls[name]()
+                times[name].append(time.perf_counter() - t0)
+        n = sum(p.numel() for p in params)
+        out.append(dict(width=width, depth=depth, params=n, layers=len(params) // 2, chunk=plan.chunk, runs=len(plan.runs),
+                        times=times))
+        engine.step()
+        engine.destroy()
+    return dict(sizes=out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--widths", type=int, nargs="+", default=[128, 512, 1536])
+    parser.add_argument("--depth", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--out", help="folder for zero_gather.json (default: a fresh benchmarks/results/run-* folder)")
+    args = parser.parse_args()
+    world = 2
+    load_before = os.getloadavg()
+    t0 = time.time()
+    import zero_gather  # run_distributed pickles the ranks' function by reference: not from __main__
+
+    results = run_distributed(zero_gather.rank_main, world, args.widths, args.depth, args.repeats, timeout=3600)
+    load_after = os.getloadavg()
+    rows = []
+    for size in results[0]["sizes"]:
+        n, chunk = size["params"], size["chunk"]
+        sent = {"allreduce": 2 * (world - 1) / world * n * 4, "allgather": (world - 1) * chunk * 4,
+                "gloo_allgather": (world - 1) * chunk * 4, "each": 2 * (world - 1) / world * n * 4}
+        row = dict(width=size["width"], params=n, layers=size["layers"], runs=size["runs"])
+        for name in VARIANTS:
+            ts = [t * 1e3 for t in size["times"][name]]
+            q = statistics.quantiles(ts, n=4, method="inclusive")
+            row.update({f"{name}_ms": statistics.median(ts), f"{name}_q1": q[0], f"{name}_q3": q[2],
+                        f"{name}_MB": sent[name] / 1e6})
+        row["ratio_ms"] = row["allgather_ms"] / row["allreduce_ms"]
+        row["ratio_bytes"] = sent["allgather"] / sent["allreduce"]
+        rows.append(row)
+    print(f"ZeRO-2 fp32, {world} gloo CPU ranks, {args.depth + 1} linear layers, {args.repeats} interleaved repeats; "
+          f"median ms of one gather on rank 0 [q1-q3]; MB each rank sends (computed, ring)")
+    for row in rows:
+        for name in VARIANTS:
+            row[f"{name}_spread"] = f"{row[f'{name}_q1']:.3f}-{row[f'{name}_q3']:.3f}"
+    print(format_table(rows, [
+        ("params", "params", "d"), ("allreduce_MB", "allreduce MB", ".3f"), ("allgather_MB", "allgather MB", ".3f"),
+        ("ratio_bytes", "bytes ratio", ".2f"), ("allreduce_ms", "allreduce ms", ".3f"),
+        ("allreduce_spread", "[q1-q3]", "s"), ("allgather_ms", "allgather ms", ".3f"),
+        ("allgather_spread", "[q1-q3]", "s"), ("ratio_ms", "time ratio", ".2f"),
+        ("gloo_allgather_ms", "gloo all_gather ms", ".3f"), ("each_ms", "per-param ms", ".3f"),
+    ]))
+    print(f"load average (1, 5, 15 min) before {load_before}, after {load_after}; {time.time() - t0:.0f} s")
+    folder = args.out or fresh_run_dir("zero_gather")
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, "zero_gather.json")
+    write_json(path, dict(command=" ".join(sys.argv), env=env_info(), world=world, load_before=load_before,
+                          load_after=load_after, rows=rows, raw=results[0]["sizes"]))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
