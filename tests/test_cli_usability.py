@@ -28,10 +28,12 @@ SHORT = ["--trainer.max_epochs=1", "--trainer.limit_train_batches=3", "--trainer
          "--trainer.num_sanity_val_steps=0"]
 
 
-def spdkfac(*args: str, cwd: Path = REPO, timeout: float = 120) -> subprocess.CompletedProcess:
-    """``spdkfac ARGS`` as a user runs it (a subprocess in its own session, killed with its group after)."""
-    proc = subprocess.Popen([*spdkfac_cmd(), *args], cwd=cwd, env=clean_env(), stdout=subprocess.PIPE,
+def _start(args: tuple[str, ...], cwd: Path) -> subprocess.Popen:
+    return subprocess.Popen([*spdkfac_cmd(), *args], cwd=cwd, env=clean_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _finish(proc: subprocess.Popen, args: tuple[str, ...], timeout: float) -> subprocess.CompletedProcess:
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -42,6 +44,17 @@ def spdkfac(*args: str, cwd: Path = REPO, timeout: float = 120) -> subprocess.Co
         wait_group(proc.pid, 10)
         kill_group(proc.pid)
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def spdkfac(*args: str, cwd: Path = REPO, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``spdkfac ARGS`` as a user runs it (a subprocess in its own session, killed with its group after)."""
+    return _finish(_start(args, cwd), args, timeout)
+
+
+def spdkfac_together(*calls: tuple[str, ...], cwd: Path = REPO, timeout: float = 120) -> list[subprocess.CompletedProcess]:
+    """Several independent ``spdkfac`` runs at once (each mostly imports: they overlap on two cores)."""
+    procs = [_start(args, cwd) for args in calls]
+    return [_finish(proc, args, timeout) for proc, args in zip(procs, calls)]
 
 
 def _fit_digits(root: Path, *extra: str) -> subprocess.CompletedProcess:
@@ -151,11 +164,10 @@ def test_two_runs_print_their_outcome_into_two_version_folders(tmp_path):
 
 
 def test_help_lists_every_subcommand():
-    done = spdkfac("--help")
+    done, plan_help = spdkfac_together(("--help",), ("plan", "--help"))
     assert done.returncode == 0, done.stderr
     listed = re.findall(r"^\s{4}(\w+)\s{2,}", done.stdout, re.M)
     assert {"fit", "validate", "test", "predict", "plan"} <= set(listed), done.stdout
-    plan_help = spdkfac("plan", "--help")
     assert plan_help.returncode == 0 and "--model" in plan_help.stdout
 
 
@@ -200,10 +212,11 @@ def test_plan_model_from_the_modules_folder(tmp_path):
             def __init__(self):
                 super().__init__(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
         """))
-    done = spdkfac("plan", "--model", "mymodule:Net", "--input-shape", "1,8,8", "--world-size", "4", cwd=tmp_path)
+    done, wrong = spdkfac_together(
+        ("plan", "--model", "mymodule:Net", "--input-shape", "1,8,8", "--world-size", "4"),
+        ("plan", "--model", "mymodul:Net", "--input-shape", "1,8,8", "--world-size", "4"), cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert "init_args:" in done.stdout  # the recommended strategy arguments
-    wrong = spdkfac("plan", "--model", "mymodul:Net", "--input-shape", "1,8,8", "--world-size", "4", cwd=tmp_path)
     assert wrong.returncode == 2
     assert "--model: cannot import module 'mymodul'" in wrong.stderr
     assert f"looked in the working directory {tmp_path}" in wrong.stderr and "PYTHONPATH" in wrong.stderr

@@ -236,27 +236,38 @@ DDP = "lightning_spdkfac.SPDKFACStrategy"
 DEEPSPEED = "lightning_spdkfac.SPDKFACDeepSpeedStrategy"
 
 
-@pytest.mark.parametrize("strategy, strategy_args, message", [
+YAML_ERRORS = [
     (DDP, "comm_timeout_s: 0", "ValueError: comm_timeout_s must be a number > 0, got 0.0"),
     (DDP, "profile_steps: [5, 3]", "ValueError: profile_steps must be two integers"),
     (DDP, "schedule: mpd\nreplan_every: 10", "ValueError: replan_every must be None unless pipelining=True"),
     (DEEPSPEED, "stage: 3", "ValueError: stage must be the ZeRO stage 0, 1 or 2, got 3"),
-])
-def test_a_strategy_argument_error_in_yaml_reads_as_one_line_with_exit_2(tmp_path, strategy, strategy_args,
-                                                                         message):
-    if strategy == DEEPSPEED:
-        pytest.importorskip("deepspeed")
-    config = tmp_path / "config.yaml"
-    config.write_text(CONFIG.format(strategy=strategy, strategy_args=textwrap.indent(strategy_args, " " * 6)))
+]
+
+
+def test_a_strategy_argument_error_in_yaml_reads_as_one_line_with_exit_2(tmp_path):
+    """Each bad strategy argument through the CLI (the runs at once: each is mostly imports)."""
+    pytest.importorskip("deepspeed")
     env = clean_env()
     env["PYTHONPATH"] = str(REPO)  # this checkout's package, not an installed one
-    proc = subprocess.run([sys.executable, "-m", "lightning_spdkfac.cli", "fit", "--config", str(config),
-                           f"--trainer.default_root_dir={tmp_path / 'run'}"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("spdkfac: invalid configuration:")]
-    assert len(lines) == 1 and message in lines[0], proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr and "Union subtypes" not in proc.stderr
+    procs = []
+    for k, (strategy, strategy_args, _) in enumerate(YAML_ERRORS):
+        config = tmp_path / f"config{k}.yaml"
+        config.write_text(CONFIG.format(strategy=strategy, strategy_args=textwrap.indent(strategy_args, " " * 6)))
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "lightning_spdkfac.cli", "fit", "--config", str(config),
+             f"--trainer.default_root_dir={tmp_path / f'run{k}'}"],
+            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    try:
+        outcomes = [proc.communicate(timeout=120) for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    for proc, (_, stderr), (_, strategy_args, message) in zip(procs, outcomes, YAML_ERRORS):
+        assert proc.returncode == 2, (strategy_args, stderr[-3000:])
+        lines = [ln for ln in stderr.splitlines() if ln.startswith("spdkfac: invalid configuration:")]
+        assert len(lines) == 1 and message in lines[0], (strategy_args, stderr[-3000:])
+        assert "Traceback" not in stderr and "Union subtypes" not in stderr
 
 
 # ----------------------------------------------------------------------------------------- item 12 (a)
