@@ -36,9 +36,10 @@ class CheckpointState:
     factor_dtype: torch.dtype
     inv_dtype: torch.dtype
     options: KFACOptions
-    _micro_batch: int
-    _backward_seen: bool
-    _g_scale_value: float | None
+
+    def _drop_collected(self) -> None:
+        """Forget the statistics collected since the last step (the preconditioner's)."""
+        raise NotImplementedError
 
     def state_dict(self) -> dict[str, Any]:
         """Everything the next step needs: counters, running factors and current inverses.
@@ -117,9 +118,7 @@ class CheckpointState:
         # A state is the start of step ``steps``: statistics the hooks collected since the last step() belong
         # to another trajectory (Lightning's lr finder and batch-size finder run throwaway steps without
         # this callback, then restore their checkpoint, and the same fit trains on) and are dropped.
-        for layer in self.layers.values():
-            layer.reset_accumulators()
-        self._micro_batch, self._backward_seen, self._g_scale_value = 0, False, None
+        self._drop_collected()
         self.steps = int(state["steps"])
         for key in COUNTERS:
             setattr(self, key, int(state.get(key, 0)))

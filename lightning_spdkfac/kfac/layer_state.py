@@ -28,7 +28,6 @@ class KFACLayer:
     a_calls: int = 0
     g_calls: int = 0
     last_micro_batch: int = -1
-    ran: bool = False  # a forward with grad enabled ran since the last step
     # Pipelining: calls in the current micro-batch, the count that makes a factor final
     # (learned from the previous step), and what was handed to the distributor.
     mb_a_calls: int = 0
@@ -50,7 +49,6 @@ class KFACLayer:
         self.rows = self.examples = self.a_calls = self.g_calls = 0
         self.mb_a_calls = self.mb_g_calls = 0
         self.last_micro_batch = -1
-        self.ran = False
         self.submitted.clear()
 
     def trainable(self) -> bool:

@@ -51,6 +51,10 @@ class StepGroups:
     layer_group: dict[int, int]
     key: tuple[int, ...]
 
+    def current(self, optimizer: Any) -> bool:
+        """Still the map of ``optimizer`` (no param group added or resized since it was made)?"""
+        return self.optimizer is optimizer and self.key == _key(optimizer)
+
     def lrs(self) -> dict[int, float]:
         """Layer index -> its group's learning rate now (read at every step: schedulers change it)."""
         groups = unwrap(self.optimizer).param_groups
@@ -63,8 +67,7 @@ def _key(optimizer: Any) -> tuple[int, ...]:
     return (id(unwrap(optimizer)), len(groups), *(len(g["params"]) for g in groups))
 
 
-def step_groups(optimizer: Any, layers: Sequence[tuple[int, str, Sequence[torch.nn.Parameter]]],
-                cached: StepGroups | None = None) -> StepGroups:
+def step_groups(optimizer: Any, layers: Sequence[tuple[int, str, Sequence[torch.nn.Parameter]]]) -> StepGroups:
     """Map the layers (index, name, [weight, bias?]) to the param groups of ``optimizer``.
 
     A layer none of whose parameters the optimizer holds is left out (another optimizer, or none, steps
@@ -72,9 +75,6 @@ def step_groups(optimizer: Any, layers: Sequence[tuple[int, str, Sequence[torch.
     be preconditioned as one block by either: ValueError naming it. Weight and bias in two groups of the
     same optimizer are fine; the weight's group lr is the layer's.
     """
-    key = _key(optimizer)
-    if cached is not None and cached.key == key and cached.optimizer is optimizer:
-        return cached
     where = {id(p): g for g, params in enumerate(group_params(optimizer)) for p in params}
     layer_group: dict[int, int] = {}
     for index, name, params in layers:
@@ -88,4 +88,4 @@ def step_groups(optimizer: Any, layers: Sequence[tuple[int, str, Sequence[torch.
                 "parameters; K-FAC preconditions a layer's weight and bias as one block, so give both to the "
                 "same optimizer (or exclude the layer from K-FAC with skip_layers)")
         layer_group[index] = found[0]  # type: ignore[assignment]  # (not None: checked above)
-    return StepGroups(optimizer=optimizer, layer_group=layer_group, key=key)
+    return StepGroups(optimizer=optimizer, layer_group=layer_group, key=_key(optimizer))

@@ -122,9 +122,10 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
         # layer index -> (layer, P, grad matrix) of this step
         self._preconditioned: dict[int, tuple[KFACLayer, torch.Tensor, torch.Tensor]] = {}
         # The layers the optimizer given to step() steps (layer index -> its param group's lr), or None:
-        # every layer, at ``lr``. ``_step_groups`` caches which group holds each layer.
+        # every layer, at ``lr``. ``_step_groups`` caches, per optimizer (by id; each entry holds its optimizer),
+        # which group holds each layer: several optimizers stepping in turn do not rebuild it every step.
         self._stepping: dict[int, float] | None = None
-        self._step_groups: StepGroups | None = None
+        self._step_groups: dict[int, StepGroups] = {}
         self._g_scale_value: float | None = None
         # Per-phase seconds of the last step in ``timer.last`` (see lightning_spdkfac.telemetry).
         self.timer = StepTimer()
@@ -238,9 +239,9 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
 
         A layer added to the model (or put in place of a registered one: ``model.fc = nn.Linear(...)``) after
         the preconditioner was built has no hooks, so its gradient would reach the optimizer
-        unpreconditioned while its predecessor keeps its factors: one RuntimeError naming it. Only layers that train count: some parameter requires grad and has a gradient (wherever the
-        gradients are not ``param.grad``, requiring grad is enough). One pass over the model's modules,
-        called on factor steps.
+        unpreconditioned while its predecessor keeps its factors: one RuntimeError naming it. Only layers
+        that train count: some parameter requires grad and has a gradient (wherever the gradients are not
+        ``param.grad``, requiring grad is enough). One pass over the model's modules, called on factor steps.
         """
         plain_grads = type(self.grad_access) is GradAccess
         added = []
@@ -286,7 +287,6 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
             # frozen-BatchNorm backbone) does.
             if self.paused or not torch.is_grad_enabled() or not layer.trainable():  # frozen: not collected
                 return
-            layer.ran = True
             if not self.collecting or not isinstance(output, torch.Tensor) or not output.requires_grad:
                 return
             # A forward during backward is activation checkpointing's recomputation. Non-reentrant
@@ -409,6 +409,14 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
         return self._g_scale_value
 
     # ------------------------------------------------------------------ the step
+    def _drop_collected(self) -> None:
+        """Forget the factor statistics collected since the last step (each step's end, a loaded state)."""
+        for layer in self.layers.values():
+            layer.reset_accumulators()
+        self._micro_batch = 0
+        self._backward_seen = False
+        self._g_scale_value = None
+
     def _warn_once(self, layer: str, key: str, message: str) -> None:
         if (layer, key) not in self._warned:
             self._warned.add((layer, key))
@@ -568,9 +576,9 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
 
     def _precondition_layer(self, layer: KFACLayer) -> None:
         """P = G_inv [dW, db] A_inv (or its eigen form) for one layer, kept until the KL clip of the step is known."""
-        # Not ``layer.ran``: whether this rank ran the layer is local (data-dependent control flow), while
-        # the gradient, the inverses and the optimizer's groups are the same on every rank; deciding on
-        # them keeps every rank preconditioning the same layers, and the KL clip the same sum.
+        # Not whether this rank ran the layer, which is local (data-dependent control flow): the gradient,
+        # the inverses and the optimizer's groups are the same on every rank; deciding on them keeps every
+        # rank preconditioning the same layers, and the KL clip the same sum.
         if layer.index in self._preconditioned or layer.A_inv is None or not self._grads_finite:
             return
         if self._stepping is not None and layer.index not in self._stepping:
@@ -641,9 +649,11 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
                     "lr), or pass lr= (a number or a callable of the step), or kl_clip=None")
             self._stepping = None
             return
-        layers = [(ly.index, ly.name, ly.helper.params()) for ly in self.layers.values()]
-        self._step_groups = step_groups(optimizer, layers, self._step_groups)
-        self._stepping = self._step_groups.lrs()
+        groups = self._step_groups.get(id(optimizer))
+        if groups is None or not groups.current(optimizer):
+            layers = [(ly.index, ly.name, ly.helper.params()) for ly in self.layers.values()]
+            groups = self._step_groups[id(optimizer)] = step_groups(optimizer, layers)
+        self._stepping = groups.lrs()
 
     @torch.no_grad()
     def step(self, optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -680,10 +690,6 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
         self.grad_access.close(self._grads)
         self._grads = {}
         self.timer.end_step()
-        for layer in self.layers.values():
-            layer.reset_accumulators()
-        self._micro_batch = 0
-        self._backward_seen = False
-        self._g_scale_value = None
+        self._drop_collected()
         self.steps += 1
         self.distributor.begin_step()
