@@ -13,6 +13,9 @@ and in Chrome traces. Phases (seconds per optimizer step):
 - ``factor_update``: finiteness check and running averages.
 - ``inverse_compute`` / ``inverse_comm_wait``: inversions on this rank / time blocked on
   inverse broadcasts.
+- ``inverse_async`` / ``inverse_wait`` (``async_inverses``): the worker's time on the inversions (and
+  broadcasts) launched by the last inverse step, off this thread's path / the time this step's
+  ``step()`` waited for them to finish (the part that was not hidden).
 - ``precondition``: preconditioning, KL clip and write-back.
 
 Times are host times: on a GPU they are the time to *issue* the work unless something in the
@@ -48,6 +51,8 @@ PHASES = (
     "factor_update",
     "inverse_compute",
     "inverse_comm_wait",
+    "inverse_async",
+    "inverse_wait",
     "precondition",
 )
 

@@ -27,6 +27,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -34,7 +35,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from .. import validation as val
-from ..kfac.distributor import Distributor, FactorKey, Task
+from ..kfac.distributor import Distributor, FactorKey, Inverse, PendingInverses, Task
 from ..schedule import (
     AlphaBeta,
     InverseCost,
@@ -103,6 +104,9 @@ class SPDOptions:
     comm_dtype: CommDtypeName = "float32"
     comm_timeout_s: float = 600.0  # bound on each wait for a K-FAC collective (comm/faults.py)
     fuse_g: bool = True  # False: G factors each reduced alone (the original SPD-KFAC code; for ablations)
+    # Inversions and inverse broadcasts off the step's path (KFACOptions.async_inverses); None: the preconditioner's
+    # option decides.
+    async_inverses: bool | None = None
 
     @classmethod
     def from_schedule(cls, schedule: str = "spd", **overrides: Any) -> SPDOptions:
@@ -144,6 +148,7 @@ class SPDOptions:
                              f"whole milliseconds and 0 means no timeout), got {self.comm_timeout_s!r}")
         val.check_real("comm_timeout_s", self.comm_timeout_s, val.POSITIVE)
         val.check_bool("fuse_g", self.fuse_g)
+        val.check_bool("async_inverses", self.async_inverses, optional=True)
 
         if self.fusion != "bucket" and self.bucket_mb != _DEFAULT_BUCKET_MB:
             raise ValueError(
@@ -223,10 +228,16 @@ class SPDDistributor(Distributor):
         self.plan_groups: tuple[tuple[int, ...], ...] = ()
         self.placement_owners: tuple[int, ...] = ()
         self.last_broadcast_order: list[FactorKey] = []  # the owned factors, as the last inversion issued them
+        # The process group of asynchronous inverse broadcasts (async_inverses): a group of its own, so that the
+        # worker's broadcasts never interleave with what the caller's thread issues on process_group meanwhile
+        # (pipelined factor all-reduces, plan checks), whose order would then differ from rank to rank.
+        self._async_group: dist.ProcessGroup | None = None
 
     # ------------------------------------------------------------------ setup and planning
     def setup(self, sides: Sequence[tuple[int, int]]) -> None:
         self.sides = list(sides)
+        if self.use_async_inverses():
+            self._new_async_group()
         n_layers = len(self.sides)
         # Canonical factor order: A in forward order, then G in backward order (the order in
         # which they are ready); the pipelined plan replaces it with the measured order.
@@ -239,6 +250,22 @@ class SPDDistributor(Distributor):
         else:
             groups = self._plan_groups(self.keys, [0.0] * len(self.keys))
             self._set_plan(self.keys, groups, pipelined=self.options.pipelining)
+
+    def _new_async_group(self) -> None:
+        """The asynchronous broadcasts' process group (every rank of the default group creates it, in step)."""
+        if not self._dist or self.world_size == 1 or self._async_group is not None or self.options.placement == "replicated":
+            return  # (replicated: every rank inverts everything, nothing is broadcast)
+        ranks = dist.get_process_group_ranks(self.process_group) if self.process_group is not None else None
+        self._async_group = dist.new_group(ranks=ranks, backend=dist.get_backend(self.process_group),
+                                           timeout=timedelta(seconds=self.options.comm_timeout_s))
+
+    def use_async_inverses(self) -> bool:
+        return self.async_inverses if self.options.async_inverses is None else self.options.async_inverses
+
+    def close(self) -> None:
+        if self._async_group is not None and dist.is_initialized():
+            dist.destroy_process_group(self._async_group)
+        self._async_group = None
 
     def _start_measuring(self, window: tuple[int, int]) -> None:
         """Time the factors' ready times over factor steps ``[window[0], window[1])``: meanwhile they
@@ -383,24 +410,32 @@ class SPDDistributor(Distributor):
                 end = stop
         self.timer.add("factor_comm_inflight", inflight)
 
+    def _owners(self, tasks: Sequence[Task]) -> list[int]:
+        return [self.placement_owners[self._canonical[(t[0], t[1])]] if self.world_size > 1 else -1 for t in tasks]
+
+    def _broadcaster(self, tasks: Sequence[Task], owners: list[int], group: dist.ProcessGroup | None
+                     ) -> tuple[InverseBroadcaster, list[int]]:
+        """A broadcast round of ``tasks`` on ``group``, in the order every rank issues them."""
+        sides = [t[2].shape[0] for t in tasks]
+        order = self._broadcast_order(tasks, owners, sides)
+        self.last_broadcast_order = [(tasks[i][0], tasks[i][1]) for i in order]
+        bc = InverseBroadcaster(owners, sides, process_group=group,
+                                dtype=self.options.torch_comm_dtype, result_dtype=self.inv_dtype,
+                                device=self.device, order=order, timeout=self.options.comm_timeout_s,
+                                names=[f"layer {t[0]} {t[1]}" for t in tasks], inverse_method=self.inverse_method)
+        return bc, order
+
     def invert(
         self,
         tasks: Sequence[Task],
         invert_fn: Callable[[list[Task]], list[torch.Tensor]],
         on_ready: Callable[[int, str, torch.Tensor], None],
     ) -> None:
-        owners = [self.placement_owners[self._canonical[(t[0], t[1])]] if self.world_size > 1 else -1
-                  for t in tasks]
+        owners = self._owners(tasks)
         if all(o == -1 for o in owners):
             super().invert(tasks, invert_fn, on_ready)
             return
-        sides = [t[2].shape[0] for t in tasks]
-        order = self._broadcast_order(tasks, owners, sides)
-        self.last_broadcast_order = [(tasks[i][0], tasks[i][1]) for i in order]
-        bc = InverseBroadcaster(owners, sides, process_group=self.process_group,
-                                dtype=self.options.torch_comm_dtype, result_dtype=self.inv_dtype,
-                                device=self.device, order=order, timeout=self.options.comm_timeout_s,
-                                names=[f"layer {t[0]} {t[1]}" for t in tasks], inverse_method=self.inverse_method)
+        bc, order = self._broadcaster(tasks, owners, self.process_group)
         bc.begin_round()
         bc.exchange(lambda i: invert_fn([tasks[i]])[0])
         # Hand each inverse over as soon as it is here (replicated and own ones first), so the
@@ -414,6 +449,26 @@ class SPDDistributor(Distributor):
             on_ready(tasks[i][0], tasks[i][1], inverse)
         with self.timer.phase("inverse_comm_wait"):
             bc.wait_all()  # this rank's own broadcasts
+
+    def invert_async(self, tasks: Sequence[Task],
+                     invert_fn: Callable[[list[Task]], list[torch.Tensor]]) -> PendingInverses:
+        """:meth:`invert`'s round on a worker thread, its broadcasts on the asynchronous group (issued there in the
+        same order on every rank, and nothing else is issued on that group meanwhile)."""
+        tasks = list(tasks)
+        owners = self._owners(tasks)
+        if all(o == -1 for o in owners):
+            return super().invert_async(tasks, invert_fn)
+        self._new_async_group()  # (created at setup whenever async inverses are on from the start)
+        bc, _ = self._broadcaster(tasks, owners, self._async_group)
+
+        def run() -> list[Inverse]:
+            bc.begin_round()
+            bc.exchange(lambda i: invert_fn([tasks[i]])[0])
+            inverses = bc.wait_all()
+            return [(t[0], t[1], inverses[i]) for i, t in enumerate(tasks)]
+
+        return PendingInverses(run, self.device, timeout=self.options.comm_timeout_s,
+                               what=f"K-FAC asynchronous inversions and inverse broadcasts (rank {self.rank})")
 
     def _broadcast_order(self, tasks: Sequence[Task], owners: Sequence[int], sides: Sequence[int]) -> list[int]:
         """Positions in ``tasks`` of the owned factors, in the order every rank issues their broadcasts:

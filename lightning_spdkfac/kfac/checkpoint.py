@@ -41,6 +41,10 @@ class CheckpointState:
         """Forget the statistics collected since the last step (the preconditioner's)."""
         raise NotImplementedError
 
+    def _settle_inverses(self, keep: bool = True) -> None:
+        """Swap in (``keep``) or drop the asynchronous inversions in flight (the preconditioner's)."""
+        raise NotImplementedError
+
     def state_dict(self) -> dict[str, Any]:
         """Everything the next step needs: counters, running factors and current inverses.
 
@@ -50,7 +54,12 @@ class CheckpointState:
 
         ``layer_dims`` names every registered layer with its factor sides ``[A, G]``, layers without
         factors yet included, so that :meth:`load_state_dict` recognizes a state of another model.
+
+        With ``async_inverses``, inversions still in flight are waited for and swapped in first, as the next
+        :meth:`step` would do before using them: the state is that of a step boundary, and a run resumed
+        from it continues exactly (its next step finds nothing in flight and uses the same inverses).
         """
+        self._settle_inverses()
         layers: dict[str, dict[str, torch.Tensor | None]] = {}
         for name, ly in self.layers.items():
             if ly.A is None:
@@ -92,6 +101,7 @@ class CheckpointState:
         statistics collected since the last :meth:`step` are dropped.
         """
         factors = self._verify_state(state)
+        self._settle_inverses(keep=False)  # inversions of the replaced state's factors: never swapped in
         loaded = {}  # converted first: nothing is assigned unless every tensor converted
         for name, (A, G, A_inv, G_inv) in factors.items():
             dev = self.layers[name].helper.module.weight.device

@@ -22,10 +22,18 @@ Contract, per optimizer step (every rank calls the same methods in the same orde
    the math; ``on_ready(index, which, inverse)`` must be called for every task on every rank,
    in any order, as soon as that inverse is available there. An inverse is what ``invert_fn``
    returned: with ``inverse_method == "eigen"`` an (n+1) x n eigen payload, else an n x n matrix.
+5. ``invert_async(tasks, invert_fn)`` on inverse steps with asynchronous inverses: the same work
+   as ``invert``, started off the caller's thread; returns a :class:`PendingInverses` whose
+   ``wait()`` gives ``(index, which, inverse)`` for every task, identical on every rank. Until that
+   wait returns, the caller leaves the tasks' factors untouched and calls no other ``invert`` or
+   ``invert_async``. Collectives the work issues must not share a process group with anything
+   the caller's thread issues meanwhile (they would interleave differently on different ranks).
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
@@ -36,6 +44,77 @@ from ..vocabulary import InverseMethodName
 
 FactorKey = tuple[int, str]  # (layer index, "A" or "G")
 Task = tuple[int, str, torch.Tensor]
+Inverse = tuple[int, str, torch.Tensor]  # (layer index, "A" or "G", its inverse)
+
+
+class PendingInverses:
+    """Inversions (and, distributed, their broadcasts) running on a worker thread.
+
+    ``run()`` is called once on a worker thread; on CUDA it runs on a side stream of ``device`` that first
+    waits for the work already queued on the current stream (which produced the factors), and the stream is
+    synchronized before the result is published, so what :meth:`wait` returns is complete. torch releases the
+    GIL in its kernels: on CPU the inversions run on another core while the caller's thread goes on with the
+    optimizer step and the next forward/backward.
+
+    :meth:`wait` returns ``run()``'s result or raises its exception (the worker's errors surface on the
+    caller's thread, with their traceback). ``timeout`` (seconds, None: unbounded) bounds that wait: a worker
+    that is not done by then is abandoned (its result, should it still come, is never read) and
+    :class:`TimeoutError` raised.
+    """
+
+    def __init__(self, run: Callable[[], list[Inverse]], device: torch.device, *, timeout: float | None = None,
+                 what: str = "K-FAC asynchronous inversions") -> None:
+        self.timeout = timeout
+        self.what = what
+        self.seconds = 0.0  # the worker's wall time (set when it ends)
+        self._result: list[Inverse] | None = None
+        self._error: BaseException | None = None
+        self._done = threading.Event()
+        self._event = None
+        if device.type == "cuda":  # the factors are produced on the caller's stream: the side stream waits for it
+            self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            self._event.record(torch.cuda.current_stream(device))
+        self._device = device
+        # Not a daemon: an interpreter that exits with inversions in flight waits for them (they end: the work is
+        # compute and waits bounded by comm_timeout_s) instead of tearing torch down under a running kernel.
+        self._thread = threading.Thread(target=self._work, args=(run,), name="kfac-inverses", daemon=False)
+        self._thread.start()
+
+    def _work(self, run: Callable[[], list[Inverse]]) -> None:
+        t0 = time.perf_counter()
+        try:
+            if self._event is not None:
+                stream = torch.cuda.Stream(self._device)  # type: ignore[no-untyped-call]
+                stream.wait_event(self._event)
+                with torch.cuda.stream(stream):
+                    self._result = run()
+                stream.synchronize()
+            else:
+                self._result = run()
+        except BaseException as e:  # handed to the caller's thread by wait()
+            self._error = e
+        finally:
+            self.seconds = time.perf_counter() - t0
+            self._done.set()
+
+    def done(self) -> bool:
+        """Has the worker finished (successfully or not)?"""
+        return self._done.is_set()
+
+    def wait(self) -> list[Inverse]:
+        """The inverses, once the worker is done; its exception if it failed; TimeoutError past ``timeout``."""
+        if not self._done.wait(self.timeout):
+            raise TimeoutError(
+                f"{self.what} did not finish within {self.timeout:g} s (comm_timeout_s): a peer rank stalled or "
+                "crashed while the inverse broadcasts were in flight; this step keeps the inverses it had")
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None  # set whenever no error was
+        if self._device.type == "cuda":  # made on the side stream, used on the caller's from now on
+            current = torch.cuda.current_stream(self._device)
+            for _, _, inverse in self._result:
+                inverse.record_stream(current)
+        return self._result
 
 
 class Distributor:
@@ -55,6 +134,8 @@ class Distributor:
     # distributors that check the plan across ranks check these too.
     kfac_settings: str = ""
     timer: StepTimer | None = None  # the preconditioner's phase timer, set before setup()
+    # The preconditioner's ``async_inverses`` option, set before setup(); :meth:`use_async_inverses` decides.
+    async_inverses: bool = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -81,3 +162,22 @@ class Distributor:
     ) -> None:
         for (index, which, _), inv in zip(tasks, invert_fn(list(tasks))):
             on_ready(index, which, inv)
+
+    def use_async_inverses(self) -> bool:
+        """Whether this inverse step's inversions run asynchronously (:meth:`invert_async`); asked by the
+        preconditioner on every inverse step, identical on every rank. A distributed schedule may decide
+        otherwise than the preconditioner's option (the strategies' ``async_inverses``, ``schedule="auto"``)."""
+        return self.async_inverses
+
+    def invert_async(self, tasks: Sequence[Task],
+                     invert_fn: Callable[[list[Task]], list[torch.Tensor]]) -> PendingInverses:
+        """:meth:`invert`'s work on a worker thread: every inverse computed here (no communication)."""
+        tasks = list(tasks)
+
+        def run() -> list[Inverse]:
+            return [(index, which, inv) for (index, which, _), inv in zip(tasks, invert_fn(tasks))]
+
+        return PendingInverses(run, tasks[0][2].device)
+
+    def close(self) -> None:
+        """The preconditioner is done with this distributor (its hooks are removed): release what it holds."""

@@ -59,6 +59,13 @@ class KFACOptions:
             (each factor by Cholesky, the damping split between them by pi-balancing: at least
             ``damping`` in every direction) or ``"eigen"`` (eigendecompositions of A and G, the block
             damped by exactly ``damping``: costlier per inversion, exact). See docs/math.md.
+        async_inverses: on an inverse step, precondition with the inverses already held and compute the
+            new ones (and, distributed, broadcast them) on a worker thread (a side stream on CUDA) during
+            the optimizer step and the next forward/backward; the next ``step()`` swaps them in, waiting
+            only for what is not done yet. The inverses used are then exactly one step staler: step k
+            uses those of the last inverse step before k (a layer's first inverses are computed at once).
+            See docs/math.md, "Asynchronous inverses". A distributed strategy's own ``async_inverses``,
+            when set, decides instead.
     """
 
     # The defaults are the winners of benchmarks/time_to_accuracy.py (README, "Time to accuracy"): the
@@ -77,6 +84,7 @@ class KFACOptions:
     max_bad_steps: int | None = 100
     factor_approx: FactorApproxName = "auto"
     inverse_method: InverseMethodName = "cholesky"
+    async_inverses: bool = False
 
     def __post_init__(self) -> None:
         val.check_schedule("damping", self.damping, val.NONNEGATIVE)
@@ -93,6 +101,7 @@ class KFACOptions:
                 "before K-FAC raises)"))
         val.check_choice("factor_approx", self.factor_approx, FACTOR_APPROXES)
         val.check_choice("inverse_method", self.inverse_method, INVERSE_METHODS)
+        val.check_bool("async_inverses", self.async_inverses)
         object.__setattr__(self, "skip_layers", patterns("skip_layers", self.skip_layers))
         object.__setattr__(self, "factor_dtype", dtype("factor_dtype", self.factor_dtype, FACTOR_DTYPES))
         object.__setattr__(self, "inv_dtype", dtype("inv_dtype", self.inv_dtype, INV_DTYPES))

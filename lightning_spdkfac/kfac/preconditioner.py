@@ -18,17 +18,20 @@ updates the running averages -> (on inverse steps) damped inverses -> preconditi
 from __future__ import annotations
 
 import re
+import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
 from .. import validation as val
-from ..telemetry import StepTimer
+from ..telemetry import StepTimer, capped_threads
 from .checkpoint import STATE_VERSION, CheckpointState
-from .distributor import Distributor, FactorKey, Task
+from .distributor import Distributor, FactorKey, PendingInverses, Task
 from .gradients import GradAccess
 from .guard import NonFiniteGuard
 from .hook_tools import autocast_off, eager, in_backward
@@ -47,6 +50,20 @@ from .options import KFACOptions
 from .param_groups import StepGroups, step_groups
 
 __all__ = ["STATE_VERSION", "KFACLayer", "KFACPreconditioner"]
+
+
+@dataclass
+class _InFlight:
+    """Asynchronous inversions launched on an inverse step, until the next step() swaps them in."""
+
+    pending: PendingInverses
+    layers: dict[int, KFACLayer]  # by index: the layers being inverted
+    damping: float  # the block damping they were computed with (eigen applies it when preconditioning)
+    step: int
+    # Fallback reports the worker made, replayed on the caller's thread at the swap (warnings and counters
+    # are not touched from the worker).
+    reports: list[Callable[[], None]] = field(default_factory=list)
+    compute_seconds: float = 0.0  # inversion time on the worker (inverse_async)
 
 
 class KFACPreconditioner(NonFiniteGuard, CheckpointState):
@@ -157,6 +174,10 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
         self._other_params = [p for p in model.parameters() if id(p) not in kfac_ids]
         self.distributor.inv_dtype = self.inv_dtype
         self.distributor.inverse_method = self.inverse_method
+        self.distributor.async_inverses = o.async_inverses
+        # Inversions running asynchronously (async_inverses), launched by an inverse step and swapped in at the
+        # start of the next step(); None when nothing is in flight.
+        self._in_flight: _InFlight | None = None
         self.distributor.kfac_settings = self.settings_text()
         self.distributor.setup([(ly.helper.a_dim, ly.helper.g_dim) for ly in self.layers.values()])
         self.distributor.begin_step()
@@ -224,7 +245,7 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
             "lr": show(o.lr) if o.lr is not None else "the optimizer's", "factor_update_steps": o.factor_update_steps,
             "inv_update_steps": o.inv_update_steps, "factor_dtype": o.factor_dtype, "inv_dtype": o.inv_dtype,
             "max_bad_steps": o.max_bad_steps, "factor_approx": o.factor_approx, "inverse_method": o.inverse_method,
-            "grad_scaler": self.grad_scaler is not None,
+            "async_inverses": o.async_inverses, "grad_scaler": self.grad_scaler is not None,
         }
         layers = [f"{ly.name}({ly.helper.a_dim}x{ly.helper.g_dim}{', reduce' if ly.reduce else ''})"
                   for ly in self.layers.values()]
@@ -264,7 +285,12 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
             )
 
     def remove_hooks(self) -> None:
-        """Detach all hooks from the model (the preconditioner is unusable afterwards)."""
+        """Detach all hooks from the model (the preconditioner is unusable afterwards).
+
+        Asynchronous inversions still in flight are waited for and dropped (what :meth:`state_dict` returned
+        before this call is unaffected), and the distributor releases what it holds."""
+        self._settle_inverses(keep=False)
+        self.distributor.close()
         for layer in self.layers.values():
             for h in layer.handles:
                 h.remove()
@@ -504,8 +530,19 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
         if not todo:
             return
         damping = val.resolve("damping", self.damping, k, val.NONNEGATIVE)
+        if self.distributor.use_async_inverses():
+            # A layer's first inverses are computed now (there is nothing to precondition with yet); the others
+            # are recomputed off this thread while this step preconditions with the ones held.
+            now = [ly for ly in todo if ly.A_inv is None]
+            later = [ly for ly in todo if ly.A_inv is not None]
+            if later:
+                self._launch_inverses(k, damping, later)
+            todo = now
+            if not todo:
+                return
         by_index = {ly.index: ly for ly in todo}
-        invert = self._eigen_fn(k, by_index) if self._eigen else self._cholesky_fn(k, damping, todo, by_index)
+        invert = (self._eigen_fn(k, by_index, self._report_now) if self._eigen
+                  else self._cholesky_fn(k, damping, todo, by_index, self._report_now))
         for ly in todo:
             ly.inv_damping = damping  # eigen applies it when preconditioning, until the next inverse step
 
@@ -523,32 +560,93 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
         tasks = [(ly.index, which, getattr(ly, which)) for ly in todo for which in ("A", "G")]
         self.distributor.invert(tasks, invert, on_ready)
 
-    def _cholesky_fn(self, k: int, damping: float, todo: list[KFACLayer],
-                     by_index: dict[int, KFACLayer]) -> Callable[[list[Task]], list[torch.Tensor]]:
-        """The distributor's ``invert_fn`` for inverse_method="cholesky": damped inverses, pi-balanced split."""
-        split = self._factor_dampings(todo, damping)
+    def _report_now(self, report: Callable[[], None]) -> None:
+        report()
+
+    @contextmanager
+    def _inverse_timing(self, flight: _InFlight | None) -> Iterator[None]:
+        """The inversion phase: on this thread a timer phase (``inverse_compute``); on the worker the thread
+        cap and a plain clock into ``flight`` (the timer belongs to the caller's thread)."""
+        if flight is None:
+            with self.timer.phase("inverse_compute"):
+                yield
+            return
+        with capped_threads(self.timer.thread_cap):
+            t0 = time.perf_counter()
+            try:
+                yield
+            finally:
+                flight.compute_seconds += time.perf_counter() - t0
+
+    def _launch_inverses(self, k: int, damping: float, layers: list[KFACLayer]) -> None:
+        """Start the inversions of ``layers`` on the distributor's worker (async_inverses); see _settle_inverses."""
+        by_index = {ly.index: ly for ly in layers}
+        flight = _InFlight(pending=None, layers=by_index, damping=damping, step=k)  # type: ignore[arg-type]
+        invert = (self._eigen_fn(k, by_index, flight.reports.append, flight) if self._eigen
+                  else self._cholesky_fn(k, damping, layers, by_index, flight.reports.append, flight))
+        # The worker reads these factors; they are not modified before the next step() settles it.
+        tasks = [(ly.index, which, getattr(ly, which)) for ly in layers for which in ("A", "G")]
+        flight.pending = self.distributor.invert_async(tasks, invert)
+        self._in_flight = flight
+
+    def _settle_inverses(self, keep: bool = True) -> None:
+        """Swap in the inverses of the asynchronous inversions in flight (waiting for what is not done), or,
+        with ``keep=False``, wait for them and drop them. Their worker's errors are raised here, with ``keep``;
+        either way nothing is left in flight and the inverses held stay consistent (all of one inverse step's
+        layers swapped in, or none)."""
+        flight, self._in_flight = self._in_flight, None
+        if flight is None:
+            return
+        t0 = time.perf_counter()
+        try:
+            results = flight.pending.wait()
+        except BaseException:
+            if keep:
+                raise
+            return
+        finally:
+            self.timer.add("inverse_wait", time.perf_counter() - t0)
+        if not keep:
+            return
+        self.timer.add("inverse_async", flight.compute_seconds)
+        for report in flight.reports:
+            report()
+        for index, which, inverse in results:
+            setattr(flight.layers[index], f"{which}_inv", inverse)
+        for layer in flight.layers.values():
+            layer.inv_damping = flight.damping
+
+    def _cholesky_fn(self, k: int, damping: float, todo: list[KFACLayer], by_index: dict[int, KFACLayer],
+                     report: Callable[[Callable[[], None]], None],
+                     flight: _InFlight | None = None) -> Callable[[list[Task]], list[torch.Tensor]]:
+        """The distributor's ``invert_fn`` for inverse_method="cholesky": damped inverses, pi-balanced split.
+        ``report`` takes each fallback report (run now, or kept for the swap of ``flight``'s inverses)."""
+        split = self._factor_dampings(todo, damping)  # (on this thread: the factors are read before any launch)
 
         def invert(tasks: list[Task]) -> list[torch.Tensor]:
             dampings = [split[(index, which)] for index, which, _ in tasks]
-            with self.timer.phase("inverse_compute"):
+            with self._inverse_timing(flight):
                 inverses, fallbacks = robust_inverses([t[2] for t in tasks], dampings, self.inv_dtype)
-            self._report_fallbacks(fallbacks, tasks, by_index, "inverse", lambda fb, which: (
-                f"Cholesky of the damped {which} factor failed at step {k} (damping {damping:g}, "
-                f"{float(dampings[fb.index]):.3g} on this factor): {fb.reason}; "
-                + FALLBACK_ACTION[fb.level].format(damping=fb.damping)))
+            if fallbacks:
+                report(lambda: self._report_fallbacks(fallbacks, tasks, by_index, "inverse", lambda fb, which: (
+                    f"Cholesky of the damped {which} factor failed at step {k} (damping {damping:g}, "
+                    f"{float(dampings[fb.index]):.3g} on this factor): {fb.reason}; "
+                    + FALLBACK_ACTION[fb.level].format(damping=fb.damping))))
             return inverses
 
         return invert
 
-    def _eigen_fn(self, k: int, by_index: dict[int, KFACLayer]) -> Callable[[list[Task]], list[torch.Tensor]]:
+    def _eigen_fn(self, k: int, by_index: dict[int, KFACLayer], report: Callable[[Callable[[], None]], None],
+                  flight: _InFlight | None = None) -> Callable[[list[Task]], list[torch.Tensor]]:
         """The distributor's ``invert_fn`` for inverse_method="eigen": eigen payloads (kfac/inverse.py)."""
 
         def invert(tasks: list[Task]) -> list[torch.Tensor]:
-            with self.timer.phase("inverse_compute"):
+            with self._inverse_timing(flight):
                 payloads, fallbacks = robust_eigens([t[2] for t in tasks], self.inv_dtype)
-            self._report_fallbacks(fallbacks, tasks, by_index, "eigen", lambda fb, which: (
-                f"the eigendecomposition of the {which} factor failed at step {k} (inv_dtype {self.inv_dtype}): "
-                f"{fb.reason}; " + EIGEN_FALLBACK_ACTION[fb.level]))
+            if fallbacks:
+                report(lambda: self._report_fallbacks(fallbacks, tasks, by_index, "eigen", lambda fb, which: (
+                    f"the eigendecomposition of the {which} factor failed at step {k} (inv_dtype "
+                    f"{self.inv_dtype}): {fb.reason}; " + EIGEN_FALLBACK_ACTION[fb.level])))
             return payloads
 
         return invert
@@ -668,6 +766,7 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
                 is).
         """
         self._select(optimizer)
+        self._settle_inverses()  # inverses launched by the last step (async_inverses), before the factors change
         k = self.steps
         self._grads = self.grad_access.open(self._grad_params)
         self._grads_finite = True

@@ -107,6 +107,12 @@ class KFACCallbackBody(_CallbackBase):
             block damped by exactly ``damping``; costlier per inversion, and its inverse broadcasts carry
             twice the bytes). A checkpoint saved with the other method resumes with a warning, its
             inverses recomputed at the next step. See docs/math.md.
+        async_inverses: on an inverse step, precondition with the inverses already held and compute the
+            new ones on a worker thread (a side stream on CUDA; distributed, their broadcasts on a process
+            group of their own) while the optimizer steps and the next batch runs forward and backward; the
+            next step swaps them in, waiting only for what is not done. Each step then uses inverses exactly
+            one step staler (a layer's first ones are computed at once). A K-FAC strategy's own
+            ``async_inverses``, when set, decides instead. Default False. See docs/math.md.
         load_state: what ``trainer.fit(ckpt_path=...)`` does with the checkpoint's K-FAC state.
             ``"strict"`` (default) restores it, and refuses a state saved for another model (layers
             missing or unexpected, other factor shapes) or a corrupt one (missing keys, wrong types,
@@ -157,6 +163,7 @@ class KFACCallbackBody(_CallbackBase):
         max_bad_steps: int | None = _D.max_bad_steps,
         factor_approx: FactorApproxName = _D.factor_approx,
         inverse_method: InverseMethodName = _D.inverse_method,
+        async_inverses: bool = _D.async_inverses,
         load_state: Literal["strict", "skip"] = "strict",
     ) -> None:
         super().__init__()
@@ -175,7 +182,7 @@ class KFACCallbackBody(_CallbackBase):
             damping=damping, factor_decay=factor_decay, kl_clip=kl_clip,
             factor_update_steps=factor_update_steps, inv_update_steps=inv_update_steps, skip_layers=skip_layers,
             factor_dtype=factor_dtype, inv_dtype=inv_dtype, max_bad_steps=max_bad_steps,
-            factor_approx=factor_approx, inverse_method=inverse_method,
+            factor_approx=factor_approx, inverse_method=inverse_method, async_inverses=async_inverses,
         )
         self.lr = lr
         self.log_step_time = val.check_bool("log_step_time", log_step_time)
@@ -509,7 +516,7 @@ def _where(trainer: pl.Trainer) -> str:
 
 # Arguments KFAC.__init__ checks itself; any other is held to its annotation (val.check_annotations).
 _CHECKED = ("damping", "factor_decay", "kl_clip", "lr", "factor_update_steps", "inv_update_steps", "skip_layers",
-            "factor_dtype", "inv_dtype", "factor_approx", "inverse_method", "log_step_time", "trace_step", "trace_dir")
+            "factor_dtype", "inv_dtype", "factor_approx", "inverse_method", "async_inverses", "log_step_time", "trace_step", "trace_dir")
 def _folder(name: str, value: object) -> str:
     if not isinstance(value, (str, os.PathLike)):
         raise TypeError(f"{name} must be a folder path (a non-empty string), got {val.show(value)}")

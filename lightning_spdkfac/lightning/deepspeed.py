@@ -374,6 +374,7 @@ class SPDKFACDeepSpeedStrategyBody(_SPDKFACStrategyMixin, _DeepSpeedBase):
         small_factor: int | None = SPD_DEFAULTS.small_factor,
         comm_dtype: CommDtypeName = SPD_DEFAULTS.comm_dtype,
         comm_timeout_s: float = SPD_DEFAULTS.comm_timeout_s,
+        async_inverses: bool | None = SPD_DEFAULTS.async_inverses,
         stage: int = 2,
         config: str | dict[str, Any] | None = None,
         fused_grad_gather: bool = True,

@@ -37,7 +37,7 @@ SPD_DEFAULTS = SPDOptions()
 
 # The K-FAC schedule arguments, spelled out in each strategy's signature (LightningCLI reads them there).
 SPD_ARGUMENTS = ("pipelining", "fusion", "placement", "bucket_mb", "profile_steps", "replan_every",
-                 "small_factor", "comm_dtype", "comm_timeout_s")
+                 "small_factor", "comm_dtype", "comm_timeout_s", "async_inverses")
 
 
 def _spd_options(arguments: dict[str, Any]) -> SPDOptions:
@@ -68,7 +68,11 @@ SPD_ARGUMENTS_DOC = """        schedule: ``"spd"``, ``"mpd"`` or ``"dkfac"`` (se
             before raising ``KFACCommError`` (naming the collective and phase) instead of hanging
             when a peer crashed or stalls (>= 0.001). It is also the default ``timeout`` of the
             process groups, so that the gradient all-reduce and Lightning's barriers, which a stalled
-            rank blocks first, fail after it too (the backend's error then gets a note naming it)."""
+            rank blocks first, fail after it too (the backend's error then gets a note naming it).
+        async_inverses: compute the inverses of an inverse step (and broadcast them, on a process group
+            of their own) on a worker thread during the optimizer step and the next forward/backward,
+            preconditioning meanwhile with the inverses held: one step staler, off the step's path (see
+            the ``KFAC`` callback's ``async_inverses``). None (default): the callback's setting."""
 SPD_RULES_DOC = """    The K-FAC arguments are checked at construction (no process group is needed for that), by
     :class:`~lightning_spdkfac.comm.scheduler.SPDOptions`: a wrong type raises ``TypeError``, a value
     that is not accepted ``ValueError``, naming the argument. The schedule only picks the defaults of
@@ -191,6 +195,7 @@ class SPDKFACStrategyBody(_SPDKFACStrategyMixin, _DDPBase):
         small_factor: int | None = SPD_DEFAULTS.small_factor,
         comm_dtype: CommDtypeName = SPD_DEFAULTS.comm_dtype,
         comm_timeout_s: float = SPD_DEFAULTS.comm_timeout_s,
+        async_inverses: bool | None = SPD_DEFAULTS.async_inverses,
         timeout: timedelta | None = None,
         **kwargs: Any,
     ) -> None:
