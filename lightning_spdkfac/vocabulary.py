@@ -15,6 +15,10 @@ from typing import Any, Literal
 # K-FAC communication schedules of the runtime (the simulator's own named variants, such as
 # "spd-paper" or "spd-no-dtf", are in lightning_spdkfac.simulate.SIM_SCHEDULES).
 ScheduleName = Literal["spd", "mpd", "dkfac"]
+# What a strategy's ``schedule`` accepts: a schedule, or "auto" (time the candidates, keep the fastest: comm/auto.py).
+ScheduleChoice = Literal["spd", "mpd", "dkfac", "auto"]
+# A strategy's ``async_inverses``: on, off, None (the KFAC callback's setting) or "auto" (timed, like schedule="auto").
+AsyncInversesChoice = bool | Literal["auto"] | None
 # How factor all-reduces are grouped.
 FusionName = Literal["dtf", "layerwise", "all", "bucket"]
 # Who inverts which factor.
@@ -31,6 +35,7 @@ FactorApproxName = Literal["auto", "expand", "reduce"]
 InverseMethodName = Literal["cholesky", "eigen"]
 
 SCHEDULES: tuple[ScheduleName, ...] = typing.get_args(ScheduleName)
+SCHEDULE_CHOICES: tuple[ScheduleChoice, ...] = typing.get_args(ScheduleChoice)
 FUSIONS: tuple[FusionName, ...] = typing.get_args(FusionName)
 PLACEMENTS: tuple[PlacementName, ...] = typing.get_args(PlacementName)
 COMM_DTYPE_NAMES: tuple[CommDtypeName, ...] = typing.get_args(CommDtypeName)
@@ -51,7 +56,7 @@ DDP_STRATEGY_NAMES: typing.Mapping[str, typing.Mapping[str, Any]] = MappingProxy
     "spdkfac": MappingProxyType({"start_method": "popen"}),
     "spdkfac_spawn": MappingProxyType({"start_method": "spawn"}),
     "spdkfac_fork": MappingProxyType({"start_method": "fork"}),
-    **{f"spdkfac_{s}": MappingProxyType({"schedule": s}) for s in SCHEDULES if s != "spd"},
+    **{f"spdkfac_{s}": MappingProxyType({"schedule": s}) for s in SCHEDULE_CHOICES if s != "spd"},
 })
 DEEPSPEED_STRATEGY_NAMES: typing.Mapping[str, typing.Mapping[str, Any]] = MappingProxyType({
     "spdkfac_deepspeed": MappingProxyType({"stage": 2}),

@@ -52,12 +52,13 @@ from ..vocabulary import (
     FUSIONS,
     LOAD_BALANCED_PLACEMENTS,
     PLACEMENTS,
+    SCHEDULE_CHOICES,
     SCHEDULE_PARTS,
-    SCHEDULES,
+    AsyncInversesChoice,
     CommDtypeName,
     FusionName,
     PlacementName,
-    ScheduleName,
+    ScheduleChoice,
 )
 from ._common import distributed_ready
 from .broadcast import InverseBroadcaster
@@ -68,6 +69,7 @@ from .triangle import triu_size
 
 _DEFAULT_BUCKET_MB = 4.0
 _DEFAULT_PROFILE_STEPS = (3, 8)
+_DEFAULT_AUTO_ROUNDS = 2
 
 
 MIN_COMM_TIMEOUT_S = 1e-3  # comm_timeout_s below a millisecond would round to torch's "no timeout"
@@ -86,14 +88,18 @@ class SPDOptions:
     - ``bucket_mb`` (other than its default 4.0) only with ``fusion="bucket"``;
     - ``replan_every`` only with ``pipelining=True`` and ``fusion="dtf"`` (the only combination that
       measures factor ready times: re-planning re-measures them);
-    - ``small_factor`` only with ``placement="lbp"`` or ``"lbp_channel"`` (the others do not replicate by size).
+    - ``small_factor`` only with ``placement="lbp"`` or ``"lbp_channel"`` (the others do not replicate by size);
+    - with ``schedule="auto"`` (the strategy times the candidates and keeps the fastest, comm/auto.py), none of
+      ``pipelining``, ``fusion``, ``placement``, ``bucket_mb``, ``small_factor``: those are what it chooses, and
+      ``replan_every`` re-decides;
+    - ``auto_rounds`` (other than its default) only with ``schedule="auto"`` or ``async_inverses="auto"``.
 
     ``profile_steps`` is validated but inert without ``pipelining=True, fusion="dtf"``: it has a
     non-null default that every strategy passes on, so a composed YAML could not unset it.
     A world size of 1 is fine with every combination (placement and fusion then do nothing).
     """
 
-    schedule: ScheduleName = "spd"
+    schedule: ScheduleChoice = "spd"
     pipelining: bool = True
     fusion: FusionName = "dtf"
     placement: PlacementName = "lbp_channel"
@@ -105,13 +111,14 @@ class SPDOptions:
     comm_timeout_s: float = 600.0  # bound on each wait for a K-FAC collective (comm/faults.py)
     fuse_g: bool = True  # False: G factors each reduced alone (the original SPD-KFAC code; for ablations)
     # Inversions and inverse broadcasts off the step's path (KFACOptions.async_inverses); None: the preconditioner's
-    # option decides.
-    async_inverses: bool | None = None
+    # option decides; "auto": timed both ways, like schedule="auto".
+    async_inverses: AsyncInversesChoice = None
+    auto_rounds: int = _DEFAULT_AUTO_ROUNDS  # "auto": inverse periods each candidate is timed over, interleaved
 
     @classmethod
     def from_schedule(cls, schedule: str = "spd", **overrides: Any) -> SPDOptions:
         """The options of ``schedule``; ``pipelining``, ``fusion`` or ``placement`` None: the schedule's own."""
-        name = val.check_choice("schedule", schedule, SCHEDULES)
+        name = val.check_choice("schedule", schedule, SCHEDULE_CHOICES)
         fields = {f.name for f in dataclasses.fields(cls)} - {"schedule"}
         unknown = sorted(set(overrides) - fields)
         if unknown:
@@ -122,7 +129,13 @@ class SPDOptions:
         val.check_choice("fusion", overrides.get("fusion"), FUSIONS, optional=True)
         val.check_choice("placement", overrides.get("placement"), PLACEMENTS, optional=True)
         values = dict(overrides)
-        for k, default in SCHEDULE_PARTS[name].items():
+        if name == "auto":
+            chosen = [k for k in ("pipelining", "fusion", "placement") if values.get(k) is not None]
+            if chosen:
+                raise ValueError(f"{chosen[0]} must be None with schedule='auto' (the candidates are timed and the "
+                                 f"fastest kept; that is what it chooses), got {chosen[0]}={values[chosen[0]]!r}; name "
+                                 "a schedule to fix it")
+        for k, default in SCHEDULE_PARTS["spd" if name == "auto" else name].items():
             if values.get(k) is None:
                 values[k] = default
         return cls(schedule=name, **values)
@@ -130,7 +143,7 @@ class SPDOptions:
     def __post_init__(self) -> None:
         # Each option alone first, then the combinations (so a combination error always means
         # that every option is valid on its own).
-        val.check_choice("schedule", self.schedule, SCHEDULES)
+        val.check_choice("schedule", self.schedule, SCHEDULE_CHOICES)
         val.check_bool("pipelining", self.pipelining)
         val.check_choice("fusion", self.fusion, FUSIONS)
         val.check_choice("placement", self.placement, PLACEMENTS)
@@ -148,7 +161,18 @@ class SPDOptions:
                              f"whole milliseconds and 0 means no timeout), got {self.comm_timeout_s!r}")
         val.check_real("comm_timeout_s", self.comm_timeout_s, val.POSITIVE)
         val.check_bool("fuse_g", self.fuse_g)
-        val.check_bool("async_inverses", self.async_inverses, optional=True)
+        if self.async_inverses != "auto":
+            val.check_bool("async_inverses", self.async_inverses, optional=True)
+        val.check_int("auto_rounds", self.auto_rounds, low=1)
+        if self.auto_rounds != _DEFAULT_AUTO_ROUNDS and not self.is_auto:
+            raise ValueError(f"auto_rounds must be left at its default ({_DEFAULT_AUTO_ROUNDS}) unless schedule='auto' "
+                             f"or async_inverses='auto' (it counts the timing rounds of those), got {self.auto_rounds!r}")
+        if self.schedule == "auto":
+            for name, given, default in (("bucket_mb", self.bucket_mb, _DEFAULT_BUCKET_MB),
+                                         ("small_factor", self.small_factor, None)):
+                if given != default:
+                    raise ValueError(f"{name} must be left at its default ({default}) with schedule='auto' (the "
+                                     f"candidates use their own), got {name}={given!r}")
 
         if self.fusion != "bucket" and self.bucket_mb != _DEFAULT_BUCKET_MB:
             raise ValueError(
@@ -156,7 +180,7 @@ class SPDOptions:
                 f"bucket_mb is only used with fusion='bucket', got bucket_mb={self.bucket_mb!r} with "
                 f"fusion={self.fusion!r}"
             )
-        if self.replan_every is not None and not self.needs_profile:
+        if self.replan_every is not None and not self.needs_profile and self.schedule != "auto":
             raise ValueError(
                 f"replan_every must be None unless pipelining=True and fusion='dtf' (re-planning re-measures "
                 f"the factor ready times that only that combination uses), got replan_every={self.replan_every!r} "
@@ -167,6 +191,11 @@ class SPDOptions:
                 f"small_factor must be None unless placement is {' or '.join(map(repr, LOAD_BALANCED_PLACEMENTS))} (only "
                 f"load-balanced placement replicates factors by size), got small_factor={self.small_factor!r} with placement={self.placement!r}"
             )
+
+    @property
+    def is_auto(self) -> bool:
+        """Does the strategy time candidates and keep the fastest (comm/auto.py)?"""
+        return self.schedule == "auto" or self.async_inverses == "auto"
 
     @property
     def needs_profile(self) -> bool:
@@ -260,7 +289,8 @@ class SPDDistributor(Distributor):
                                            timeout=timedelta(seconds=self.options.comm_timeout_s))
 
     def use_async_inverses(self) -> bool:
-        return self.async_inverses if self.options.async_inverses is None else self.options.async_inverses
+        own = self.options.async_inverses
+        return self.async_inverses if own is None or own == "auto" else own
 
     def close(self) -> None:
         if self._async_group is not None and dist.is_initialized():
@@ -279,6 +309,8 @@ class SPDDistributor(Distributor):
         return a if key[1] == "A" else g
 
     def _measure_models(self) -> None:
+        if self.models is not None:  # given (schedule="auto" measures once for every candidate)
+            return
         opts = self.options
         need_allreduce = opts.fusion == "dtf"
         need_placement = opts.placement in LOAD_BALANCED_PLACEMENTS

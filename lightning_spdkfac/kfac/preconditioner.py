@@ -175,11 +175,13 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
         self.distributor.inv_dtype = self.inv_dtype
         self.distributor.inverse_method = self.inverse_method
         self.distributor.async_inverses = o.async_inverses
+        self.distributor.inv_update_steps = self.inv_update_steps
         # Inversions running asynchronously (async_inverses), launched by an inverse step and swapped in at the
         # start of the next step(); None when nothing is in flight.
         self._in_flight: _InFlight | None = None
         self.distributor.kfac_settings = self.settings_text()
         self.distributor.setup([(ly.helper.a_dim, ly.helper.g_dim) for ly in self.layers.values()])
+        self.distributor.step = self.steps
         self.distributor.begin_step()
 
     # ------------------------------------------------------------------ registration
@@ -791,4 +793,5 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
         self.timer.end_step()
         self._drop_collected()
         self.steps += 1
+        self.distributor.step = self.steps
         self.distributor.begin_step()

@@ -46,7 +46,14 @@ from pytorch_lightning.strategies import DeepSpeedStrategy, StrategyRegistry
 
 from .. import validation as val
 from ..kfac.gradients import GradAccess
-from ..vocabulary import DEEPSPEED_STRATEGY_NAMES, CommDtypeName, FusionName, PlacementName, ScheduleName
+from ..vocabulary import (
+    DEEPSPEED_STRATEGY_NAMES,
+    AsyncInversesChoice,
+    CommDtypeName,
+    FusionName,
+    PlacementName,
+    ScheduleChoice,
+)
 from .strategy import (
     SPD_ARGUMENTS,
     SPD_DEFAULTS,
@@ -364,7 +371,7 @@ class SPDKFACDeepSpeedStrategyBody(_SPDKFACStrategyMixin, _DeepSpeedBase):
 
     def __init__(
         self,
-        schedule: ScheduleName = SPD_DEFAULTS.schedule,
+        schedule: ScheduleChoice = SPD_DEFAULTS.schedule,
         pipelining: bool | None = None,
         fusion: FusionName | None = None,
         placement: PlacementName | None = None,
@@ -374,7 +381,8 @@ class SPDKFACDeepSpeedStrategyBody(_SPDKFACStrategyMixin, _DeepSpeedBase):
         small_factor: int | None = SPD_DEFAULTS.small_factor,
         comm_dtype: CommDtypeName = SPD_DEFAULTS.comm_dtype,
         comm_timeout_s: float = SPD_DEFAULTS.comm_timeout_s,
-        async_inverses: bool | None = SPD_DEFAULTS.async_inverses,
+        async_inverses: AsyncInversesChoice = SPD_DEFAULTS.async_inverses,
+        auto_rounds: int = SPD_DEFAULTS.auto_rounds,
         stage: int = 2,
         config: str | dict[str, Any] | None = None,
         fused_grad_gather: bool = True,

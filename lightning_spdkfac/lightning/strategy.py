@@ -27,9 +27,18 @@ import torch.distributed as dist
 from pytorch_lightning.strategies import DDPStrategy, StrategyRegistry
 
 from .. import validation as val
+from ..comm.auto import AutoDistributor
 from ..comm.scheduler import SPDDistributor, SPDOptions
+from ..kfac.distributor import Distributor
 from ..kfac.gradients import GradAccess
-from ..vocabulary import DDP_STRATEGY_NAMES, CommDtypeName, FusionName, PlacementName, ScheduleName
+from ..vocabulary import (
+    DDP_STRATEGY_NAMES,
+    AsyncInversesChoice,
+    CommDtypeName,
+    FusionName,
+    PlacementName,
+    ScheduleChoice,
+)
 
 # The strategies' signature defaults are SPDOptions' own (one test compares them all).
 SPD_DEFAULTS = SPDOptions()
@@ -37,7 +46,7 @@ SPD_DEFAULTS = SPDOptions()
 
 # The K-FAC schedule arguments, spelled out in each strategy's signature (LightningCLI reads them there).
 SPD_ARGUMENTS = ("pipelining", "fusion", "placement", "bucket_mb", "profile_steps", "replan_every",
-                 "small_factor", "comm_dtype", "comm_timeout_s", "async_inverses")
+                 "small_factor", "comm_dtype", "comm_timeout_s", "async_inverses", "auto_rounds")
 
 
 def _spd_options(arguments: dict[str, Any]) -> SPDOptions:
@@ -48,7 +57,11 @@ def _spd_options(arguments: dict[str, Any]) -> SPDOptions:
 
 # The K-FAC schedule arguments as both strategies document them (LightningCLI's --help reads these):
 # written once here and put into each strategy's docstring by ``spd_documented``.
-SPD_ARGUMENTS_DOC = """        schedule: ``"spd"``, ``"mpd"`` or ``"dkfac"`` (see :mod:`lightning_spdkfac.lightning.strategy`).
+SPD_ARGUMENTS_DOC = """        schedule: ``"spd"``, ``"mpd"`` or ``"dkfac"`` (see :mod:`lightning_spdkfac.lightning.strategy`), or
+            ``"auto"``: time ``spd``, ``spd`` without pipelining, ``mpd`` and ``dkfac`` on this job, each over
+            ``auto_rounds`` inverse periods in rotation after ``spd``'s profiling, and keep the fastest (the
+            slowest rank's median decides, the same on every rank; the table is logged). The schedules
+            compute the same updates, so the timing steps train normally.
         pipelining: launch factor reductions from the hooks (default: True for ``spd``).
         fusion: how factor reductions are grouped: ``"dtf"`` (planned from the cost model; the
             default for ``spd``), ``"layerwise"`` (one per factor; the default otherwise),
@@ -60,7 +73,8 @@ SPD_ARGUMENTS_DOC = """        schedule: ``"spd"``, ``"mpd"`` or ``"dkfac"`` (se
         bucket_mb: bucket size of ``fusion="bucket"``, in MiB.
         profile_steps: optimizer steps whose factor ready times are measured before the plan is
             made (the steps before it are warm-up); the plan is then fixed until a re-plan.
-        replan_every: re-measure and re-plan every this many steps (None: never).
+        replan_every: re-measure and re-plan every this many steps (None: never); with ``schedule="auto"``,
+            time the candidates again and re-decide.
         small_factor: factors with a side below this are inverted on every rank; None lets
             the cost model decide (inverting is cheaper than broadcasting the inverse).
         comm_dtype: dtype of factor and inverse messages ("float32" or "bfloat16").
@@ -72,7 +86,11 @@ SPD_ARGUMENTS_DOC = """        schedule: ``"spd"``, ``"mpd"`` or ``"dkfac"`` (se
         async_inverses: compute the inverses of an inverse step (and broadcast them, on a process group
             of their own) on a worker thread during the optimizer step and the next forward/backward,
             preconditioning meanwhile with the inverses held: one step staler, off the step's path (see
-            the ``KFAC`` callback's ``async_inverses``). None (default): the callback's setting."""
+            the ``KFAC`` callback's ``async_inverses``). None (default): the callback's setting. ``"auto"``:
+            timed with and without, like ``schedule="auto"``, and the faster kept (the steps then differ
+            in which inverses they use while it times).
+        auto_rounds: inverse periods each candidate of ``schedule="auto"`` / ``async_inverses="auto"`` is
+            timed over (interleaved; the median decides)."""
 SPD_RULES_DOC = """    The K-FAC arguments are checked at construction (no process group is needed for that), by
     :class:`~lightning_spdkfac.comm.scheduler.SPDOptions`: a wrong type raises ``TypeError``, a value
     that is not accepted ``ValueError``, naming the argument. The schedule only picks the defaults of
@@ -138,9 +156,11 @@ class _SPDKFACStrategyMixin:
         # it, in the same order.
         self._factor_group = dist.new_group(backend=dist.get_backend(), timeout=self._timeout)
 
-    def make_kfac_distributor(self) -> SPDDistributor:
+    def make_kfac_distributor(self) -> Distributor:
         """Called by the ``KFAC`` callback at fit start."""
         group = self._factor_group if dist.is_initialized() else None
+        if self.spd_options.is_auto:
+            return AutoDistributor(self.spd_options, process_group=group, device=self.root_device)
         return SPDDistributor(self.spd_options, process_group=group, device=self.root_device)
 
     def make_kfac_grad_access(self) -> GradAccess:
@@ -185,7 +205,7 @@ class SPDKFACStrategyBody(_SPDKFACStrategyMixin, _DDPBase):
 
     def __init__(
         self,
-        schedule: ScheduleName = SPD_DEFAULTS.schedule,
+        schedule: ScheduleChoice = SPD_DEFAULTS.schedule,
         pipelining: bool | None = None,
         fusion: FusionName | None = None,
         placement: PlacementName | None = None,
@@ -195,7 +215,8 @@ class SPDKFACStrategyBody(_SPDKFACStrategyMixin, _DDPBase):
         small_factor: int | None = SPD_DEFAULTS.small_factor,
         comm_dtype: CommDtypeName = SPD_DEFAULTS.comm_dtype,
         comm_timeout_s: float = SPD_DEFAULTS.comm_timeout_s,
-        async_inverses: bool | None = SPD_DEFAULTS.async_inverses,
+        async_inverses: AsyncInversesChoice = SPD_DEFAULTS.async_inverses,
+        auto_rounds: int = SPD_DEFAULTS.auto_rounds,
         timeout: timedelta | None = None,
         **kwargs: Any,
     ) -> None:

@@ -1,0 +1,226 @@
+"""``schedule="auto"``: time the candidate schedules on the job itself and keep the fastest.
+
+Which schedule is fastest depends on the model, the world size, the network and the K-FAC intervals (on
+2 CPU ranks, SPD without pipelining beats SPD with it when inverses are rare; on a 64-GPU cluster the
+simulator says the opposite), so instead of asking the user to guess, :class:`AutoDistributor` holds one
+:class:`~lightning_spdkfac.comm.scheduler.SPDDistributor` per candidate and runs each in turn:
+
+* **Candidates.** With ``schedule="auto"``: ``spd``, ``spd`` without pipelining, ``mpd`` and ``dkfac``; with
+  a named schedule, that one alone. With ``async_inverses="auto"`` each of them with and without
+  asynchronous inverses, else at the one setting given (None: the ``KFAC`` callback's). The schedules are
+  numerically equal (factors averaged over the same ranks, inverses of the same factors), so which one
+  runs a step is invisible to the math; asynchronous inverses are not (one step staler), which is why they
+  are only timed when asked for.
+* **Warm-up.** ``spd`` measures its factor ready times first (its ``profile_steps``); until then, and up to
+  the next inverse step, it runs and nothing is timed.
+* **Timing.** Each candidate then runs whole inverse periods (from an inverse step to the step before the
+  next one: a period holds every kind of step in its real proportion, including the step after an inverse
+  step that waits for asynchronous inversions), in rotation, ``auto_rounds`` periods each. A period's time
+  is the wall time between the starts of its first step and of the next period (forward, backward,
+  ``step()`` and the optimizer step).
+* **Decision.** Every rank takes its median period time per candidate; one all-reduce (MAX) gives the
+  slowest rank's, which is the time the job runs at; every rank keeps the candidate with the smallest
+  (ties: the earlier candidate in the list above), so the decision is the same everywhere. The table and
+  the choice are logged on rank 0 (logger ``lightning_spdkfac.comm.auto``, INFO) and kept in
+  :attr:`AutoDistributor.decisions`.
+* ``replan_every``: the rotation starts again every this many steps after a decision (at the next
+  inverse step), and decides again.
+
+The candidates share the cost models (measured once, by ``spd``) and one process group for asynchronous
+broadcasts. Nothing of this is checkpointed: a resumed run times again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..kfac.distributor import Distributor, FactorKey, PendingInverses, Task
+from ._common import default_device
+from .faults import Work, wait_work
+from .scheduler import SPDDistributor, SPDOptions
+
+__all__ = ["AUTO_SCHEDULES", "AutoDistributor", "candidates"]
+
+log = logging.getLogger(__name__)
+
+AUTO_PHASE = "K-FAC schedule=auto decision"
+
+# schedule="auto": the candidates, as (label, SPDOptions.from_schedule arguments), in tie-break order.
+AUTO_SCHEDULES: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("spd", dict(schedule="spd")),
+    ("spd-no-pipelining", dict(schedule="spd", pipelining=False)),
+    ("mpd", dict(schedule="mpd")),
+    ("dkfac", dict(schedule="dkfac")),
+)
+
+
+def candidates(options: SPDOptions) -> list[tuple[str, SPDOptions]]:
+    """The (label, options) of every configuration ``options`` asks to be timed."""
+    keep: dict[str, Any] = dict(comm_dtype=options.comm_dtype, comm_timeout_s=options.comm_timeout_s, fuse_g=options.fuse_g,
+                profile_steps=options.profile_steps)
+    if options.schedule == "auto":
+        base = [(label, SPDOptions.from_schedule(**kw, **keep)) for label, kw in AUTO_SCHEDULES]
+    else:  # a named schedule with async_inverses="auto": that one, as configured
+        base = [(options.schedule, dataclasses.replace(options, async_inverses=None,
+                                                      auto_rounds=SPDOptions.auto_rounds))]
+    base = [(label, dataclasses.replace(o, replan_every=None)) for label, o in base]
+    if options.async_inverses != "auto":
+        return [(label, dataclasses.replace(o, async_inverses=options.async_inverses)) for label, o in base]
+    return [(f"{label}{suffix}", dataclasses.replace(o, async_inverses=flag))
+            for label, o in base for suffix, flag in (("", False), ("+async", True))]
+
+
+class AutoDistributor(Distributor):
+    """Times the candidate schedules (module docstring) and then runs the fastest.
+
+    Args:
+        options: with ``schedule="auto"`` or ``async_inverses="auto"`` (what is timed); ``auto_rounds``
+            periods per candidate; ``replan_every``: decide again every this many steps.
+        process_group, device: as :class:`SPDDistributor`'s (every candidate uses them).
+    """
+
+    def __init__(self, options: SPDOptions, process_group: dist.ProcessGroup | None = None,
+                 device: torch.device | str | None = None) -> None:
+        if not options.is_auto:
+            raise ValueError("AutoDistributor needs options with schedule='auto' or async_inverses='auto', got "
+                             f"schedule={options.schedule!r}, async_inverses={options.async_inverses!r}")
+        self.options = options
+        self.process_group = process_group
+        self.labels: list[str] = []
+        self.candidates: list[SPDDistributor] = []
+        for label, o in candidates(options):
+            self.labels.append(label)
+            self.candidates.append(SPDDistributor(o, process_group=process_group, device=device))
+        first = self.candidates[0]
+        self.world_size, self.rank, self.device = first.world_size, first.rank, first.device
+        self.active = 0  # index of the candidate running the coming step
+        self.chosen: int | None = None  # the decision, once made
+        self.decisions: list[dict[str, Any]] = []  # one per decision: step, table, choice
+        self._slot: int | None = None  # position in the rotation (None: warm-up or decided)
+        self._periods: list[list[float]] = [[] for _ in self.candidates]
+        self._period_time = 0.0
+        self._t_last: float | None = None
+        self._decided_at = 0
+
+    # The preconditioner sets these before setup(); every candidate gets them.
+    @property
+    def timer(self) -> Any:
+        return self.candidates[0].timer
+
+    @timer.setter
+    def timer(self, value: Any) -> None:
+        for c in getattr(self, "candidates", ()):
+            c.timer = value
+
+    @property
+    def pipelined(self) -> bool:  # type: ignore[override]
+        return self.candidates[self.active].pipelined
+
+    def setup(self, sides: Sequence[tuple[int, int]]) -> None:
+        for c in self.candidates:
+            c.inv_dtype, c.inverse_method, c.kfac_settings = self.inv_dtype, self.inverse_method, self.kfac_settings
+            c.async_inverses = self.async_inverses
+        lead = self.candidates[0]
+        lead.setup(sides)  # measures the cost models; the others plan from the same ones
+        shared = lead._async_group
+        if any(c.use_async_inverses() for c in self.candidates):
+            lead._new_async_group()
+            shared = lead._async_group
+        for c in self.candidates[1:]:
+            c.models = lead.models
+            c._async_group = shared  # (created once; every candidate's broadcasts go there, one round at a time)
+            c.setup(sides)
+
+    # ------------------------------------------------------------------ which candidate runs
+    def _warming_up(self) -> bool:
+        return self.candidates[0]._measuring
+
+    def begin_step(self) -> None:
+        now = time.perf_counter()
+        if self._t_last is not None and self._slot is not None:
+            self._period_time += now - self._t_last
+        self._t_last = now
+        step = self.step
+        if step % self.inv_update_steps == 0:  # a period boundary
+            self._at_period_boundary(step)
+        self.candidates[self.active].begin_step()
+
+    def _at_period_boundary(self, step: int) -> None:
+        if self._slot is not None:  # a timed period ended
+            self._periods[self.active].append(self._period_time)
+            self._slot += 1
+            if self._slot == len(self.candidates) * self.options.auto_rounds:
+                self._decide(step)
+        elif self.chosen is None and not self._warming_up():
+            self._slot = 0  # warm-up over: start the rotation
+        elif (self.chosen is not None and self.options.replan_every
+              and step - self._decided_at >= self.options.replan_every):
+            self._periods = [[] for _ in self.candidates]
+            self.chosen, self._slot = None, 0
+        if self._slot is not None:
+            self.active = self._slot % len(self.candidates)
+            self._period_time = 0.0
+
+    def _decide(self, step: int) -> None:
+        medians = [statistics.median(p) for p in self._periods]
+        slowest = self._rank_max(medians)
+        best = min(range(len(slowest)), key=lambda i: (slowest[i], i))
+        table = {label: seconds for label, seconds in zip(self.labels, slowest)}
+        self.decisions.append({"step": step, "seconds_per_period": table, "choice": self.labels[best],
+                               "steps_per_period": self.inv_update_steps})
+        if self.rank == 0:
+            rows = "; ".join(f"{label} {seconds * 1e3 / self.inv_update_steps:.2f} ms/step"
+                             for label, seconds in table.items())
+            log.info("K-FAC schedule=auto at step %d (median of %d inverse period(s) each, slowest rank): %s "
+                     "-> %s", step, self.options.auto_rounds, rows, self.labels[best])
+        self.chosen = self.active = best
+        self._slot = None
+        self._decided_at = step
+
+    def _rank_max(self, values: list[float]) -> list[float]:
+        """Each value's maximum over the ranks (one all-reduce, bounded by comm_timeout_s)."""
+        first = self.candidates[0]
+        if not first._dist or self.world_size == 1:
+            return values
+        t = torch.tensor(values, dtype=torch.float64, device=default_device(self.process_group))
+        work: Work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.process_group, async_op=True)
+        wait_work(work, self.options.comm_timeout_s, collective="all_reduce", phase=AUTO_PHASE,
+                  what="the candidates' median times", rank=self.rank, world_size=self.world_size)
+        return [float(v) for v in t.cpu()]
+
+    # ------------------------------------------------------------------ the active candidate does the work
+    def factor_final(self, index: int, which: str, matrix: torch.Tensor | None) -> None:
+        self.candidates[self.active].factor_final(index, which, matrix)
+
+    def reduce_factors(self, local: dict[FactorKey, torch.Tensor | None]) -> dict[FactorKey, torch.Tensor | None]:
+        return self.candidates[self.active].reduce_factors(local)
+
+    def invert(self, tasks: Sequence[Task], invert_fn: Callable[[list[Task]], list[torch.Tensor]],
+               on_ready: Callable[[int, str, torch.Tensor], None]) -> None:
+        self.candidates[self.active].invert(tasks, invert_fn, on_ready)
+
+    def use_async_inverses(self) -> bool:
+        return self.candidates[self.active].use_async_inverses()
+
+    def invert_async(self, tasks: Sequence[Task],
+                     invert_fn: Callable[[list[Task]], list[torch.Tensor]]) -> PendingInverses:
+        return self.candidates[self.active].invert_async(tasks, invert_fn)
+
+    def close(self) -> None:
+        self.candidates[0].close()  # the shared asynchronous group
+        for c in self.candidates[1:]:
+            c._async_group = None
+
+    def describe(self) -> dict[str, Any]:
+        """The active candidate's plan, with what auto timed and decided."""
+        return {**self.candidates[self.active].describe(), "auto": {
+            "candidates": list(self.labels), "active": self.labels[self.active],
+            "chosen": None if self.chosen is None else self.labels[self.chosen], "decisions": list(self.decisions)}}
