@@ -14,12 +14,12 @@ from lightning_spdkfac import KFAC, KFACPreconditioner, SPDKFACStrategy
 from lightning_spdkfac.multiprocess import run_distributed
 
 
-def one_process(steps, batch):
+def one_process(steps, batch, **kfac_kw):
     import torch.nn.functional as F
 
     model = Tiny().net
     opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
-    pre = KFACPreconditioner(model, lr=0.2, **KW)
+    pre = KFACPreconditioner(model, lr=0.2, **KW, **kfac_kw)
     x, y = data()
     for k in range(steps):
         i = (k * batch) % len(x)

@@ -124,6 +124,11 @@ class AutoDistributor(Distributor):
     def pipelined(self) -> bool:  # type: ignore[override]
         return self.candidates[self.active].pipelined
 
+    @property
+    def factor_steps(self) -> int:
+        """Steps in which factors were reduced, by whichever candidate."""
+        return sum(c.factor_steps for c in self.candidates)
+
     def setup(self, sides: Sequence[tuple[int, int]]) -> None:
         for c in self.candidates:
             c.inv_dtype, c.inverse_method, c.kfac_settings = self.inv_dtype, self.inverse_method, self.kfac_settings

@@ -73,12 +73,12 @@ class TinyInterleaved(Tiny):
         return DataLoader(ds, batch_size=self.batch_size, sampler=DistributedSampler(ds, shuffle=False))
 
 
-def fit_on_ranks(rank, world, schedule, steps, accumulate=1):
+def fit_on_ranks(rank, world, schedule, steps, accumulate=1, **strategy_kw):
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world))
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     model = TinyInterleaved(batch_size=4 // accumulate)
-    strategy = SPDKFACStrategy(schedule=schedule, profile_steps=(1, 3))
+    strategy = SPDKFACStrategy(schedule=schedule, profile_steps=(1, 3), **strategy_kw)
     cb = KFAC(**KW)
     plans = []
 
