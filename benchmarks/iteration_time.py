@@ -94,6 +94,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_spdkfac import KFACPreconditioner
+from lightning_spdkfac.comm.auto import AutoDistributor
 from lightning_spdkfac.comm.scheduler import SPDDistributor, SPDOptions
 from lightning_spdkfac.comm.triangle import pack_triu, triu_size, unpack_triu
 from lightning_spdkfac.lightning.deepspeed import DeepSpeedGradAccess
@@ -101,7 +102,16 @@ from lightning_spdkfac.multiprocess import RanksFailed
 from lightning_spdkfac.multiprocess import run_distributed as run_ranks
 from lightning_spdkfac.telemetry import PHASES
 
-CONFIGS = ("sgd", "dkfac", "mpd", "spd", "spd-no-pipe", "spd-no-dtf", "spd-no-lbp")
+CONFIGS = ("sgd", "dkfac", "mpd", "spd", "spd-no-pipe", "spd-no-dtf", "spd-no-lbp",
+           "dkfac-async", "mpd-async", "spd-async", "spd-no-pipe-async", "auto", "auto-async")
+# schedule="auto" (comm/auto.py) and what it is measured against: "auto" times the four synchronous schedules,
+# "auto-async" (async_inverses="auto") each of them with and without asynchronous inverses.
+AUTO_FIXED = {
+    "auto": ("dkfac", "mpd", "spd", "spd-no-pipe"),
+    "auto-async": ("dkfac", "mpd", "spd", "spd-no-pipe", "dkfac-async", "mpd-async", "spd-async",
+                   "spd-no-pipe-async"),
+}
+AUTO_TARGET = 1.03  # auto within 3% of the fastest fixed schedule of the setting
 # DeepSpeed engines instead of DDP (ZeRO stage 0 / 2, fp32): SGD alone and with SPD-KFAC. Part of the
 # default set when deepspeed is installed.
 DEEPSPEED_CONFIGS = ("ds0-sgd", "ds0-spd", "ds2-sgd", "ds2-spd")
@@ -197,9 +207,14 @@ def spd_options(name: str, profile_steps: tuple[int, int]) -> SPDOptions | None:
         name = name.split("-", 1)[1]
     if name == "sgd":
         return None
+    if name in ("auto", "auto-async"):
+        return SPDOptions.from_schedule("auto", profile_steps=profile_steps,
+                                        async_inverses="auto" if name == "auto-async" else None)
+    flags = {"async_inverses": True} if name.endswith("-async") else {}
+    name = name.removesuffix("-async")
     if name in ("dkfac", "mpd"):
-        return SPDOptions.from_schedule(name)
-    return SPDOptions.from_schedule("spd", profile_steps=profile_steps, **_SPD_OVERRIDES[name])
+        return SPDOptions.from_schedule(name, **flags)
+    return SPDOptions.from_schedule("spd", profile_steps=profile_steps, **_SPD_OVERRIDES[name], **flags)
 
 
 # ------------------------------------------------------------------------------ the workers
@@ -223,7 +238,8 @@ class Runner:
         self.pre = None
         options = spd_options(name, cfg["profile_steps"])
         if options is not None:
-            self.distributor = SPDDistributor(options, process_group=group)
+            kind = AutoDistributor if options.is_auto else SPDDistributor
+            self.distributor = kind(options, process_group=group)
             self.pre = KFACPreconditioner(
                 self.model,
                 factor_update_steps=1,
@@ -262,6 +278,7 @@ class Runner:
         if self.distributor is None:
             return None
         d = self.distributor.describe()
+        auto = d.get("auto")
         names = [ly.name for ly in self.pre.layers.values()]
         n = len(names)
         canonical = [(i, "A") for i in range(n)] + [(i, "G") for i in reversed(range(n))]
@@ -291,6 +308,7 @@ class Runner:
             "owners": {label[k]: o for k, o in zip(canonical, d["owners"])},
             "sides": {label[k]: side[k] for k in canonical},
             "models": d["models"],
+            "auto": auto,
         }
 
     def close(self) -> None:
@@ -381,6 +399,13 @@ def worker(rank: int, world: int, cfg: dict) -> dict:
             for _ in range(warmup):
                 dist.barrier()
                 r.step()
+            # schedule="auto": warm up through its whole timing window (the same step on every rank), then to
+            # the end of that inverse period; the timed blocks measure the schedule it chose.
+            extra = 0
+            while isinstance(r.distributor, AutoDistributor) and (r.distributor.chosen is None or extra % inv):
+                dist.barrier()
+                r.step()
+                extra += 1
         plans = {name: r.plan() for name, r in runners.items() if r.distributor is not None}
         still = [name for name, p in plans.items() if p["measuring"]]
         if still:
@@ -552,6 +577,12 @@ def analyse(results: list[dict], args) -> dict:
                 ratios["spd exposed / spd-no-pipe exposed factor comm"] = (
                     spd["factor_comm_exposed_ms"] / configs["spd-no-pipe"]["factor_comm_exposed_ms"]
                 )
+        fastest_fixed = {}
+        for auto, fixed in AUTO_FIXED.items():  # schedule="auto" against the fastest fixed schedule it could pick
+            present = [n for n in fixed if n in configs]
+            if auto in configs and len(present) == len(fixed):
+                fastest_fixed[auto] = min(present, key=lambda n: configs[n]["iter_ms"])
+                ratios[f"{auto}/fastest fixed"] = configs[auto]["iter_ms"] / configs[fastest_fixed[auto]]["iter_ms"]
         for stage in (0, 2):  # what K-FAC costs under ZeRO, against the same engine without K-FAC
             kfac, sgd_ds = configs.get(f"ds{stage}-spd"), configs.get(f"ds{stage}-sgd")
             if kfac and sgd_ds:
@@ -591,6 +622,7 @@ def analyse(results: list[dict], args) -> dict:
             "configs": configs,
             "ratios": ratios,
             "targets": targets,
+            "fastest_fixed": fastest_fixed,
             "plans": rs[0]["plans"],
         }
     return out
@@ -716,6 +748,15 @@ def print_report(res: dict, args) -> None:
         extra = rt.get("spd exposed / spd-no-pipe exposed factor comm")
         if extra is not None:
             print(f"spd exposed factor comm / spd-no-pipe exposed factor comm: {extra:.2f}")
+        for auto in AUTO_FIXED:
+            if f"{auto}/fastest fixed" in rt:
+                choice = ((r["plans"] or {}).get(auto) or {}).get("auto") or {}
+                decided = choice.get("decisions") or [{}]
+                table = "; ".join(f"{k} {1e3 * v / inv:.1f}" for k, v in decided[-1].get("seconds_per_period", {}).items())
+                value = rt[f"{auto}/fastest fixed"]
+                print(f"{auto}: chose {choice.get('chosen')} (its timing, ms/step: {table}); iter / fastest fixed "
+                      f"({r['fastest_fixed'][auto]}) {value:.3f}  target <= {AUTO_TARGET:.2f}  "
+                      f"{'PASS' if value <= AUTO_TARGET else 'MISS'}")
         tag = " (the paper's timing setting)" if inv == 1 else ""
         print(f"targets, inv_update_steps={inv}{tag}:")
         for name, t in r["targets"].items():

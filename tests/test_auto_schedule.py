@@ -17,9 +17,10 @@ from lightning_spdkfac.comm.auto import AUTO_SCHEDULES, AutoDistributor, candida
 from lightning_spdkfac.comm.scheduler import SPDDistributor, SPDOptions
 from lightning_spdkfac.multiprocess import run_distributed
 
-# spd profiles factor steps 1-2 (steps 0-3), the rotation starts at the inverse step 4: 4 candidates x 2 rounds
-# x 2 steps -> the decision at step 20; 4 more steps on the chosen one.
-AUTO_STEPS = 24
+# spd profiles factor steps 1-2 (steps 0-3), the rotation starts at the inverse step 4: 4 candidates x 1 round
+# x 1 slot of 3 inverse periods of 2 steps (MIN_SLOT_STEPS = 5 steps at least) -> the decision at step 28; 4 more
+# steps on the chosen one.
+AUTO_STEPS = 32
 KW = {**KFAC_KW, "inv_update_steps": 2}
 
 
@@ -47,7 +48,7 @@ def _train(rank, world, options_kw, auto):
 
 def _auto_and_fixed(rank, world):
     return {
-        "auto": _train(rank, world, dict(schedule="auto", profile_steps=(1, 3)), auto=True),
+        "auto": _train(rank, world, dict(schedule="auto", profile_steps=(1, 3), auto_rounds=1), auto=True),
         "fixed": _train(rank, world, dict(schedule="spd", profile_steps=(1, 3)), auto=False),
         "async_auto": _train(rank, world, dict(schedule="mpd", async_inverses="auto", auto_rounds=1), auto=True),
     }
@@ -72,18 +73,18 @@ def test_every_candidate_is_timed_in_rotation_and_every_rank_decides_the_same(jo
     labels = [label for label, _ in AUTO_SCHEDULES]
     assert info0["candidates"] == labels
     (decision,) = info0["decisions"]
-    assert decision["step"] == 20
+    assert decision["step"] == 28 and decision["periods_per_slot"] == 3
     table = decision["seconds_per_period"]
     assert list(table) == labels and all(t > 0 for t in table.values())
     assert decision["choice"] == min(labels, key=lambda n: (table[n], labels.index(n)))
     assert info0["chosen"] == decision["choice"]
     # Which candidate ran each step: active[k - 1] is the one begin_step chose for step k (the spy is installed
     # after the first begin_step, step 0's). spd while it profiles and until the next inverse step, then each
-    # candidate for one inverse period (2 steps), twice round, then the choice.
+    # candidate for one slot (3 inverse periods, 6 steps), then the choice.
     active = job[0]["auto"][2]
     assert active[:3] == [0, 0, 0]
-    assert active[3:19] == [i for _ in range(2) for i in range(4) for _ in range(2)]
-    assert set(active[19:]) == {labels.index(decision["choice"])}
+    assert active[3:27] == [i for i in range(4) for _ in range(6)]
+    assert set(active[27:]) == {labels.index(decision["choice"])}
 
 
 def test_async_inverses_auto_times_the_schedule_with_and_without(job):
@@ -109,7 +110,7 @@ def test_candidates_follow_the_options():
     (dict(schedule="auto", placement="lbp"), "placement must be None with schedule='auto'"),
     (dict(schedule="auto", bucket_mb=8.0), "bucket_mb"),
     (dict(schedule="auto", small_factor=64), "small_factor"),
-    (dict(schedule="spd", auto_rounds=3), "auto_rounds must be left at its default"),
+    (dict(schedule="spd", auto_rounds=5), "auto_rounds must be left at its default"),
     (dict(schedule="spd", async_inverses="sometimes"), "async_inverses"),
 ])
 def test_auto_options_are_refused_by_name(kw, match):
@@ -120,9 +121,19 @@ def test_auto_options_are_refused_by_name(kw, match):
 def test_one_process_auto_decides_and_logs(caplog):
     """World size 1: nothing to all-reduce; the decision is still made, logged and used."""
     model = make_model()
-    distributor = AutoDistributor(SPDOptions.from_schedule("auto", profile_steps=(1, 3)))
+    distributor = AutoDistributor(SPDOptions.from_schedule("auto", profile_steps=(1, 3), auto_rounds=1))
     pre = KFACPreconditioner(model, distributor=distributor, **KW)
     with caplog.at_level(logging.INFO, logger="lightning_spdkfac.comm.auto"):
-        sgd_kfac_steps(model, pre, data, 22, 1)
+        sgd_kfac_steps(model, pre, data, 30, 1)
     assert distributor.chosen is not None and len(distributor.decisions) == 1
-    assert "K-FAC schedule=auto at step 20" in caplog.text and "ms/step" in caplog.text
+    assert "K-FAC schedule=auto at step 28" in caplog.text and "ms/step" in caplog.text
+
+
+def test_replan_every_times_the_candidates_again_and_decides_again():
+    model = make_model()
+    distributor = AutoDistributor(SPDOptions.from_schedule("auto", profile_steps=(1, 3), auto_rounds=1,
+                                                           replan_every=10))
+    pre = KFACPreconditioner(model, distributor=distributor, **KW)
+    sgd_kfac_steps(model, pre, data, 64, 1)
+    # decided at 28; 10 steps later (38, an inverse step) the rotation starts again: 24 steps -> 62
+    assert [d["step"] for d in distributor.decisions] == [28, 62]

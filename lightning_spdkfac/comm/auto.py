@@ -13,12 +13,12 @@ simulator says the opposite), so instead of asking the user to guess, :class:`Au
   are only timed when asked for.
 * **Warm-up.** ``spd`` measures its factor ready times first (its ``profile_steps``); until then, and up to
   the next inverse step, it runs and nothing is timed.
-* **Timing.** Each candidate then runs whole inverse periods (from an inverse step to the step before the
-  next one: a period holds every kind of step in its real proportion, including the step after an inverse
-  step that waits for asynchronous inversions), in rotation, ``auto_rounds`` periods each. A period's time
-  is the wall time between the starts of its first step and of the next period (forward, backward,
-  ``step()`` and the optimizer step).
-* **Decision.** Every rank takes its median period time per candidate; one all-reduce (MAX) gives the
+* **Timing.** Each candidate then runs slots of whole inverse periods (from an inverse step to the step before
+  the next one: a period holds every kind of step in its real proportion, including the step after an
+  inverse step that waits for asynchronous inversions), at least :data:`MIN_SLOT_STEPS` steps per slot, in
+  rotation, ``auto_rounds`` slots each. A slot's time is the wall time between the starts of its first step
+  and of the next slot (forward, backward, ``step()`` and the optimizer step), per period.
+* **Decision.** Every rank takes its median slot time per candidate; one all-reduce (MAX) gives the
   slowest rank's, which is the time the job runs at; every rank keeps the candidate with the smallest
   (ties: the earlier candidate in the list above), so the decision is the same everywhere. The table and
   the choice are logged on rank 0 (logger ``lightning_spdkfac.comm.auto``, INFO) and kept in
@@ -52,6 +52,7 @@ __all__ = ["AUTO_SCHEDULES", "AutoDistributor", "candidates"]
 log = logging.getLogger(__name__)
 
 AUTO_PHASE = "K-FAC schedule=auto decision"
+MIN_SLOT_STEPS = 5  # a timing slot holds at least this many steps (whole inverse periods): one step is too noisy
 
 # schedule="auto": the candidates, as (label, SPDOptions.from_schedule arguments), in tie-break order.
 AUTO_SCHEDULES: tuple[tuple[str, dict[str, Any]], ...] = (
@@ -105,6 +106,8 @@ class AutoDistributor(Distributor):
         self.chosen: int | None = None  # the decision, once made
         self.decisions: list[dict[str, Any]] = []  # one per decision: step, table, choice
         self._slot: int | None = None  # position in the rotation (None: warm-up or decided)
+        self._slot_periods = 1  # inverse periods per slot (set at setup: MIN_SLOT_STEPS steps at least)
+        self._periods_done = 0  # ... of the current slot
         self._periods: list[list[float]] = [[] for _ in self.candidates]
         self._period_time = 0.0
         self._t_last: float | None = None
@@ -130,6 +133,7 @@ class AutoDistributor(Distributor):
         return sum(c.factor_steps for c in self.candidates)
 
     def setup(self, sides: Sequence[tuple[int, int]]) -> None:
+        self._slot_periods = -(-MIN_SLOT_STEPS // self.inv_update_steps)
         for c in self.candidates:
             c.inv_dtype, c.inverse_method, c.kfac_settings = self.inv_dtype, self.inverse_method, self.kfac_settings
             c.async_inverses = self.async_inverses
@@ -160,7 +164,10 @@ class AutoDistributor(Distributor):
 
     def _at_period_boundary(self, step: int) -> None:
         if self._slot is not None:  # a timed period ended
-            self._periods[self.active].append(self._period_time)
+            self._periods_done += 1
+            if self._periods_done < self._slot_periods:
+                return  # the slot goes on
+            self._periods[self.active].append(self._period_time / self._slot_periods)
             self._slot += 1
             if self._slot == len(self.candidates) * self.options.auto_rounds:
                 self._decide(step)
@@ -173,6 +180,7 @@ class AutoDistributor(Distributor):
         if self._slot is not None:
             self.active = self._slot % len(self.candidates)
             self._period_time = 0.0
+            self._periods_done = 0
 
     def _decide(self, step: int) -> None:
         medians = [statistics.median(p) for p in self._periods]
@@ -180,12 +188,12 @@ class AutoDistributor(Distributor):
         best = min(range(len(slowest)), key=lambda i: (slowest[i], i))
         table = {label: seconds for label, seconds in zip(self.labels, slowest)}
         self.decisions.append({"step": step, "seconds_per_period": table, "choice": self.labels[best],
-                               "steps_per_period": self.inv_update_steps})
+                               "steps_per_period": self.inv_update_steps, "periods_per_slot": self._slot_periods})
         if self.rank == 0:
             rows = "; ".join(f"{label} {seconds * 1e3 / self.inv_update_steps:.2f} ms/step"
                              for label, seconds in table.items())
-            log.info("K-FAC schedule=auto at step %d (median of %d inverse period(s) each, slowest rank): %s "
-                     "-> %s", step, self.options.auto_rounds, rows, self.labels[best])
+            log.info("K-FAC schedule=auto at step %d (median of %d slot(s) of %d inverse period(s) each, slowest "
+                     "rank): %s -> %s", step, self.options.auto_rounds, self._slot_periods, rows, self.labels[best])
         self.chosen = self.active = best
         self._slot = None
         self._decided_at = step

@@ -69,7 +69,7 @@ from .triangle import triu_size
 
 _DEFAULT_BUCKET_MB = 4.0
 _DEFAULT_PROFILE_STEPS = (3, 8)
-_DEFAULT_AUTO_ROUNDS = 2
+_DEFAULT_AUTO_ROUNDS = 3
 
 
 MIN_COMM_TIMEOUT_S = 1e-3  # comm_timeout_s below a millisecond would round to torch's "no timeout"

@@ -1,0 +1,141 @@
+"""One process: iteration time with ``async_inverses`` on and off, interleaved in one invocation.
+
+The issue's setting: one process, 1 intra-op thread (``torch.set_num_threads(1)``), factors and inverses every
+step, models whose inversions are at least a third of the step. With ``async_inverses=True`` the inversions of
+step k run on a worker thread during ``opt.step()`` and the forward/backward of step k+1 and are swapped in at
+the start of step k+1's ``pre.step()``: with a second core free, their time leaves the step.
+
+Models (random data of the right shape, SGD lr 0.01 momentum 0.9, K-FAC damping 0.03, kl_clip default):
+
+- ``mlp``: 4 Linear layers 512 wide (A and G factors up to 513 x 513), batch 256;
+- ``cnn``: the ``SmallResNet`` of ``benchmarks/iteration_time.py`` (A factors up to 1153 x 1153), batch 32.
+
+For every repeat, each (model, setting) pair runs one timed block of ``--steps`` steps, the pairs in a
+rotating order. Reported per pair: the median ms per step over repeats with the min-max spread, the share
+of the synchronous step spent in inversions (``inverse_compute``), and the ratio async/sync of the medians
+(and of each repeat's block, as a spread). Target: ratio <= 0.8 where the inversion share is >= 1/3.
+
+    python benchmarks/async_inverses.py                # prints; writes nothing
+    python benchmarks/async_inverses.py --out DIR      # also writes DIR/async_inverses.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import env_info, format_table, write_json  # noqa: E402
+from iteration_time import SmallResNet  # noqa: E402
+
+from lightning_spdkfac import KFACPreconditioner  # noqa: E402
+
+TARGET = 0.8
+
+
+def make_model(name: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    if name == "mlp":
+        width = 512
+        model: nn.Module = nn.Sequential(
+            nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width),
+            nn.ReLU(), nn.Linear(width, 10))
+        x = torch.randn(256, width, generator=g)
+    else:
+        model = SmallResNet()
+        x = torch.randn(32, 3, 32, 32, generator=g)
+    return model, x, torch.randint(0, 10, (len(x),), generator=g)
+
+
+def make_step(model_name: str, async_inverses: bool) -> tuple[Callable[[], None], KFACPreconditioner]:
+    model, x, y = make_model(model_name)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    pre = KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=1, damping=0.03,
+                             async_inverses=async_inverses)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x), y).backward()
+        pre.step(opt)
+        opt.step()
+
+    return step, pre
+
+
+def run(args: argparse.Namespace) -> dict:
+    torch.set_num_threads(1)
+    pairs = {(m, mode): make_step(m, mode == "async") for m in args.models for mode in ("sync", "async")}
+    for fn, _ in pairs.values():  # warm-up: allocations, first inverses
+        for _ in range(3):
+            fn()
+    times: dict[tuple[str, str], list[float]] = {k: [] for k in pairs}
+    inv_share: dict[str, list[float]] = {m: [] for m in args.models}
+    keys = list(pairs)
+    for rep in range(args.repeats):
+        for j in range(len(keys)):
+            key = keys[(rep + j) % len(keys)]
+            fn, pre = pairs[key]
+            inv = 0.0
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                fn()
+                inv += pre.timer.last["inverse_compute"]
+            dt = (time.perf_counter() - t0) / args.steps
+            times[key].append(dt)
+            if key[1] == "sync":
+                inv_share[key[0]].append(inv / args.steps / dt)
+        print(f"repeat {rep + 1}/{args.repeats} done", file=sys.stderr)
+    rows = []
+    for m in args.models:
+        sync, asyn = times[(m, "sync")], times[(m, "async")]
+        ratios = [a / s for a, s in zip(asyn, sync)]
+        for mode, ts in (("sync", sync), ("async", asyn)):
+            rows.append({
+                "model": m, "mode": mode, "median_ms": 1e3 * statistics.median(ts), "min_ms": 1e3 * min(ts),
+                "max_ms": 1e3 * max(ts),
+                "inv_share": statistics.median(inv_share[m]) if mode == "sync" else float("nan"),
+                "ratio": statistics.median(asyn) / statistics.median(sync) if mode == "async" else float("nan"),
+                "ratio_min": min(ratios) if mode == "async" else float("nan"),
+                "ratio_max": max(ratios) if mode == "async" else float("nan"),
+            })
+    return {"rows": rows, "env": env_info(), "args": vars(args), "target": TARGET}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="+", default=["mlp", "cnn"], choices=["mlp", "cnn"])
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--steps", type=int, default=10, help="steps per timed block")
+    p.add_argument("--out", default=None, help="folder for async_inverses.json (default: print only)")
+    args = p.parse_args()
+    if len(os.sched_getaffinity(0)) < 2:
+        sys.exit("needs at least 2 usable cores (the worker thread runs on the second)")
+    result = run(args)
+    print(format_table(result["rows"], [
+        ("model", "model", "s"), ("mode", "inverses", "s"), ("median_ms", "median ms/step", ".1f"),
+        ("min_ms", "min", ".1f"), ("max_ms", "max", ".1f"), ("inv_share", "inversion share", ".2f"),
+        ("ratio", "async/sync", ".3f"), ("ratio_min", "per-repeat min", ".3f"),
+        ("ratio_max", "per-repeat max", ".3f")]))
+    for row in result["rows"]:
+        if row["mode"] == "async":
+            share = next(r["inv_share"] for r in result["rows"] if r["model"] == row["model"] and r["mode"] == "sync")
+            verdict = "PASS" if row["ratio"] <= TARGET else "MISS"
+            note = "" if share >= 1 / 3 else " (inversion share below 1/3: outside the target's setting)"
+            print(f"{row['model']}: async/sync {row['ratio']:.3f} (target <= {TARGET}) {verdict}{note}")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        write_json(os.path.join(args.out, "async_inverses.json"), result)
+        print(f"wrote {os.path.join(args.out, 'async_inverses.json')}")
+
+
+if __name__ == "__main__":
+    main()
