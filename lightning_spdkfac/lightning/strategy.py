@@ -59,8 +59,9 @@ def _spd_options(arguments: dict[str, Any]) -> SPDOptions:
 # written once here and put into each strategy's docstring by ``spd_documented``.
 SPD_ARGUMENTS_DOC = """        schedule: ``"spd"``, ``"mpd"`` or ``"dkfac"`` (see :mod:`lightning_spdkfac.lightning.strategy`), or
             ``"auto"``: time ``spd``, ``spd`` without pipelining, ``mpd`` and ``dkfac`` on this job, each over
-            ``auto_rounds`` inverse periods in rotation after ``spd``'s profiling, and keep the fastest (the
-            slowest rank's median decides, the same on every rank; the table is logged). The schedules
+            ``auto_rounds`` slots of whole inverse periods in rotation after ``spd``'s profiling, and keep
+            the fastest (each rank's fastest slot, the slowest rank's decides, the same on every rank; the
+            table is logged). The schedules
             compute the same updates, so the timing steps train normally.
         pipelining: launch factor reductions from the hooks (default: True for ``spd``).
         fusion: how factor reductions are grouped: ``"dtf"`` (planned from the cost model; the
@@ -89,8 +90,8 @@ SPD_ARGUMENTS_DOC = """        schedule: ``"spd"``, ``"mpd"`` or ``"dkfac"`` (se
             the ``KFAC`` callback's ``async_inverses``). None (default): the callback's setting. ``"auto"``:
             timed with and without, like ``schedule="auto"``, and the faster kept (the steps then differ
             in which inverses they use while it times).
-        auto_rounds: inverse periods each candidate of ``schedule="auto"`` / ``async_inverses="auto"`` is
-            timed over (interleaved; the median decides)."""
+        auto_rounds: slots (of whole inverse periods, at least 5 steps) each candidate of
+            ``schedule="auto"`` / ``async_inverses="auto"`` is timed over, interleaved."""
 SPD_RULES_DOC = """    The K-FAC arguments are checked at construction (no process group is needed for that), by
     :class:`~lightning_spdkfac.comm.scheduler.SPDOptions`: a wrong type raises ``TypeError``, a value
     that is not accepted ``ValueError``, naming the argument. The schedule only picks the defaults of
