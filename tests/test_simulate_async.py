@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from lightning_spdkfac.comm.scheduler import SPDOptions
-from lightning_spdkfac.schedule import AlphaBeta, InverseCost
+from lightning_spdkfac.schedule import REPLICATED, AlphaBeta, InverseCost, Placement
 from lightning_spdkfac.simulate import (
     SIM_SCHEDULES,
     Cluster,
@@ -196,3 +196,20 @@ def test_runtime_config_of_async_schedules():
     assert "async_inverses" not in runtime_config(SIM_SCHEDULES["spd"])[0]
     args, notes = runtime_config(SIM_SCHEDULES["spd-async-idle"])
     assert args["async_inverses"] is True and any("idle time" in n for n in notes)
+
+
+def test_given_placement():
+    """``simulate(..., placement=...)`` runs the owners it is given (benchmarks/async_placement.py): every
+    factor replicated puts all four inversions (1 s) on every rank before forward and sends nothing."""
+    own = simulate(WORK, CLUSTER, _schedule(async_inverses=True))
+    same = simulate(WORK, CLUSTER, _schedule(async_inverses=True),
+                    placement=Placement(own.owners, "round_robin", (0.0, 0.0)))
+    assert same.total == own.total and same.owners == own.owners
+    repl = simulate(WORK, CLUSTER, _schedule(async_inverses=True),
+                    placement=Placement((REPLICATED,) * 4, "replicated", (1.0, 1.0)))
+    assert repl.total == pytest.approx(1.0 + 7.5 + 1.0 + 0.5)  # last group 8.5 -> 9.5, gradient 9.5 -> 10
+    assert not [e for e in repl.events if e.category == "InvComm"]
+    with pytest.raises(ValueError, match="placement must be for 2 ranks and 4 factors, got 3 ranks"):
+        simulate(WORK, CLUSTER, "spd", placement=Placement((0, 1, 2, 0), "round_robin", (0.0,) * 3))
+    with pytest.raises(TypeError, match="placement must be a Placement"):
+        simulate(WORK, CLUSTER, "spd", placement=(0, 1, 0, 1))

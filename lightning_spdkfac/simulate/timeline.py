@@ -501,6 +501,15 @@ def _lower_bound_terms(schedule: SimSchedule, workload: Workload, grad_exposed: 
             "Precondition": workload.precondition}
 
 
+def _given_placement(placement: object, world: int, factors: int) -> Placement | None:
+    """``simulate``'s ``placement`` argument, checked against the cluster and the workload."""
+    p = val.check_instance("placement", placement, Placement)
+    if p.world_size != world or len(p.owners) != factors:
+        raise ValueError(f"placement must be for {world} ranks and {factors} factors, got {p.world_size} ranks and "
+                         f"{len(p.owners)} factors")
+    return p if world > 1 else None
+
+
 def _inversion_phase(ph: _Phase, placement: Placement | None) -> tuple[list[float], float]:
     """Each rank's end of the inversions and the end of the broadcasts, under the schedule's placement
     (None: one GPU, which inverts everything)."""
@@ -512,13 +521,16 @@ def _inversion_phase(ph: _Phase, placement: Placement | None) -> tuple[list[floa
 
 
 def simulate(workload: Workload, cluster: Cluster, schedule: SimSchedule | str, *,
-             rank_events: int | None = 8) -> Timeline:
+             rank_events: int | None = 8, placement: Placement | None = None) -> Timeline:
     """Simulate one iteration of ``workload`` on ``cluster`` under ``schedule`` (an object or a name of
     :data:`SIM_SCHEDULES`). With ``async_inverses`` the timeline is the steady-state period, whose
     inversions and broadcasts are the previous iteration's (module docstring).
 
     ``rank_events``: the inversion events of ranks ``0 .. rank_events - 1`` are recorded (None: every
     rank); the breakdown always accounts for every rank.
+
+    ``placement``: inversion owners to use instead of the schedule's planner (to evaluate a placement no
+    planner makes); one owner per factor, in :attr:`Timeline.order`, for ``cluster.world_size`` ranks.
     """
     val.check_int("rank_events", rank_events, low=0, optional=True)
     schedule = as_sim_schedule("schedule", schedule)
@@ -536,7 +548,8 @@ def simulate(workload: Workload, cluster: Cluster, schedule: SimSchedule | str, 
     sides = [layers[i].a_side if w == "A" else layers[i].g_side for i, w in order]
 
     # -- placement (static: from sizes and models) and fusion (from the profiled ready times)
-    placement = _placement(schedule, cluster, sides) if world > 1 else None
+    placement = _given_placement(placement, world, len(sides)) if placement is not None else (
+        _placement(schedule, cluster, sides) if world > 1 else None)
     owners = placement.owners if placement is not None else tuple([REPLICATED] * len(order))
     plan = (_fusion(schedule, order, sides, [ready[k] for k in order], cluster.allreduce) if world > 1
             else FusionPlan((), "dtf"))
