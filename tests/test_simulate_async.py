@@ -186,7 +186,7 @@ def test_plan_shows_the_bound_and_recommends_async(tmp_path, capsys):
     assert "async_inverses: true" in out and "inverses one step old" in out
     args = dict(data["runtime"]["strategy"]["init_args"])
     assert args.pop("async_inverses") is True
-    # SPDOptions does not take async_inverses yet (the runtime's half of issue 17); the rest must be valid
+    # TO ADJUST when SPDOptions takes async_inverses (the runtime's half of issue 17): check it with the rest
     assert isinstance(SPDOptions.from_schedule(args.pop("schedule"), **args), SPDOptions)
 
 
