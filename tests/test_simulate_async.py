@@ -98,6 +98,7 @@ def test_async_before_forward_by_hand():
         ("factor group 3 (1 factors)", 8.0, 9.0),
         ("gradient all-reduce", 9.0, 9.5),
     ]
+    assert tl.extra["broadcast_order"] == [0, 1, 2, 3]
     first = [e for e in tl.events if e.resource == "compute"][0]
     assert (first.category, first.start, first.end) == ("InvComp", 0.0, 0.5)
     assert tl.breakdown == {"FF&BP": 6.0, "GradComm": 0.5, "FactorComp": 1.5, "FactorComm": 1.0,

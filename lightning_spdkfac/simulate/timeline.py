@@ -556,11 +556,11 @@ def simulate(workload: Workload, cluster: Cluster, schedule: SimSchedule | str, 
 
     # -- the run: compute and the channel together, then the gradient all-reduce
     channel = _Channel(events)
-    ahead = None
+    ahead, first = None, None
     if schedule.async_inverses and schedule.async_compute == "before_forward":
         # the previous step's inversions, served before this forward; their broadcasts first on the channel
-        ahead = _inversion_phase(_Phase(schedule, cluster, order, sides, tuple(owners), {}, 0.0, 0.0, 0.0, shown,
-                                        events), placement)
+        first = _Phase(schedule, cluster, order, sides, tuple(owners), {}, 0.0, 0.0, 0.0, shown, events)
+        ahead = _inversion_phase(first, placement)
         channel.free = ahead[1]
         pieces = [("InvComp", "inversions of the previous step (side stream)", max(ahead[0], default=0.0), None),
                   *pieces]
@@ -573,8 +573,8 @@ def simulate(workload: Workload, cluster: Cluster, schedule: SimSchedule | str, 
     done = channel.done if world > 1 else {i: t_compute for i in range(len(order))}
 
     # -- inversions and broadcasts (after the channel is free; async: after backward, or ahead of forward)
-    phase = _Phase(schedule, cluster, order, sides, tuple(owners), done, t_compute, t_comm,
-                   t_compute if schedule.async_inverses else t_comm, shown, events)
+    phase = first or _Phase(schedule, cluster, order, sides, tuple(owners), done, t_compute, t_comm,
+                            t_compute if schedule.async_inverses else t_comm, shown, events)
     rank_end, bcast_end = ahead if ahead is not None else _inversion_phase(phase, placement)
     lead = max(rank_end, default=0.0) if ahead is not None else 0.0  # inversion seconds before forward
     t_inv = max(rank_end) if rank_end else t_comm
