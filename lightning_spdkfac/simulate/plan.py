@@ -97,9 +97,9 @@ def _runtime_notes(s: SimSchedule) -> list[str]:
         notes.append("inverse broadcasts issued with owners taking turns: the runtime issues them by predicted "
                      "finish of the inversions (schedule.broadcast_order)")
     if s.async_inverses and s.async_compute == "idle_time":
-        notes.append("asynchronous inversions simulated in the GPU's idle time only (a lower-priority side "
-                     "stream): the runtime's side stream shares the GPU with the next forward/backward, "
-                     "which the simulator's spd-async (async_compute='before_forward') models")
+        notes.append("asynchronous inversions simulated in the GPU's idle time only, as a lower-priority side "
+                     "stream would run them: whether the runtime's side stream yields to forward/backward "
+                     "depends on its priority; spd-async (async_compute='before_forward') assumes it does not")
     if s.early_inverse:
         notes.append("inversions start as soon as a factor is reduced: the runtime inverts in the "
                      "optimizer step")
