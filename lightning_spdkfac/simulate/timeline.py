@@ -29,7 +29,8 @@ who goes first, the two ends of what a GPU can do with two streams:
   before any factor reduction and run on the channel during forward/backward, where it is mostly idle;
   factor reductions that queue behind them count as FactorComm;
 * ``"idle_time"`` (a lower-priority side stream): the inversions get only the compute stream's idle time,
-  which in steady state begins when backward's last factor is computed, so they run beside the gradient
+  which in steady state begins when backward's last factor is computed (the stalls of
+  ``sync_before_launch`` are left unused), so they run beside the gradient
   all-reduce and forward/backward is never slowed; their broadcasts queue behind the gradient all-reduce.
 
 In both, the inversions wait for no factor reduction (they invert the previous iteration's factors), the
