@@ -17,7 +17,10 @@ docs/simulated_timeline.png (``--docs-figure``: the timeline figure refreshes th
 3. the exposed factor communication of the paper's pipelining ablation, simulated and measured;
 4. the improvement ladder from the paper's SPD-KFAC to this project's schedules, one change at a time
    (target: the best >= 10% faster than the paper's SPD-KFAC on all four models);
-5. ResNet-50 at P = 8 ... 1024: iteration time and speedup over D-KFAC of every schedule.
+5. ResNet-50 at P = 8 ... 1024: iteration time and speedup over D-KFAC of every schedule, and the
+   critical-path lower bound of a synchronous schedule (``Timeline.lower_bound``);
+6. asynchronous inverses (issue 17): every model at 64 GPUs, each schedule's period beside its lower
+   bound, and spd, spd-async and spd-async-idle with their bounds at P = 8 ... 1024.
 """
 
 from __future__ import annotations
@@ -59,7 +62,16 @@ LADDER: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("+ bf16 factor and inverse messages (spd-bf16)", "spd-bf16", {}),
 )
 SCALING_SCHEDULES = ("dkfac", "mpd", "spd-paper", "spd-no-pipelining", "spd-no-dtf", "spd-no-lbp", "spd-lbp", "spd",
-                     "spd-bf16")
+                     "spd-bf16", "spd-async")
+# section 6: (row label, schedule) at 64 GPUs; the placements other than spd's show what async changes for them
+ASYNC_ROWS: tuple[tuple[str, Any], ...] = (
+    ("dkfac", "dkfac"), ("mpd", "mpd"), ("spd-paper", "spd-paper"), ("spd", "spd"), ("spd-bf16", "spd-bf16"),
+    ("dkfac-async", "dkfac-async"), ("mpd-async", "mpd-async"), ("spd-async", "spd-async"),
+    ("spd-async-idle", "spd-async-idle"), ("spd-bf16-async", "spd-bf16-async"),
+    ("spd-async, placement lbp", with_schedule("spd-async", placement="lbp")),
+    ("spd-async, round-robin", with_schedule("spd-async", placement="round_robin")),
+)
+ASYNC_SCALING = ("spd", "spd-async", "spd-async-idle")
 WORLDS = (8, 16, 64, 256, 1024)
 SHOW = ("FF&BP", "GradComm", "FactorComp", "FactorComm", "InvComp", "InvComm")
 REPO = Path(__file__).resolve().parents[1]
@@ -115,7 +127,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         case = paper_case(name)
         res = {s: simulate(case.workload, case.cluster, s) for s in ("dkfac", "mpd", "spd-paper")}
         print(f"== {name} (per-GPU batch {case.workload.batch_size}, {len(case.specs)} K-FAC layers)")
-        print(f"{'':22s} " + " ".join(f"{c[:7]:>7s}" for c in SHOW) + "   total  sim/paper")
+        print(f"{'':22s} " + " ".join(f"{c[:7]:>7s}" for c in SHOW) + "   total  sim/paper  lower bound")
         entry: dict[str, Any] = {}
         for sim_name, paper_key in (("dkfac", "dkfac"), ("mpd", "mpd"), ("spd-paper", "spd")):
             b = res[sim_name].breakdown
@@ -123,9 +135,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             paper_vals = PAPER_BREAKDOWN[name][paper_key]
             ratio = res[sim_name].total / paper_vals[-1]
             worst_ratio = max(worst_ratio, abs(ratio - 1))
-            print(f"{PAPER_NAMES[sim_name] + ' sim':22s} {_row(sim_vals)} {res[sim_name].total:7.3f}  {ratio:6.3f}")
+            print(f"{PAPER_NAMES[sim_name] + ' sim':22s} {_row(sim_vals)} {res[sim_name].total:7.3f}  {ratio:6.3f}"
+                  f"  {res[sim_name].lower_bound:14.3f}")
             print(f"{PAPER_NAMES[sim_name] + ' paper':22s} {_row(paper_vals[:6])} {paper_vals[-1]:7.3f}")
-            entry[sim_name] = {"sim": {**b, "total": res[sim_name].total},
+            entry[sim_name] = {"sim": {**b, "total": res[sim_name].total, "lower_bound": res[sim_name].lower_bound},
                                "paper": dict(zip(PAPER_COLUMNS, paper_vals)), "ratio": ratio}
         sd = res["dkfac"].total / res["spd-paper"].total
         sm = res["mpd"].total / res["spd-paper"].total
@@ -144,8 +157,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         ladder = []
         for label, sched, changes in LADDER:
             tl = simulate(case.workload, case.cluster, with_schedule(sched, **changes))
-            ladder.append({"step": label, "total": tl.total, "speedup_vs_paper_spd": base / tl.total})
-            print(f"  {label:52s} {tl.total:7.3f} s  x{base / tl.total:5.2f}")
+            ladder.append({"step": label, "total": tl.total, "speedup_vs_paper_spd": base / tl.total,
+                           "lower_bound": tl.lower_bound})
+            print(f"  {label:52s} {tl.total:7.3f} s  x{base / tl.total:5.2f}  (lower bound {tl.lower_bound:.3f})")
         entry["ladder"] = ladder
         out["models"][name] = entry
         print()
@@ -157,14 +171,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     print("\nResNet-50, per-GPU batch 32: iteration time in s (speedup over D-KFAC)")
     case = paper_case("resnet50")
-    print(f"{'P':>5s} " + " ".join(f"{s:>17s}" for s in SCALING_SCHEDULES))
+    print(f"{'P':>5s} " + " ".join(f"{s:>17s}" for s in SCALING_SCHEDULES) + "  lower bound")
     scaling = {}
+    bounds = {}
     for p in WORLDS:
         work, cl = case.at_world(p)
-        tot = {s: simulate(work, cl, s, rank_events=0).total for s in SCALING_SCHEDULES}
-        scaling[p] = tot
-        print(f"{p:5d} " + " ".join(f"{tot[s]:9.3f} (x{tot['dkfac'] / tot[s]:4.2f})" for s in SCALING_SCHEDULES))
+        runs = {s: simulate(work, cl, s, rank_events=0) for s in SCALING_SCHEDULES}
+        tot = {s: tl.total for s, tl in runs.items()}
+        scaling[p], bounds[p] = tot, runs["spd"].lower_bound  # the same for every synchronous schedule
+        print(f"{p:5d} " + " ".join(f"{tot[s]:9.3f} (x{tot['dkfac'] / tot[s]:4.2f})" for s in SCALING_SCHEDULES)
+              + f"  {bounds[p]:11.3f}")
     out["scaling_resnet50"] = {str(p): v for p, v in scaling.items()}
+    out["scaling_resnet50_lower_bound"] = {str(p): v for p, v in bounds.items()}
+    out["async"] = _async_tables()
     out["categories"] = list(CATEGORIES)
     out_json.parent.mkdir(parents=True, exist_ok=True)
     out_json.write_text(json.dumps(out, indent=1, default=float))
@@ -173,6 +192,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         _plot_timelines(timeline_png)
     print(f"\nwrote {out_json} ({time.perf_counter() - t0:.1f} s)")
     return 0
+
+
+def _async_tables() -> dict[str, Any]:
+    """Section 6: each schedule's period and lower bound at 64 GPUs, per model; then spd and its async
+    variants with their bounds at every P."""
+    print("\nAsynchronous inverses (issue 17) and the critical-path lower bound: period s (lower bound s), 64 GPUs")
+    print(f"{'':28s} " + " ".join(f"{m:>15s}" for m in MODELS))
+    cases = {m: paper_case(m) for m in MODELS}
+    at64: dict[str, dict[str, dict[str, float]]] = {}
+    for label, sched in ASYNC_ROWS:
+        runs = {m: simulate(c.workload, c.cluster, sched, rank_events=0) for m, c in cases.items()}
+        at64[label] = {m: {"total": tl.total, "lower_bound": tl.lower_bound} for m, tl in runs.items()}
+        print(f"{label:28s} " + " ".join(f"{tl.total:6.3f} ({tl.lower_bound:5.3f})" for tl in runs.values()))
+    print("\nspd / spd-async / spd-async-idle: period s (lower bound s) by P")
+    scaling: dict[str, dict[str, dict[str, dict[str, float]]]] = {}
+    for m, c in cases.items():
+        print(f"{m:>12s}  " + "  ".join(f"{s:>17s}" for s in ASYNC_SCALING))
+        scaling[m] = {}
+        for p in WORLDS:
+            work, cl = c.at_world(p)
+            runs = {s: simulate(work, cl, s, rank_events=0) for s in ASYNC_SCALING}
+            scaling[m][str(p)] = {s: {"total": tl.total, "lower_bound": tl.lower_bound} for s, tl in runs.items()}
+            print(f"{'P = ' + str(p):>12s}  " + "  ".join(f"{tl.total:7.3f} ({tl.lower_bound:6.3f})"
+                                                         for tl in runs.values()))
+    return {"at_64": at64, "scaling": scaling}
 
 
 def _plot(scaling: dict[int, dict[str, float]], path: Path) -> None:

@@ -27,7 +27,7 @@ __all__ = ["DEEPSPEED_CLASS", "DEFAULT_SCHEDULES", "STRATEGY_CLASS", "PlanInputs
            "runtime_config", "sim_schedule_from_options"]
 
 # The schedules ``spdkfac plan`` compares unless told otherwise (names of SIM_SCHEDULES).
-DEFAULT_SCHEDULES = ("dkfac", "mpd", "spd-paper", "spd", "spd-bf16")
+DEFAULT_SCHEDULES = ("dkfac", "mpd", "spd-paper", "spd", "spd-async", "spd-bf16")
 STRATEGY_CLASS = "lightning_spdkfac.SPDKFACStrategy"
 DEEPSPEED_CLASS = "lightning_spdkfac.SPDKFACDeepSpeedStrategy"
 
@@ -60,6 +60,7 @@ def sim_schedule_from_options(options: Any, name: str = "config") -> SimSchedule
         name, pipelining=options.pipelining, fusion=options.fusion, fuse_g=options.fuse_g,
         bucket_mb=float(options.bucket_mb), placement=options.placement, small_factor=options.small_factor,
         bytes_per_element=options.bytes_per_element,
+        async_inverses=bool(getattr(options, "async_inverses", False)),  # once the runtime has it
         description=f"the config's strategy: schedule {options.schedule}, fusion {options.fusion}, placement "
                     f"{options.placement}, comm_dtype {options.comm_dtype}",
     )
@@ -95,6 +96,10 @@ def _runtime_notes(s: SimSchedule) -> list[str]:
     if s.broadcast_order == "owner_turns":
         notes.append("inverse broadcasts issued with owners taking turns: the runtime issues them by predicted "
                      "finish of the inversions (schedule.broadcast_order)")
+    if s.async_inverses and s.async_compute == "idle_time":
+        notes.append("asynchronous inversions simulated in the GPU's idle time only, as a lower-priority side "
+                     "stream would run them: whether the runtime's side stream yields to forward/backward "
+                     "depends on its priority; spd-async (async_compute='before_forward') assumes it does not")
     if s.early_inverse:
         notes.append("inversions start as soon as a factor is reduced: the runtime inverts in the "
                      "optimizer step")
@@ -104,7 +109,8 @@ def _runtime_notes(s: SimSchedule) -> list[str]:
 def runtime_config(schedule: SimSchedule) -> tuple[dict[str, Any], list[str]]:
     """``SPDKFACStrategy`` init arguments that run ``schedule``, and notes on what the runtime does
     differently (empty when it is an exact equivalent). The arguments are validated by
-    ``SPDOptions.from_schedule``."""
+    ``SPDOptions.from_schedule``, except ``async_inverses`` (emitted as ``True`` for an async schedule):
+    the runtime strategies take it under that name, which this module does not check."""
     from ..comm.scheduler import SPDOptions
 
     s = val.check_instance("schedule", schedule, SimSchedule)
@@ -117,6 +123,8 @@ def runtime_config(schedule: SimSchedule) -> tuple[dict[str, Any], list[str]]:
         args["small_factor"] = int(s.small_factor)
     args["comm_dtype"] = "bfloat16" if s.bytes_per_element == 2 else "float32"
     SPDOptions.from_schedule(base, **{k: v for k, v in args.items() if k != "schedule"})  # validates
+    if s.async_inverses:
+        args["async_inverses"] = True
     return args, _runtime_notes(s)
 
 
@@ -222,7 +230,9 @@ def plan(inputs: PlanInputs) -> dict[str, Any]:
     for name, tl in ranked:
         s = tl.extra["schedule"]
         rows.append({"name": name, "description": s.description, "bytes_per_element": s.bytes_per_element,
+                     "async_inverses": s.async_inverses,
                      "breakdown_s": {c: tl.breakdown[c] for c in CATEGORIES}, "total_s": tl.total,
+                     "lower_bound_s": tl.lower_bound,
                      "speedup_vs_dkfac": baseline.total / tl.total if tl.total > 0 else None})
     best_name, best = ranked[0]
     fp32 = next((n for n, t in ranked if t.extra["schedule"].bytes_per_element == 4), None)

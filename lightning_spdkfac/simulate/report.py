@@ -1,7 +1,8 @@
 """The report of ``spdkfac plan``: the text tables of one :func:`~.plan.plan` result, and its JSON file.
 
 :func:`render` prints four sections: the cluster and workload, every compared schedule's simulated
-breakdown (:data:`~.timeline.CATEGORIES`, fastest first, the recommendation marked), the recommended
+breakdown (:data:`~.timeline.CATEGORIES`, fastest first, the recommendation marked) beside its
+critical-path lower bound (:attr:`~.timeline.Timeline.lower_bound`), the recommended
 schedule's fusion groups and inversion placement, and the ``SPDKFACStrategy`` arguments that run it as a
 LightningCLI YAML snippet. :func:`write_json` writes the result itself.
 """
@@ -101,21 +102,29 @@ def _summary(result: dict[str, Any], ms: _Ms) -> list[str]:
 
 def _schedules(result: dict[str, Any], ms: _Ms) -> list[str]:
     out = ["== Simulated iteration, ms (fastest first) =="]
-    headers = ["", "schedule", *CATEGORIES, "total", "speedup"]
+    headers = ["", "schedule", *CATEGORIES, "total", "bound", "speedup"]
     rows = []
     for r in result["schedules"]:
         mark = "*" if r["name"] == result["recommended"] else ""
         rows.append([mark, r["name"], *(ms(r["breakdown_s"][k]) for k in CATEGORIES), ms(r["total_s"]),
-                     _x(r["speedup_vs_dkfac"])])
-    out.append(_table(headers, rows, [False, False] + [True] * (len(CATEGORIES) + 2)))
+                     ms(r["lower_bound_s"]), _x(r["speedup_vs_dkfac"])])
+    out.append(_table(headers, rows, [False, False] + [True] * (len(CATEGORIES) + 3)))
     best = result["schedules"][0]
     out.extend(f"{r['name']}: {r['description']}" for r in result["schedules"] if r["name"] == "config")
+    out.append("bound: the schedule's critical-path lower bound (FF&BP + FactorComp + exposed GradComm + the "
+               "largest inversion, less what overlaps the gradient all-reduce; see simulate.timeline)")
     out.append(f"speedup: over dkfac. * recommended: {best['name']} ({ms(best['total_s'])} ms per iteration, "
                f"{_x(best['speedup_vs_dkfac'])}) - {best['description']}")
     if best["bytes_per_element"] != 4 and result["fastest_fp32"]:
         f = next(r for r in result["schedules"] if r["name"] == result["fastest_fp32"])
         out.append(f"note: {best['name']} sends factors and inverses in bf16, which changes the numerics; the "
                    f"fastest fp32 schedule is {f['name']} ({ms(f['total_s'])} ms, {_x(f['speedup_vs_dkfac'])})")
+    if best.get("async_inverses"):
+        sync = next((r for r in result["schedules"] if not r.get("async_inverses")), None)
+        out.append(f"note: {best['name']} preconditions with inverses one step old (async_inverses: true), which "
+                   "changes the numerics" + (f"; the fastest synchronous schedule is {sync['name']} "
+                                             f"({ms(sync['total_s'])} ms, {_x(sync['speedup_vs_dkfac'])})"
+                                             if sync else ""))
     return out
 
 

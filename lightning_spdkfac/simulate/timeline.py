@@ -13,6 +13,57 @@ Model (one GPU stands for all: data parallelism makes every rank's forward/backw
   timeline of :mod:`lightning_spdkfac.schedule`, the code the runtime plans with);
 * preconditioning last.
 
+**Asynchronous inverses** (``SimSchedule.async_inverses``, the runtime's ``async_inverses``): ``step()``
+preconditions with the inverses it already holds and launches the new inversions and their broadcasts in
+the background; they are swapped in at the start of the next ``step()``, which waits only for what is
+still missing (staleness one step). The simulated interval is then the steady-state *period*, from the
+end of one step to the end of the next, and the inversions in it are the previous step's. Compute is one
+resource: the inversions run on a side stream of the same GPU and add their seconds to its busy time
+(the model has no SM-level concurrency that would let both run at full speed). ``async_compute`` says
+who goes first, the two ends of what a GPU can do with two streams:
+
+* ``"before_forward"`` (default; a side stream of equal priority, whose kernels were queued before the
+  next forward's): every rank runs its inversions at the start of the period, in the sync schedule's
+  order, and forward waits for them. One GPU stands for all, so forward starts when the busiest rank is
+  done (collectives keep the ranks together). Inverses are ready earliest: their broadcasts are launched
+  before any factor reduction and run on the channel during forward/backward, where it is mostly idle;
+  factor reductions that queue behind them count as FactorComm;
+* ``"idle_time"`` (a lower-priority side stream): the inversions get only the compute stream's idle time,
+  which in steady state begins when backward's last factor is computed (the stalls of
+  ``sync_before_launch`` are left unused), so they run beside the gradient
+  all-reduce and forward/backward is never slowed; their broadcasts queue behind the gradient all-reduce.
+
+In both, the inversions wait for no factor reduction (they invert the previous iteration's factors), the
+broadcasts share the one channel with the factor reductions and the gradient all-reduce in launch order,
+and the step waits for the gradient all-reduce and for every inverse on every rank (the last inversion
+and the last broadcast), then preconditions; the period ends there. One interval is the steady state: the
+channel and the side stream are empty at its start (the step before waited for the previous broadcasts),
+so the next interval repeats it (the first iteration, with no inverses to hold yet, is not simulated).
+
+``"idle_time"`` is never slower than the same schedule synchronous, by construction: its inversion phase
+is the synchronous one, same per-rank order and same broadcast order, started when backward ends
+instead of when the channel is free, with the channel free at the same time, so every event of the
+phase is no later (each is a max of sums of earlier ones). ``"before_forward"`` can be slower: forward
+waits for the busiest rank's whole inversion time, which a synchronous schedule may partly hide behind
+its broadcasts, and broadcasts on the channel can delay factor reductions.
+
+**Lower bound** (:attr:`Timeline.lower_bound`, its terms in ``extra["lower_bound_terms"]``): a critical
+path that no ordering of this schedule's work can beat, the sum of
+
+* ``FF&BP`` and ``FactorComp``: one compute stream runs them one after another;
+* ``GradComm``, the exposed gradient all-reduce as simulated: it is launched when backward ends and the
+  step waits for it;
+* ``Inversion``: the largest single inversion, over all factors (an inversion runs on one rank and cannot
+  be split; replicating or owning the factor both cost at least that on some rank; a broadcast may not
+  follow it, so none is counted). A synchronous schedule inverts after the channel is free, so all of it
+  adds. ``"idle_time"`` async (and ``early_inverse``) starts inverting when backward ends, beside the
+  gradient all-reduce, so only the part longer than the exposed ``GradComm`` adds. ``"before_forward"``
+  async runs the busiest rank's inversions (at least the largest one) before forward, so all of it adds;
+* ``Precondition``.
+
+What it leaves out is what a better plan could avoid: exposed factor reductions, the rest of the
+inversions (placement) and the inverse broadcasts.
+
 The plans are made by the runtime's own planners (:func:`~lightning_spdkfac.schedule.plan_fusion`,
 :func:`~lightning_spdkfac.schedule.plan_placement`) from the simulated ready times, as the runtime makes
 them from measured ones.
@@ -50,6 +101,8 @@ LbpMetric = Literal["model", "linear"]
 # The order in which every rank issues the inverse broadcasts: "finish" the runtime's
 # (:func:`~lightning_spdkfac.schedule.broadcast_order`); "owner_turns" the runtime's before issue 17.
 BroadcastOrder = Literal["finish", "owner_turns"]
+# How asynchronous inversions share the GPU with the next forward/backward (module docstring).
+AsyncCompute = Literal["before_forward", "idle_time"]
 CATEGORIES = ("FF&BP", "GradComm", "FactorComp", "FactorComm", "InvComp", "InvComm", "Precondition")
 
 
@@ -85,6 +138,13 @@ class SimSchedule:
             inversion, :func:`~lightning_spdkfac.schedule.broadcast_order`, the function the runtime
             calls; ``"owner_turns"`` the runtime's order before it (owners take turns, each with its next
             factor in layer order, whatever its inversion costs), kept for comparison.
+        async_inverses: the runtime's ``async_inverses``: the step preconditions with the inverses of the
+            previous step while the new ones are computed and broadcast in the background, overlapping
+            the next iteration (the module docstring has the model). Excludes ``early_inverse``.
+        async_compute: with ``async_inverses``, how the inversions share the GPU with the next
+            forward/backward: ``"before_forward"`` (they run first and forward waits for them, as kernels
+            queued first on a stream of equal priority) or ``"idle_time"`` (they run only when the compute
+            stream is idle, after backward, as a lower-priority stream).
     """
 
     name: str
@@ -101,18 +161,24 @@ class SimSchedule:
     early_inverse: bool = False
     sync_before_launch: bool = False
     broadcast_order: BroadcastOrder = "finish"
+    async_inverses: bool = False
+    async_compute: AsyncCompute = "before_forward"
     description: str = ""
 
     def __post_init__(self) -> None:
         val.check_instance("name", self.name, str)
         for flag in ("pipelining", "fuse_g", "plan_full_sizes", "reduce_to_owner", "early_inverse",
-                     "sync_before_launch"):
+                     "sync_before_launch", "async_inverses"):
             val.check_bool(flag, getattr(self, flag))
+        if self.async_inverses and self.early_inverse:
+            raise ValueError("async_inverses and early_inverse exclude each other: async inversions start when "
+                             "backward ends, early ones as each factor is reduced; give one of them")
         val.check_choice("fusion", self.fusion, FUSIONS)
         val.check_real("bucket_mb", self.bucket_mb, val.POSITIVE)
         val.check_choice("placement", self.placement, PLACEMENTS)
         val.check_choice("lbp_metric", self.lbp_metric, typing.get_args(LbpMetric))
         val.check_choice("broadcast_order", self.broadcast_order, typing.get_args(BroadcastOrder))
+        val.check_choice("async_compute", self.async_compute, typing.get_args(AsyncCompute))
         val.check_int("small_factor", self.small_factor, low=0, optional=True)
         val.check_int("bytes_per_element", self.bytes_per_element, low=1)
         val.check_instance("description", self.description, str)
@@ -150,6 +216,18 @@ SIM_SCHEDULES: dict[str, SimSchedule] = {
         SimSchedule("spd-reduce", reduce_to_owner=True, description="spd, owned factors reduced to their owner"),
         SimSchedule("spd-bf16-early", bytes_per_element=2, early_inverse=True,
                     description="spd-bf16 with early inversions"),
+        SimSchedule("spd-async", async_inverses=True,
+                    description="spd with asynchronous inverses: inversions and broadcasts of one step "
+                    "overlap the next iteration (one step stale)"),
+        SimSchedule("spd-async-idle", async_inverses=True, async_compute="idle_time",
+                    description="spd-async with inversions only in the GPU's idle time after backward "
+                    "(a low-priority side stream)"),
+        SimSchedule("spd-bf16-async", bytes_per_element=2, async_inverses=True,
+                    description="spd-async with factors and inverses sent in bf16"),
+        SimSchedule("mpd-async", placement="round_robin", async_inverses=True, **_PAPER_BASE,
+                    description="MPD-KFAC with asynchronous inverses"),
+        SimSchedule("dkfac-async", placement="replicated", async_inverses=True, **_PAPER_BASE,
+                    description="D-KFAC with asynchronous inverses (every GPU inverts all, in the background)"),
     )
 }
 
@@ -180,6 +258,12 @@ class Timeline:
     @property
     def total(self) -> float:
         return sum(self.breakdown.values())
+
+    @property
+    def lower_bound(self) -> float:
+        """Seconds no ordering of this schedule's work can beat: the critical path of the module docstring,
+        the sum of ``extra["lower_bound_terms"]``. Never above :attr:`total`."""
+        return sum(self.extra["lower_bound_terms"].values())
 
     def chrome_trace(self) -> dict:
         """The events as a Chrome trace (open in https://ui.perfetto.dev or chrome://tracing): one row
@@ -333,6 +417,7 @@ class _Phase:
     done: dict[int, float]  # factor position -> its reduction is complete
     t_compute: float
     t_comm: float
+    inv_start: float  # when the inversions may start: the channel free (sync) or backward's end (async)
     shown: int  # ranks whose inversion events are recorded
     events: list[Event]
     bcast_order: list[int] = field(default_factory=list)  # owned factors (positions), in issue order
@@ -348,7 +433,7 @@ def _inversions_in_order(ph: _Phase, tasks_per_rank: list[list[int]]) -> tuple[l
     for r, tasks in enumerate(tasks_per_rank):
         tr = ph.t_compute
         for i in sorted(tasks, key=lambda i: (ph.done[i], tasks.index(i))) if early else tasks:
-            begin = max(tr, ph.done[i] if early else ph.t_comm)
+            begin = max(tr, ph.done[i] if early else ph.inv_start)
             tr = begin + ph.cluster.inverse.time(ph.sides[i])
             if r < ph.shown:
                 ph.events.append(Event(f"rank {r}", "InvComp", f"invert {ph.order[i]}", begin, tr))
@@ -380,34 +465,73 @@ def _owner_turns(order: list[tuple[int, str]], owners: Sequence[int]) -> list[in
 
 def _inversions_planned(ph: _Phase, placement: Placement) -> tuple[list[float], float]:
     """The runtime's own timeline of the inversion phase (:func:`~lightning_spdkfac.schedule.simulate_placement`,
-    broadcasts in the schedule's order), started when the channel is free. Returns each rank's end and
-    the end of the broadcasts."""
-    start, inv = ph.t_comm, ph.cluster.inverse
+    broadcasts in the schedule's order), with the inversions started at ``ph.inv_start`` and the
+    broadcasts on the channel, free from ``ph.t_comm``. Returns each rank's end and the end of the
+    broadcasts."""
+    start, inv = ph.inv_start, ph.cluster.inverse
     issue = _owner_turns(ph.order, placement.owners) if ph.schedule.broadcast_order == "owner_turns" else None
     pt = simulate_placement(placement, ph.sides, inv, ph.cluster.broadcast,
                             bytes_per_element=ph.schedule.bytes_per_element, order=issue)
-    bcast_end = start
-    for i, s, e in zip(pt.broadcast_order, pt.broadcast_start, pt.broadcast_end):
-        ph.events.append(Event("comm", "InvComm", f"broadcast {ph.order[i]}", start + s, start + e))
-        bcast_end = start + e
     ph.bcast_order = list(pt.broadcast_order)
     for r in range(min(ph.cluster.world_size, ph.shown)):
         tr = start  # each owner inverts in the issue order (the default's is inverted_by), then the replicated
-        mine = (inverted_by(placement, r) if issue is None
-                else [i for i in issue if placement.owners[i] == r] + list(placement.replicated))
-        for i in mine:
+        for i in [i for i in pt.broadcast_order if placement.owners[i] == r] + list(placement.replicated):
             ph.events.append(Event(f"rank {r}", "InvComp", f"invert {ph.order[i]}", tr, tr + inv.time(ph.sides[i])))
             tr += inv.time(ph.sides[i])
-    return [start + e for e in pt.compute_end], bcast_end
+    clock: dict[int, float] = {}
+    ready: dict[int, float] = {}  # owned factor -> its inverse is computed
+    for i in pt.broadcast_order:
+        o = placement.owners[i]
+        clock[o] = ready[i] = clock.get(o, start) + inv.time(ph.sides[i])
+    free = ph.t_comm
+    for i in pt.broadcast_order:
+        b0 = max(free, ready[i])
+        free = b0 + ph.cluster.broadcast.time(triu_size(ph.sides[i]) * ph.schedule.bytes_per_element)
+        ph.events.append(Event("comm", "InvComm", f"broadcast {ph.order[i]}", b0, free))
+    return [start + e for e in pt.compute_end], free
+
+
+def _lower_bound_terms(schedule: SimSchedule, workload: Workload, grad_exposed: float,
+                       longest_inversion: float) -> dict[str, float]:
+    """The terms of :attr:`Timeline.lower_bound` (module docstring): the inversion term is the largest
+    single inversion, less the exposed gradient all-reduce it can run beside when inversions start at the
+    end of backward (``idle_time`` async, early)."""
+    beside = schedule.early_inverse or (schedule.async_inverses and schedule.async_compute == "idle_time")
+    return {"FF&BP": workload.ff_bp, "GradComm": grad_exposed, "FactorComp": workload.factor_comp,
+            "Inversion": max(0.0, longest_inversion - grad_exposed) if beside else longest_inversion,
+            "Precondition": workload.precondition}
+
+
+def _given_placement(placement: object, world: int, factors: int) -> Placement | None:
+    """``simulate``'s ``placement`` argument, checked against the cluster and the workload."""
+    p = val.check_instance("placement", placement, Placement)
+    if p.world_size != world or len(p.owners) != factors:
+        raise ValueError(f"placement must be for {world} ranks and {factors} factors, got {p.world_size} ranks and "
+                         f"{len(p.owners)} factors")
+    return p if world > 1 else None
+
+
+def _inversion_phase(ph: _Phase, placement: Placement | None) -> tuple[list[float], float]:
+    """Each rank's end of the inversions and the end of the broadcasts, under the schedule's placement
+    (None: one GPU, which inverts everything)."""
+    if placement is None:
+        return _inversions_in_order(ph, [list(range(len(ph.order)))])
+    if ph.schedule.early_inverse:
+        return _inversions_in_order(ph, [inverted_by(placement, r) for r in range(ph.cluster.world_size)])
+    return _inversions_planned(ph, placement)
 
 
 def simulate(workload: Workload, cluster: Cluster, schedule: SimSchedule | str, *,
-             rank_events: int | None = 8) -> Timeline:
+             rank_events: int | None = 8, placement: Placement | None = None) -> Timeline:
     """Simulate one iteration of ``workload`` on ``cluster`` under ``schedule`` (an object or a name of
-    :data:`SIM_SCHEDULES`).
+    :data:`SIM_SCHEDULES`). With ``async_inverses`` the timeline is the steady-state period, whose
+    inversions and broadcasts are the previous iteration's (module docstring).
 
     ``rank_events``: the inversion events of ranks ``0 .. rank_events - 1`` are recorded (None: every
     rank); the breakdown always accounts for every rank.
+
+    ``placement``: inversion owners to use instead of the schedule's planner (to evaluate a placement no
+    planner makes); one owner per factor, in :attr:`Timeline.order`, for ``cluster.world_size`` ranks.
     """
     val.check_int("rank_events", rank_events, low=0, optional=True)
     schedule = as_sim_schedule("schedule", schedule)
@@ -425,13 +549,22 @@ def simulate(workload: Workload, cluster: Cluster, schedule: SimSchedule | str, 
     sides = [layers[i].a_side if w == "A" else layers[i].g_side for i, w in order]
 
     # -- placement (static: from sizes and models) and fusion (from the profiled ready times)
-    placement = _placement(schedule, cluster, sides) if world > 1 else None
+    placement = _given_placement(placement, world, len(sides)) if placement is not None else (
+        _placement(schedule, cluster, sides) if world > 1 else None)
     owners = placement.owners if placement is not None else tuple([REPLICATED] * len(order))
     plan = (_fusion(schedule, order, sides, [ready[k] for k in order], cluster.allreduce) if world > 1
             else FusionPlan((), "dtf"))
 
     # -- the run: compute and the channel together, then the gradient all-reduce
     channel = _Channel(events)
+    ahead, first = None, None
+    if schedule.async_inverses and schedule.async_compute == "before_forward":
+        # the previous step's inversions, served before this forward; their broadcasts first on the channel
+        first = _Phase(schedule, cluster, order, sides, tuple(owners), {}, 0.0, 0.0, 0.0, shown, events)
+        ahead = _inversion_phase(first, placement)
+        channel.free = ahead[1]
+        pieces = [("InvComp", "inversions of the previous step (side stream)", max(ahead[0], default=0.0), None),
+                  *pieces]
     t_compute = _compute_and_reductions(schedule, pieces, order, plan.groups,
                                         lambda g: _group_seconds(schedule, cluster, sides, owners, g), channel)
     grad = _grad_comm(workload, cluster)
@@ -440,14 +573,11 @@ def simulate(workload: Workload, cluster: Cluster, schedule: SimSchedule | str, 
     t_comm = max(channel.free, t_compute)
     done = channel.done if world > 1 else {i: t_compute for i in range(len(order))}
 
-    # -- inversions and broadcasts
-    phase = _Phase(schedule, cluster, order, sides, tuple(owners), done, t_compute, t_comm, shown, events)
-    if placement is None:
-        rank_end, bcast_end = _inversions_in_order(phase, [list(range(len(order)))])
-    elif schedule.early_inverse:
-        rank_end, bcast_end = _inversions_in_order(phase, [inverted_by(placement, r) for r in range(world)])
-    else:
-        rank_end, bcast_end = _inversions_planned(phase, placement)
+    # -- inversions and broadcasts (after the channel is free; async: after backward, or ahead of forward)
+    phase = first or _Phase(schedule, cluster, order, sides, tuple(owners), done, t_compute, t_comm,
+                            t_compute if schedule.async_inverses else t_comm, shown, events)
+    rank_end, bcast_end = ahead if ahead is not None else _inversion_phase(phase, placement)
+    lead = max(rank_end, default=0.0) if ahead is not None else 0.0  # inversion seconds before forward
     t_inv = max(rank_end) if rank_end else t_comm
     t_end = max(t_inv, bcast_end, t_comm)
 
@@ -456,8 +586,9 @@ def simulate(workload: Workload, cluster: Cluster, schedule: SimSchedule | str, 
         "FF&BP": workload.ff_bp,
         "GradComm": grad_exposed,
         "FactorComp": workload.factor_comp,
-        "FactorComm": max(0.0, t_comm - t_busy - grad_exposed),  # stalls in compute + exposed after it
-        "InvComp": max(0.0, t_inv - t_comm),
+        # stalls in compute + exposed after it (with inversions ahead: reductions queued behind their broadcasts)
+        "FactorComm": max(0.0, t_comm - t_busy - lead - grad_exposed),
+        "InvComp": lead + max(0.0, t_inv - t_comm),
         "InvComm": t_end - max(t_inv, t_comm),
         "Precondition": workload.precondition,
     }
@@ -466,7 +597,9 @@ def simulate(workload: Workload, cluster: Cluster, schedule: SimSchedule | str, 
     return Timeline(
         events=events, breakdown=breakdown, groups=plan.groups, order=order, owners=tuple(owners),
         extra={"t_compute": t_compute, "t_comm": t_comm, "t_inv": t_inv,
-               "sides": sides, "schedule": schedule, "broadcast_order": phase.bcast_order},
+               "sides": sides, "schedule": schedule, "broadcast_order": phase.bcast_order,
+               "lower_bound_terms": _lower_bound_terms(schedule, workload, grad_exposed,
+                                                       max((cluster.inverse.time(n) for n in sides), default=0.0))},
     )
 
 

@@ -1,0 +1,86 @@
+"""What a placement planned for asynchronous inverses could give, in the cluster simulator (issue 17).
+
+Run ``python benchmarks/async_placement.py`` (about 30 s; ``--worlds 8,64``). ``spd``'s placement
+(``lbp_channel``) chooses how many of the largest factors to own by the end of a *synchronous* inversion
+phase, where inversions and broadcasts start together after the gradient all-reduce. With async inverses
+(``spd-async``) the inversions come before the next forward and their broadcasts use the channel while it
+is idle during forward/backward, so that choice is no longer the best one. This script keeps
+``lbp_channel``'s candidates (the ``k`` largest factors by owner cost owned, assigned by LPT, the rest
+replicated; ``k = 0 .. F``) and picks ``k`` by the simulated async period instead. The runtime has no such
+planner: the figures say what one would be worth, next to ``spd``, ``spd-async`` and the lower bound.
+Prints a table and writes nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from lightning_spdkfac.schedule import REPLICATED, Placement  # noqa: E402
+from lightning_spdkfac.schedule.placement import message_bytes  # noqa: E402
+from lightning_spdkfac.simulate import Cluster, Workload, simulate  # noqa: E402
+from lightning_spdkfac.simulate.paper import PAPER_WORLD, paper_case  # noqa: E402
+
+MODELS = ("resnet50", "resnet152", "densenet201", "inception_v4")
+
+
+def candidates(sides: Sequence[int], cluster: Cluster) -> list[tuple[int, Placement]]:
+    """``(k, placement)`` for k = 0 .. F: the k largest factors by owner cost (inversion + broadcast) owned,
+    each on the least-loaded rank so far (LPT, ties to the lower rank), the rest replicated."""
+    world = cluster.world_size
+    inv = [cluster.inverse.time(n) for n in sides]
+    cost = [t + cluster.broadcast.time(message_bytes(n)) for t, n in zip(inv, sides)]
+    order = sorted(range(len(sides)), key=lambda i: (-cost[i], i))
+    heap = [(0.0, r) for r in range(world)]
+    rank_of = {}
+    for i in order:
+        load, r = heapq.heappop(heap)
+        rank_of[i] = r
+        heapq.heappush(heap, (load + cost[i], r))
+    out = []
+    for k in range(len(order) + 1):
+        owners = [REPLICATED] * len(sides)
+        for i in order[:k]:
+            owners[i] = rank_of[i]
+        replicated = sum(t for t, o in zip(inv, owners) if o == REPLICATED)
+        load = [replicated] * world
+        for i in order[:k]:
+            load[rank_of[i]] += cost[i]
+        out.append((k, Placement(tuple(owners), "lbp_channel", tuple(load))))
+    return out
+
+
+def best_async(work: Workload, cluster: Cluster) -> tuple[float, int]:
+    """The shortest spd-async period over the candidates, and its k."""
+    sides = simulate(work, cluster, "spd", rank_events=0).extra["sides"]
+    runs = [(simulate(work, cluster, "spd-async", rank_events=0, placement=p).total, k)
+            for k, p in candidates(sides, cluster)]
+    return min(runs)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--worlds", default=str(PAPER_WORLD), help="comma-separated GPU counts (default 64)")
+    args = ap.parse_args(argv)
+    worlds = [int(w) for w in args.worlds.split(",")]
+    print(f"{'model':>13s} {'P':>5s} {'spd':>7s} {'spd-async':>9s} {'planned':>7s} {'k/F':>8s} {'bound':>7s}")
+    for name in MODELS:
+        case = paper_case(name)
+        for p in worlds:
+            work, cluster = (case.workload, case.cluster) if p == PAPER_WORLD else case.at_world(p)
+            spd, spd_async = (simulate(work, cluster, s, rank_events=0) for s in ("spd", "spd-async"))
+            period, k = best_async(work, cluster)
+            print(f"{name:>13s} {p:5d} {spd.total:7.3f} {spd_async.total:9.3f} {period:7.3f} "
+                  f"{f'{k}/{len(spd.order)}':>8s} {spd_async.lower_bound:7.3f}")
+    print("planned: spd-async with the lbp_channel candidate of shortest async period (k factors owned of F); "
+          "bound: Timeline.lower_bound of spd-async")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
