@@ -158,10 +158,10 @@ def test_paper_models_at_64_gpus(model):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("world", [w for w in WORLDS if w <= 256])
 def test_lower_bound_under_every_schedule_everywhere(world):
-    """Every named schedule, every paper model, every cluster size of the paper table (about 50 s in all,
-    most of it at 1024 GPUs)."""
+    """Every named schedule, every paper model, the paper table's cluster sizes up to 256 GPUs (about 20 s; 1024
+    would add 30 s to a suite near its 10-minute budget, for the same formula at another size)."""
     for model in MODELS:
         work, cluster = paper_case(model).at_world(world)
         for name in SIM_SCHEDULES:
@@ -186,9 +186,8 @@ def test_plan_shows_the_bound_and_recommends_async(tmp_path, capsys):
     assert "spd-async" in marked
     assert "async_inverses: true" in out and "inverses one step old" in out
     args = dict(data["runtime"]["strategy"]["init_args"])
-    assert args.pop("async_inverses") is True
-    # TO ADJUST when SPDOptions takes async_inverses (the runtime's half of issue 17): check it with the rest
-    assert isinstance(SPDOptions.from_schedule(args.pop("schedule"), **args), SPDOptions)
+    assert args["async_inverses"] is True
+    assert SPDOptions.from_schedule(args.pop("schedule"), **args).async_inverses is True
 
 
 def test_runtime_config_of_async_schedules():

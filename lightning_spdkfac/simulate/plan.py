@@ -60,9 +60,12 @@ def sim_schedule_from_options(options: Any, name: str = "config") -> SimSchedule
         name, pipelining=options.pipelining, fusion=options.fusion, fuse_g=options.fuse_g,
         bucket_mb=float(options.bucket_mb), placement=options.placement, small_factor=options.small_factor,
         bytes_per_element=options.bytes_per_element,
-        async_inverses=bool(getattr(options, "async_inverses", False)),  # once the runtime has it
-        description=f"the config's strategy: schedule {options.schedule}, fusion {options.fusion}, placement "
-                    f"{options.placement}, comm_dtype {options.comm_dtype}",
+        # None (the callback's setting) and "auto" (timed on the job) are simulated synchronous
+        async_inverses=options.async_inverses is True,
+        description=f"the config's strategy: schedule {options.schedule}"
+                    f"{' (timed on the job; simulated as spd)' if options.schedule == 'auto' else ''}, fusion "
+                    f"{options.fusion}, placement {options.placement}, comm_dtype {options.comm_dtype}"
+                    f"{', async inverses' if options.async_inverses is True else ''}",
     )
 
 
@@ -109,8 +112,7 @@ def _runtime_notes(s: SimSchedule) -> list[str]:
 def runtime_config(schedule: SimSchedule) -> tuple[dict[str, Any], list[str]]:
     """``SPDKFACStrategy`` init arguments that run ``schedule``, and notes on what the runtime does
     differently (empty when it is an exact equivalent). The arguments are validated by
-    ``SPDOptions.from_schedule``, except ``async_inverses`` (emitted as ``True`` for an async schedule):
-    the runtime strategies take it under that name, which this module does not check."""
+    ``SPDOptions.from_schedule`` (``async_inverses`` is emitted as ``True`` for an async schedule only)."""
     from ..comm.scheduler import SPDOptions
 
     s = val.check_instance("schedule", schedule, SimSchedule)
@@ -122,9 +124,9 @@ def runtime_config(schedule: SimSchedule) -> tuple[dict[str, Any], list[str]]:
     if s.small_factor is not None:
         args["small_factor"] = int(s.small_factor)
     args["comm_dtype"] = "bfloat16" if s.bytes_per_element == 2 else "float32"
-    SPDOptions.from_schedule(base, **{k: v for k, v in args.items() if k != "schedule"})  # validates
     if s.async_inverses:
         args["async_inverses"] = True
+    SPDOptions.from_schedule(base, **{k: v for k, v in args.items() if k != "schedule"})  # validates
     return args, _runtime_notes(s)
 
 
