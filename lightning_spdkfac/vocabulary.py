@@ -33,6 +33,8 @@ FactorApproxName = Literal["auto", "expand", "reduce"]
 # damping ("cholesky"), or by eigendecompositions of both factors with the exact damping of the block ("eigen").
 # See docs/math.md.
 InverseMethodName = Literal["cholesky", "eigen"]
+# Whose step size each layer's K-FAC direction takes (kfac/grafting.py): SGD's (the gradient's norm) or Adam's.
+GraftingName = Literal["sgd", "adam"]
 
 SCHEDULES: tuple[ScheduleName, ...] = typing.get_args(ScheduleName)
 SCHEDULE_CHOICES: tuple[ScheduleChoice, ...] = typing.get_args(ScheduleChoice)
@@ -41,6 +43,7 @@ PLACEMENTS: tuple[PlacementName, ...] = typing.get_args(PlacementName)
 COMM_DTYPE_NAMES: tuple[CommDtypeName, ...] = typing.get_args(CommDtypeName)
 FACTOR_APPROXES: tuple[FactorApproxName, ...] = typing.get_args(FactorApproxName)
 INVERSE_METHODS: tuple[InverseMethodName, ...] = typing.get_args(InverseMethodName)
+GRAFTINGS: tuple[GraftingName, ...] = typing.get_args(GraftingName)
 # The placements that balance load by cost and so can replicate small factors (``small_factor``).
 LOAD_BALANCED_PLACEMENTS: tuple[PlacementName, ...] = ("lbp", "lbp_channel")
 

@@ -15,6 +15,7 @@ from typing import Any, TypeGuard
 import torch
 
 from ..vocabulary import FACTOR_APPROXES, INVERSE_METHODS
+from .grafting import AdamGraftState
 from .layer_state import KFACLayer
 from .options import KFACOptions
 
@@ -36,6 +37,7 @@ class CheckpointState:
     factor_dtype: torch.dtype
     inv_dtype: torch.dtype
     options: KFACOptions
+    _graft_states: dict[int, AdamGraftState]
 
     def _drop_collected(self) -> None:
         """Forget the statistics collected since the last step (the preconditioner's)."""
@@ -66,6 +68,10 @@ class CheckpointState:
                 continue
             layers[name] = {"A": ly.A, "G": ly.G, "A_inv": ly.A_inv, "G_inv": ly.G_inv}
         extra: dict[str, Any] = {}
+        by_index = {ly.index: name for name, ly in self.layers.items()}
+        moments = {by_index[i]: {"v": st.v, "t": st.t} for i, st in self._graft_states.items() if st.v is not None}
+        if moments:  # grafting="adam" (kfac/grafting.py)
+            extra["grafting_moments"] = moments
         if self.options.inverse_method != "cholesky":  # a cholesky state is what it was before the option
             extra["inverse_method"] = self.options.inverse_method
             extra["inverse_damping"] = {name: ly.inv_damping for name, ly in self.layers.items()
@@ -129,6 +135,11 @@ class CheckpointState:
         # to another trajectory (Lightning's lr finder and batch-size finder run throwaway steps without
         # this callback, then restore their checkpoint, and the same fit trains on) and are dropped.
         self._drop_collected()
+        self._graft_states.clear()
+        for name, entry in (state.get("grafting_moments") or {}).items():
+            st = self._graft_states[self.layers[name].index] = AdamGraftState()
+            st.v = entry["v"].to(device=self.layers[name].helper.module.weight.device, dtype=torch.float64).clone()
+            st.t = int(entry["t"])
         self.steps = int(state["steps"])
         for key in COUNTERS:
             setattr(self, key, int(state.get(key, 0)))
@@ -170,6 +181,7 @@ class CheckpointState:
             _check_inverse_damping(state.get("inverse_damping"), factors, corrupt)
         if dims is not None:
             self._check_sides_without_factors(dims, layers, mismatch)
+        self._check_graft_moments(state.get("grafting_moments"), corrupt)
         if mismatch or corrupt:
             what = " and ".join(w for w, p in (("does not match this model", mismatch), ("is corrupt", corrupt)) if p)
             lines = mismatch + corrupt
@@ -178,6 +190,25 @@ class CheckpointState:
                 "loaded:\n  " + "\n  ".join(lines) + "\n" + _SKIP_HINT
             )
         return factors
+
+    def _check_graft_moments(self, moments: Any, corrupt: list[str]) -> None:
+        """``grafting_moments`` (optional): layer name -> {"v": finite non-negative out x a_dim tensor, "t": count}."""
+        if moments is None:
+            return
+        if not isinstance(moments, Mapping):
+            corrupt.append(f"'grafting_moments' must be a dict of layer name -> moments, got a {type(moments).__name__}")
+            return
+        for name, entry in moments.items():
+            layer = self.layers.get(name) if isinstance(name, str) else None
+            if layer is None:
+                corrupt.append(f"'grafting_moments' names {name!r}, not a K-FAC layer of this model")
+                continue
+            v, t = (entry.get("v"), entry.get("t")) if isinstance(entry, Mapping) else (None, None)
+            want = (layer.helper.g_dim, layer.helper.a_dim)
+            if (not isinstance(v, torch.Tensor) or tuple(v.shape) != want or not _is_count(t)
+                    or not bool(torch.isfinite(v).all()) or bool((v < 0).any())):
+                corrupt.append(f"layer {name!r}: its grafting moments must be {{'v': a finite non-negative {want[0]} x "
+                               f"{want[1]} tensor, 't': a count}}, got {entry!r:.120}")
 
     def _check_layer_names(self, dims: dict[str, tuple[int, int]] | None, layers: Mapping[Any, Any],
                            mismatch: list[str]) -> None:

@@ -20,7 +20,14 @@ from typing import Any
 import torch
 
 from .. import validation as val
-from ..vocabulary import FACTOR_APPROXES, INVERSE_METHODS, FactorApproxName, InverseMethodName
+from ..vocabulary import (
+    FACTOR_APPROXES,
+    GRAFTINGS,
+    INVERSE_METHODS,
+    FactorApproxName,
+    GraftingName,
+    InverseMethodName,
+)
 
 FACTOR_DTYPES = ("float32", "float64", "bfloat16", "float16")
 INV_DTYPES = ("float32", "float64")
@@ -66,6 +73,11 @@ class KFACOptions:
             uses those of the last inverse step before k (a layer's first inverses are computed at once).
             See docs/math.md, "Asynchronous inverses". A distributed strategy's own ``async_inverses``,
             when set, decides instead.
+        grafting: None (default), or rescale each layer's preconditioned gradient to the norm of the
+            direction another optimizer would take: ``"sgd"`` (the gradient's norm: an lr tuned for SGD
+            carries over) or ``"adam"`` (Adam's direction without momentum, from a second moment kept
+            here; for an SGD-type base optimizer at an lr tuned for Adam). See
+            :mod:`lightning_spdkfac.kfac.grafting`.
     """
 
     # The defaults are the winners of benchmarks/time_to_accuracy.py (README, "Time to accuracy"): the
@@ -85,6 +97,7 @@ class KFACOptions:
     factor_approx: FactorApproxName = "auto"
     inverse_method: InverseMethodName = "cholesky"
     async_inverses: bool = False
+    grafting: GraftingName | None = None
 
     def __post_init__(self) -> None:
         val.check_schedule("damping", self.damping, val.NONNEGATIVE)
@@ -102,6 +115,7 @@ class KFACOptions:
         val.check_choice("factor_approx", self.factor_approx, FACTOR_APPROXES)
         val.check_choice("inverse_method", self.inverse_method, INVERSE_METHODS)
         val.check_bool("async_inverses", self.async_inverses)
+        val.check_choice("grafting", self.grafting, GRAFTINGS, optional=True)
         object.__setattr__(self, "skip_layers", patterns("skip_layers", self.skip_layers))
         object.__setattr__(self, "factor_dtype", dtype("factor_dtype", self.factor_dtype, FACTOR_DTYPES))
         object.__setattr__(self, "inv_dtype", dtype("inv_dtype", self.inv_dtype, INV_DTYPES))

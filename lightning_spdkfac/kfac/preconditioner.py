@@ -33,6 +33,7 @@ from ..telemetry import StepTimer, capped_threads
 from .checkpoint import STATE_VERSION, CheckpointState
 from .distributor import Distributor, FactorKey, PendingInverses, Task
 from .gradients import GradAccess
+from .grafting import DEFAULT_BETA2, DEFAULT_EPS, AdamGraftState, graft
 from .guard import NonFiniteGuard
 from .hook_tools import autocast_off, eager, in_backward
 from .inverse import (
@@ -179,6 +180,9 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
         # Inversions running asynchronously (async_inverses), launched by an inverse step and swapped in at the
         # start of the next step(); None when nothing is in flight.
         self._in_flight: _InFlight | None = None
+        # grafting="adam": each layer's second moment (by layer index); (beta2, eps) of the stepping optimizer.
+        self._graft_states: dict[int, AdamGraftState] = {}
+        self._graft_hparams = (DEFAULT_BETA2, DEFAULT_EPS)
         self.distributor.kfac_settings = self.settings_text()
         self.distributor.setup([(ly.helper.a_dim, ly.helper.g_dim) for ly in self.layers.values()])
         self.distributor.step = self.steps
@@ -247,7 +251,7 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
             "lr": show(o.lr) if o.lr is not None else "the optimizer's", "factor_update_steps": o.factor_update_steps,
             "inv_update_steps": o.inv_update_steps, "factor_dtype": o.factor_dtype, "inv_dtype": o.inv_dtype,
             "max_bad_steps": o.max_bad_steps, "factor_approx": o.factor_approx, "inverse_method": o.inverse_method,
-            "async_inverses": o.async_inverses, "grad_scaler": self.grad_scaler is not None,
+            "async_inverses": o.async_inverses, "grafting": o.grafting, "grad_scaler": self.grad_scaler is not None,
         }
         layers = [f"{ly.name}({ly.helper.a_dim}x{ly.helper.g_dim}{', reduce' if ly.reduce else ''})"
                   for ly in self.layers.values()]
@@ -709,6 +713,10 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
         # Layer order, not arrival order: the KL sum must add up in the same order on every rank
         # (arrival order depends on which inverses a rank owns), or the replicas drift apart.
         todo, precs, grads = zip(*(done[i] for i in sorted(done)))
+        if self.options.grafting is not None:
+            states = [self._graft_states.setdefault(ly.index, AdamGraftState()) for ly in todo]
+            beta2, eps = self._graft_hparams
+            precs = tuple(graft(self.options.grafting, precs, grads, states, beta2, eps))
         scale = None
         if self.kl_clip is not None:
             scale = self._kl_scale(k, todo, precs, grads)
@@ -748,7 +756,12 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
                     "step(optimizer) with the optimizer about to step (each layer then uses its param group's "
                     "lr), or pass lr= (a number or a callable of the step), or kl_clip=None")
             self._stepping = None
+            self._graft_hparams = (DEFAULT_BETA2, DEFAULT_EPS)
             return
+        group0 = optimizer.param_groups[0] if getattr(optimizer, "param_groups", None) else {}
+        betas, eps = group0.get("betas"), group0.get("eps")
+        self._graft_hparams = ((float(betas[1]), float(eps)) if isinstance(betas, (tuple, list)) and eps is not None
+                               else (DEFAULT_BETA2, DEFAULT_EPS))
         groups = self._step_groups.get(id(optimizer))
         if groups is None or not groups.current(optimizer):
             layers = [(ly.index, ly.name, ly.helper.params()) for ly in self.layers.values()]

@@ -34,7 +34,7 @@ from ..kfac.gradients import GradAccess
 from ..kfac.options import KFACOptions
 from ..kfac.preconditioner import KFACPreconditioner
 from ..telemetry import WindowStats
-from ..vocabulary import FactorApproxName, InverseMethodName
+from ..vocabulary import FactorApproxName, GraftingName, InverseMethodName
 from .protocol import KFACStrategy
 
 if TYPE_CHECKING:
@@ -113,6 +113,10 @@ class KFACCallbackBody(_CallbackBase):
             next step swaps them in, waiting only for what is not done. Each step then uses inverses exactly
             one step staler (a layer's first ones are computed at once). A K-FAC strategy's own
             ``async_inverses``, when set, decides instead. Default False. See docs/math.md.
+        grafting: None (default), ``"sgd"`` or ``"adam"``: rescale each layer's preconditioned gradient to
+            the norm of the gradient (SGD's step) or of Adam's direction (from second moments kept by
+            K-FAC), so that the base optimizer's tuned lr carries over; ``"adam"`` is for an SGD-type base
+            optimizer run at an Adam lr (see :mod:`lightning_spdkfac.kfac.grafting`).
         load_state: what ``trainer.fit(ckpt_path=...)`` does with the checkpoint's K-FAC state.
             ``"strict"`` (default) restores it, and refuses a state saved for another model (layers
             missing or unexpected, other factor shapes) or a corrupt one (missing keys, wrong types,
@@ -164,6 +168,7 @@ class KFACCallbackBody(_CallbackBase):
         factor_approx: FactorApproxName = _D.factor_approx,
         inverse_method: InverseMethodName = _D.inverse_method,
         async_inverses: bool = _D.async_inverses,
+        grafting: GraftingName | None = _D.grafting,
         load_state: Literal["strict", "skip"] = "strict",
     ) -> None:
         super().__init__()
@@ -183,6 +188,7 @@ class KFACCallbackBody(_CallbackBase):
             factor_update_steps=factor_update_steps, inv_update_steps=inv_update_steps, skip_layers=skip_layers,
             factor_dtype=factor_dtype, inv_dtype=inv_dtype, max_bad_steps=max_bad_steps,
             factor_approx=factor_approx, inverse_method=inverse_method, async_inverses=async_inverses,
+            grafting=grafting,
         )
         self.lr = lr
         self.log_step_time = val.check_bool("log_step_time", log_step_time)
@@ -516,7 +522,7 @@ def _where(trainer: pl.Trainer) -> str:
 
 # Arguments KFAC.__init__ checks itself; any other is held to its annotation (val.check_annotations).
 _CHECKED = ("damping", "factor_decay", "kl_clip", "lr", "factor_update_steps", "inv_update_steps", "skip_layers",
-            "factor_dtype", "inv_dtype", "factor_approx", "inverse_method", "async_inverses", "log_step_time", "trace_step", "trace_dir")
+            "factor_dtype", "inv_dtype", "factor_approx", "inverse_method", "async_inverses", "grafting", "log_step_time", "trace_step", "trace_dir")
 def _folder(name: str, value: object) -> str:
     if not isinstance(value, (str, os.PathLike)):
         raise TypeError(f"{name} must be a folder path (a non-empty string), got {val.show(value)}")
