@@ -30,7 +30,9 @@ Protocol, per workload:
    optimizer and lr (no K-FAC-specific tuning), ``KFAC(factor_approx="reduce")`` likewise, and a
    damping sweep (damping x base lr in {lr/3, lr, 3 lr}; its point at the library's default damping and
    the base lr is the defaults run, not run twice). The tuned-K-FAC row is the damping sweep's best
-   point. ``--candidates`` adds named K-FAC configurations (the evidence for the defaults), and
+   point. ``--candidates`` adds named K-FAC configurations (the evidence for the defaults; besides K-FAC
+   options an entry may set ``lr_factor``, a factor of the best baseline's lr, and ``optimizer``, the base
+   optimizer), and
    ``--baselines-from`` reuses an earlier run's recorded baseline sweep (the winner is still re-run
    beside K-FAC, interleaved, and every ratio is taken against that re-run).
 
@@ -74,6 +76,9 @@ from lightning_spdkfac.kfac.options import KFACOptions
 DEFAULT_DAMPING = KFACOptions().damping  # what KFAC() uses
 DAMPINGS = (1e-4, 1e-3, 1e-2, 1e-1)
 LR_FACTORS = (1 / 3, 1.0, 3.0)
+# Keys of a --candidates entry that are not K-FAC options: the lr as a factor of the best baseline's, and the
+# base optimizer ("sgd" or "adamw"; default: the best baseline's).
+CANDIDATE_KEYS = ("lr_factor", "optimizer")
 
 
 # ------------------------------------------------------------------------------ optimizers
@@ -419,8 +424,8 @@ def run_workload(w: Workload, seeds: list[int], quick: bool, budget: int | None,
         do(best_opt, best_lr, seed, kfac_default, "kfac defaults")
         do(best_opt, best_lr, seed, kfac_reduce, "kfac reduce")
         for cname, opts in candidates.items():
-            do(best_opt, best_lr * opts.get("lr_factor", 1.0), seed,
-               {"log_step_time": False, **{k: v for k, v in opts.items() if k != "lr_factor"}}, f"kfac {cname}")
+            do(opts.get("optimizer", best_opt), best_lr * opts.get("lr_factor", 1.0), seed,
+               {"log_step_time": False, **{k: v for k, v in opts.items() if k not in CANDIDATE_KEYS}}, f"kfac {cname}")
         if seed in sweep_seeds:
             for d, f in grid:
                 do(best_opt, best_lr * f, seed, {"log_step_time": False, "damping": d}, f"kfac damping {d:g}")
@@ -447,7 +452,7 @@ def run_workload(w: Workload, seeds: list[int], quick: bool, budget: int | None,
     main_rows.append(row(f"K-FAC() on {best_opt}", best_lr, kd, DEFAULT_DAMPING))
     main_rows.append(row(f"K-FAC(reduce) on {best_opt}", best_lr, kr, DEFAULT_DAMPING))
     for c, opts in candidates.items():
-        main_rows.append(row(f"K-FAC {c} on {best_opt}", best_lr * opts.get("lr_factor", 1.0), cand[c],
+        main_rows.append(row(f"K-FAC {c} on {opts.get('optimizer', best_opt)}", best_lr * opts.get("lr_factor", 1.0), cand[c],
                              opts.get("damping", DEFAULT_DAMPING)))
     tuned = min(damping_rows, key=lambda s: rank_key(w, s))
     main_rows.append(row(f"K-FAC tuned (damping sweep best) on {best_opt}", tuned["lr"], tuned, tuned["damping"]))
