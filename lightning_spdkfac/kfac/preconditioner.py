@@ -27,6 +27,7 @@ from torch import nn
 
 from .. import validation as val
 from ..telemetry import StepTimer
+from .attention import module_layers
 from .checkpoint import STATE_VERSION, CheckpointState
 from .distributor import Distributor, FactorKey, Task
 from .gradients import GradAccess
@@ -42,7 +43,13 @@ from .inverse import (
     robust_inverses,
 )
 from .layer_state import KFACLayer
-from .layers import LayerHelper, linear_and_conv_modules, make_helper, shared_parameter_groups
+from .layers import (
+    LayerHelper,
+    linear_and_conv_modules,
+    make_helper,
+    shared_parameter_groups,
+    unsupported_reason,
+)
 from .options import KFACOptions
 from .param_groups import StepGroups, step_groups
 
@@ -165,23 +172,32 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
     def _register(self, model: nn.Module) -> None:
         seen_types = []
         candidates: list[tuple[str, nn.Module, LayerHelper]] = []
-        for name, module in model.named_modules():
+        of_type: list[str] = []  # layers skipped for their type: named in one warning
+        for module_name, module in model.named_modules():
             seen_types.append(type(module).__name__)
-            helper, reason = make_helper(module)
-            if helper is None:
-                if reason is not None:
-                    self._skip(name, module, reason)
-                    warnings.warn(f"K-FAC skips layer {name!r}: {reason}", stacklevel=3)
-                continue
-            cls = type(module).__name__
-            if any(p.search(name) or p.search(cls) for p in self.skip_layers):
-                self._skip(name, module, "matched skip_layers")
-                continue
-            # A layer frozen now is registered too: frozen layers are left alone step by step (trainable()), and
-            # one frozen at setup may be unfrozen later (BackboneFinetuning, a warm-up): it then gets K-FAC like
-            # the others. (Distributed, its factor slots travel, empty, while it is frozen: exclude a layer that
-            # stays frozen for the whole run with skip_layers.)
-            candidates.append((name, module, helper))
+            for name, hooked, helper, reason in module_layers(module_name, module):
+                cls = type(module).__name__
+                if name in self.skipped:  # (the out_proj of a refused attention)
+                    continue
+                if any(p.search(name) or p.search(cls) for p in self.skip_layers):
+                    self._skip(name, hooked, "matched skip_layers")
+                    continue
+                if helper is None:
+                    assert reason is not None  # module_layers lists a module without a helper with its reason
+                    self._skip(name, hooked, reason)
+                    if unsupported_reason(module) is not None:
+                        of_type.append(f"{name!r} ({cls}: {reason})")
+                    else:
+                        warnings.warn(f"K-FAC skips layer {name!r}: {reason}", stacklevel=3)
+                    continue
+                # A layer frozen now is registered too: frozen layers are left alone step by step (trainable()), and
+                # one frozen at setup may be unfrozen later (BackboneFinetuning, a warm-up): it then gets K-FAC like
+                # the others. (Distributed, its factor slots travel, empty, while it is frozen: exclude a layer that
+                # stays frozen for the whole run with skip_layers.)
+                candidates.append((name, hooked, helper))
+        if of_type:
+            warnings.warn("K-FAC does not support these layers and leaves them to the optimizer unpreconditioned: "
+                          + "; ".join(of_type), stacklevel=3)
         for group, why in shared_parameter_groups(model, candidates):
             if why is not None:
                 names = ", ".join(repr(n) for n, _, _ in group)
@@ -203,7 +219,8 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
             found = ", ".join(sorted(set(seen_types)))
             detail = "; ".join(f"{n or '<root>'}: {r}" for n, r in self.skipped.items())
             raise ValueError(
-                "KFACPreconditioner found no supported layer (nn.Linear, nn.Conv2d) in model; "
+                "KFACPreconditioner found no supported layer (nn.Linear, nn.Conv1d/2d/3d, nn.MultiheadAttention) in "
+                "model; "
                 f"module types found: {found}" + (f"; skipped: {detail}" if detail else "")
             )
 
