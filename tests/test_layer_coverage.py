@@ -1,0 +1,295 @@
+"""Layer types beyond Linear/Conv2d (issue 18): Conv1d/Conv3d, nn.MultiheadAttention (and Transformer stacks),
+nn.Embedding, and the one setup warning naming the layers K-FAC leaves alone.
+
+Every reference is built here from the definitions, float64, independently of the library: explicit loops over
+the output positions of a convolution, a hand-written attention whose projections are leaves (so autograd gives
+each token's projected-output gradient), one-hot rows for embeddings; then A = mean_r a_r a_r^T,
+G = N sum_r d_r d_r^T, the pi-damped inverses and P = G_inv [dW, db] A_inv (tests/helpers/dense_reference.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers.dense_reference import F64, assert_close, damped_invs
+from torch import nn
+
+from lightning_spdkfac import KFACPreconditioner
+
+DAMPING = 0.05
+
+
+def kfac(model, **kw):
+    kw = {"damping": DAMPING, "factor_update_steps": 1, "inv_update_steps": 1, "lr": 0.1, "kl_clip": None,
+          "factor_approx": "expand", "factor_dtype": F64, "inv_dtype": F64, **kw}
+    return KFACPreconditioner(model, **kw)
+
+
+def kfac_warnings(record):
+    return [str(w.message) for w in record if "K-FAC" in str(w.message)]
+
+
+def reference(a, d, grad, examples):
+    """P = G_inv grad A_inv of the dense factors of rows a (with their bias 1s) and d."""
+    A = a.T @ a / a.shape[0]
+    G = examples * (d.T @ d)
+    A_inv, G_inv = damped_invs(A, G, DAMPING)
+    return A, G, G_inv @ grad @ A_inv
+
+
+def with_ones(a, bias):
+    return torch.cat([a, torch.ones(a.shape[0], 1, dtype=a.dtype)], 1) if bias else a
+
+
+# --------------------------------------------------------------------------- Conv1d / Conv3d
+def patch_rows(x, conv):
+    """One row per output position (example-major), the kernel's window, loops over offsets."""
+    n = len(conv.kernel_size)
+    pad = conv._reversed_padding_repeated_twice
+    x = F.pad(x.to(F64), pad, mode="constant" if conv.padding_mode == "zeros" else conv.padding_mode)
+    outs = [(s - d * (k - 1) - 1) // st + 1
+            for s, k, d, st in zip(x.shape[2:], conv.kernel_size, conv.dilation, conv.stride)]
+    rows = []
+    for b in range(x.shape[0]):
+        for pos in itertools.product(*map(range, outs)):
+            patch = torch.empty(x.shape[1], *conv.kernel_size, dtype=F64)
+            for off in itertools.product(*map(range, conv.kernel_size)):
+                idx = tuple(p * conv.stride[i] + o * conv.dilation[i] for i, (p, o) in enumerate(zip(pos, off)))
+                patch[(slice(None), *off)] = x[(b, slice(None), *idx)]
+            rows.append(patch.reshape(-1))
+    assert len(outs) == n
+    return torch.stack(rows)
+
+
+CONV_CASES = [
+    (nn.Conv1d, dict(kernel_size=3, stride=2, padding=1), (3, 2, 9)),
+    (nn.Conv1d, dict(kernel_size=2, dilation=2, padding="same", padding_mode="reflect", bias=False), (2, 2, 7)),
+    (nn.Conv3d, dict(kernel_size=(2, 3, 2), stride=(1, 2, 1), padding=1), (2, 2, 4, 5, 3)),
+    (nn.Conv3d, dict(kernel_size=2, dilation=(1, 2, 1), padding_mode="circular", padding=1, bias=False),
+     (2, 2, 3, 5, 4)),
+]
+
+
+@pytest.mark.parametrize("cls,kw,shape", CONV_CASES)
+@pytest.mark.parametrize("approx", ["expand", "reduce"])
+def test_conv1d_and_conv3d_match_the_dense_reference(cls, kw, shape, approx):
+    torch.manual_seed(0)
+    conv = cls(2, 3, **kw).double()
+    pre = kfac(conv, factor_approx=approx)
+    x = torch.randn(*shape, dtype=F64)
+    out = conv(x)
+    out.retain_grad()
+    out.pow(2).sum(1).mean().backward()
+    bias = conv.bias is not None
+    grad = conv.weight.grad.reshape(3, -1)
+    grad = torch.cat([grad, conv.bias.grad[:, None]], 1) if bias else grad
+    a = patch_rows(x, conv)
+    torch.testing.assert_close(a @ conv.weight.detach().reshape(3, -1).T + (conv.bias.detach() if bias else 0),
+                               out.detach().flatten(2).transpose(1, 2).reshape(-1, 3))  # the rows are the conv's
+    d = out.grad.flatten(2).transpose(1, 2).reshape(-1, 3)
+    if approx == "reduce":  # per example: the mean row, the summed output gradient
+        a = a.reshape(shape[0], -1, a.shape[1]).mean(1)
+        d = d.reshape(shape[0], -1, 3).sum(1)
+    A, G, P = reference(with_ones(a, bias), d, grad.clone(), shape[0])
+    pre.step()
+    layer = pre.layers[""]
+    assert_close(layer.A, A, 1e-9)
+    assert_close(layer.G, G, 1e-9)
+    got = conv.weight.grad.reshape(3, -1)
+    assert_close(torch.cat([got, conv.bias.grad[:, None]], 1) if bias else got, P, 1e-9)
+
+
+def test_unsupported_layers_are_named_in_one_setup_warning():
+    model = nn.Sequential(nn.Conv2d(2, 4, 3), nn.ConvTranspose2d(4, 2, 3), nn.Conv1d(4, 4, 1, groups=2),
+                          nn.LSTM(4, 4), nn.Linear(4, 2), nn.Conv2d(2, 2, 1).requires_grad_(False))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        pre = kfac(model)
+    msgs = kfac_warnings(record)
+    assert set(pre.layers) == {"0", "4", "5"} and set(pre.skipped) == {"1", "2", "3"}
+    combined = [m for m in msgs if "'1'" in m]
+    assert len(combined) == 1 and "ConvTranspose2d" in combined[0] and "'3' (LSTM" in combined[0], msgs
+    assert any("'2'" in m and "grouped" in m for m in msgs)
+
+
+# --------------------------------------------------------------------------- attention
+def mha_inputs(kdim, batch_first, batched=True, L=4, S=5, N=3, E=8, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    shape = (lambda n, s, e: (n, s, e) if batch_first else (s, n, e)) if batched else (lambda n, s, e: (s, e))
+    q = torch.randn(*shape(N, L, E), generator=g, dtype=F64)
+    if kdim is None:
+        return q, q, q
+    k = torch.randn(*shape(N, S, kdim), generator=g, dtype=F64)
+    return q, k, torch.randn(*shape(N, S, kdim + 1), generator=g, dtype=F64)
+
+
+ATTN_CASES = {
+    "self-bf": dict(batch_first=True),
+    "self-seqfirst-nobias": dict(bias=False),
+    "cross-kdim-vdim": dict(kdim=6, batch_first=True),
+    "bias-kv-zero-attn": dict(add_bias_kv=True, add_zero_attn=True),
+}
+CALLS = {
+    "weights": dict(need_weights=True),
+    "weights-per-head": dict(need_weights=True, average_attn_weights=False),
+    "sdpa": dict(need_weights=False),
+    "attn-mask-bool": dict(need_weights=False, attn_mask="bool"),
+    "attn-mask-float-3d": dict(need_weights=True, attn_mask="float3d"),
+    "key-padding": dict(need_weights=False, key_padding_mask=True),
+    "causal": dict(need_weights=False, attn_mask="causal", is_causal=True),
+    "both-masks": dict(need_weights=True, attn_mask="bool", key_padding_mask=True),
+}
+
+
+def build_call(mha, call, q, k, batch_first, batched=True):
+    call = dict(call)
+    L, S = q.shape[-2 if batch_first or not batched else 0], k.shape[-2 if batch_first or not batched else 0]
+    N = q.shape[0 if batch_first else 1] if batched else 1
+    g = torch.Generator().manual_seed(7)
+    kind = call.pop("attn_mask", None)
+    if kind == "bool":
+        call["attn_mask"] = torch.rand(L, S, generator=g) < 0.3
+        call["attn_mask"][:, 0] = False  # no query with every key masked (NaN rows either way)
+    elif kind == "float3d":
+        call["attn_mask"] = torch.randn(N * mha.num_heads, L, S, generator=g, dtype=F64)
+    elif kind == "causal":
+        call["attn_mask"] = nn.Transformer.generate_square_subsequent_mask(L, dtype=F64)[:, :S]
+    if call.pop("key_padding_mask", False):
+        kpm = torch.zeros(N, S, dtype=torch.bool)
+        kpm[0, -2:] = True
+        call["key_padding_mask"] = kpm if batched else kpm[0]
+    return call
+
+
+def attn_module(cfg, seed=0):
+    torch.manual_seed(seed)
+    cfg = dict(cfg)
+    kdim = cfg.pop("kdim", None)
+    extra = dict(kdim=kdim, vdim=kdim + 1) if kdim else {}
+    return nn.MultiheadAttention(8, 2, **extra, **cfg).double(), kdim
+
+
+@pytest.mark.parametrize("case", list(ATTN_CASES))
+@pytest.mark.parametrize("call", list(CALLS))
+def test_attention_forward_and_gradients_are_unchanged(case, call):
+    mha, kdim = attn_module(ATTN_CASES[case])
+    plain = copy.deepcopy(mha)
+    kfac(mha)
+    bf = mha.batch_first
+    if call == "causal" and kdim is not None:
+        return  # (a causal mask is square)
+    for batched in (True, False):
+        q, k, v = mha_inputs(kdim, bf, batched)
+        kw = build_call(mha, CALLS[call], q, k, bf, batched)
+        outs = []
+        for m in (mha, plain):
+            m.zero_grad()
+            xs = [t.clone().requires_grad_() for t in (q, k, v)] if kdim else [q.clone().requires_grad_()] * 3
+            out, w = m(*xs, **kw)
+            (out.pow(2).sum() + (w.sum() if w is not None else 0)).backward()
+            outs.append([out, w] + [x.grad for x in xs] + [p.grad for p in m.parameters()])
+        for got, want in zip(*outs, strict=True):
+            assert (got is None) == (want is None)
+            if got is not None:
+                torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def ref_attention(mha, q, k, v, mask):
+    """Batch-first (N, L, E) inputs; the projections are leaves so that their gradients are the d rows."""
+    H, E = mha.num_heads, mha.embed_dim
+    W = mha.in_proj_weight if mha._qkv_same_embed_dim else None
+    ws = [W[i * E:(i + 1) * E] for i in range(3)] if W is not None else [
+        mha.q_proj_weight, mha.k_proj_weight, mha.v_proj_weight]
+    bs = [None] * 3 if mha.in_proj_bias is None else [mha.in_proj_bias[i * E:(i + 1) * E] for i in range(3)]
+    proj = [F.linear(x, w.detach(), None if b is None else b.detach()).requires_grad_()
+            for x, w, b in zip((q, k, v), ws, bs)]
+    N, L, _ = q.shape
+    heads = [p.reshape(N, p.shape[1], H, E // H).transpose(1, 2) for p in proj]
+    scores = heads[0] @ heads[1].transpose(-1, -2) / math.sqrt(E // H)
+    if mask is not None:
+        scores = scores.masked_fill(mask, float("-inf"))
+    o = (scores.softmax(-1) @ heads[2]).transpose(1, 2).reshape(N, L, E)
+    lin = mha.out_proj
+    out = F.linear(o, lin.weight.detach(), None if lin.bias is None else lin.bias.detach())
+    out.retain_grad()
+    return proj, o, out
+
+
+@pytest.mark.parametrize("case", ["self-bf", "self-seqfirst-nobias", "cross-kdim-vdim"])
+def test_attention_projections_match_the_dense_per_token_reference(case):
+    mha, kdim = attn_module(ATTN_CASES[case], seed=3)
+    pre = kfac(mha)
+    bf = mha.batch_first
+    q, k, v = mha_inputs(kdim, bf, seed=4)
+    kpm = torch.zeros(3, q.shape[1 if bf else 0], dtype=torch.bool) if kdim is None else None
+    if kpm is not None:
+        kpm[1, -1] = True
+    out, _ = mha(q, k, v, key_padding_mask=kpm, need_weights=False)
+    loss = lambda y: (0.5 * y.pow(2) + 0.1 * y).sum(-1).mean()  # noqa: E731
+    loss(out).backward()
+    # The reference, batch-first, from the definitions.
+    bq, bk, bv = (x if bf else x.transpose(0, 1) for x in (q, k, v))
+    proj, o, ref_out = ref_attention(mha, bq, bk, bv, None if kpm is None else kpm[:, None, None, :])
+    loss(ref_out).backward()
+    torch.testing.assert_close(ref_out, out if bf else out.transpose(0, 1))
+    bias = mha.in_proj_bias is not None
+    blocks = {"q_proj": (bq, proj[0]), "k_proj": (bk, proj[1]), "v_proj": (bv, proj[2]),
+              "out_proj": (o, None)}
+    refs = {}
+    for name, (x, p) in blocks.items():
+        a = x.detach().reshape(-1, x.shape[-1])
+        d = (p if p is not None else ref_out).grad.reshape(-1, 8)
+        lin_bias = bias if name != "out_proj" else mha.out_proj.bias is not None
+        grad = d.T @ with_ones(a, lin_bias)
+        # the captures themselves: the block's gradient is sum_r d_r a_r^T
+        assert_close(pre.layers[name].helper.grad_matrix({p: p.grad for p in mha.parameters()}), grad, 1e-9)
+        refs[name] = reference(with_ones(a, lin_bias), d, grad, a.shape[0])
+    pre.step()
+    for n, (A, G, P) in refs.items():
+        layer = pre.layers[n]
+        assert_close(layer.A, A, 1e-9)
+        assert_close(layer.G, G, 1e-9)
+        assert_close(layer.helper.grad_matrix({p: p.grad for p in mha.parameters()}), P, 1e-9)
+
+
+def test_attention_in_eval_or_without_grad_collects_nothing_and_keeps_the_fast_path():
+    mha, _ = attn_module(dict(batch_first=True))
+    pre = kfac(mha)
+    x = torch.randn(2, 3, 8, dtype=F64)
+    mha.eval()
+    with torch.no_grad():
+        mha(x, x, x)
+    assert all(ly.a_calls == 0 and ly.rows == 0 for ly in pre.layers.values())
+
+
+def test_transformer_stacks_precondition_every_layer():
+    torch.manual_seed(0)
+    enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0), 2, enable_nested_tensor=False)
+    dec = nn.TransformerDecoder(nn.TransformerDecoderLayer(8, 2, 16, dropout=0.0, batch_first=True), 1)
+    model = nn.ModuleDict({"enc": enc, "dec": dec}).double()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        pre = kfac(model)
+    assert not kfac_warnings(record) and not pre.skipped
+    expected = set()
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Linear):
+            expected.add(name)
+        if isinstance(m, nn.MultiheadAttention):
+            expected |= {f"{name}.{p}_proj" for p in "qkv"}
+    assert set(pre.layers) == expected
+    src, tgt = torch.randn(5, 2, 8, dtype=F64), torch.randn(2, 4, 8, dtype=F64)
+    mem = enc(src, mask=nn.Transformer.generate_square_subsequent_mask(5, dtype=F64), is_causal=True)
+    dec(tgt, mem.transpose(0, 1)).pow(2).mean().backward()
+    raw = {p: p.grad.clone() for p in model.parameters()}
+    pre.step()
+    assert all(ly.A is not None for ly in pre.layers.values())  # every layer collected
+    changed = {n for n, p in model.named_parameters() if not torch.equal(p.grad, raw[p])}
+    weights = {n for n, p in model.named_parameters() if "norm" not in n}
+    assert changed == weights
