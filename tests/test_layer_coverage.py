@@ -293,3 +293,102 @@ def test_transformer_stacks_precondition_every_layer():
     changed = {n for n, p in model.named_parameters() if not torch.equal(p.grad, raw[p])}
     weights = {n for n, p in model.named_parameters() if "norm" not in n}
     assert changed == weights
+
+
+# --------------------------------------------------------------------------- embeddings
+class TokenModel(nn.Module):
+    def __init__(self, vocab=7, dim=4, tied=False, **emb):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(vocab, dim, **emb).double()
+        self.head = nn.Linear(dim, vocab, bias=False).double()
+        if tied:
+            self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.emb(ids)))
+
+
+def capture(into):
+    """A forward hook storing the input ("a") and output gradient ("d") of one call."""
+
+    def hook(module, inputs, output):
+        into["a"] = inputs[0].detach()
+        output.register_hook(lambda g: into.__setitem__("d", g.detach()))
+
+    return hook
+
+
+def token_ids(vocab=7):
+    ids = torch.randint(0, vocab, (3, 5), generator=torch.Generator().manual_seed(2))
+    ids[0, :2] = 0  # padding at the start of one sequence
+    return ids
+
+
+def token_loss(model, ids):
+    out = model(ids)
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]), ids.roll(1, 1).reshape(-1))
+
+
+@pytest.mark.parametrize("approx", ["expand", "reduce"])
+def test_embedding_matches_the_dense_one_hot_reference(approx):
+    model = TokenModel(padding_idx=0)
+    pre = kfac(model, factor_approx=approx)
+    assert not pre.layers["emb"].reduce  # an embedding's A is diagonal in expand only
+    ids = token_ids()
+    captured = {}
+    model.emb.register_forward_hook(capture(captured))
+    token_loss(model, ids).backward()
+    onehot = F.one_hot(ids.reshape(-1), 7).to(F64)
+    onehot[ids.reshape(-1) == 0] = 0  # padding rows: no gradient reaches weight row 0
+    d = captured["d"].reshape(-1, 4)
+    grad = model.emb.weight.grad.T.clone()  # (dim x vocab): out x in
+    assert_close(d.T @ onehot, grad, 1e-12)
+    A, G, P = reference(onehot, d, grad, ids.numel())
+    pre.step()
+    layer = pre.layers["emb"]
+    assert_close(layer.A, A, 1e-12)
+    assert torch.equal(layer.A, torch.diag(layer.A.diagonal()))  # stored dense, diagonal
+    assert_close(layer.G, G, 1e-9)
+    assert_close(model.emb.weight.grad.T, P, 1e-9)
+    assert torch.equal(model.emb.weight.grad[0], torch.zeros(4, dtype=F64))  # the padding row stays zero
+
+
+@pytest.mark.parametrize("kw,why", [(dict(sparse=True), "sparse=True"), (dict(max_norm=1.0), "max_norm"),
+                                    (dict(scale_grad_by_freq=True), "scale_grad_by_freq"),
+                                    (dict(vocab=5000), "EMBEDDING_MAX_VOCAB")])
+def test_embeddings_k_fac_cannot_model_are_skipped_with_a_warning_and_left_untouched(kw, why):
+    vocab = kw.pop("vocab", 7)
+    model = TokenModel(vocab=vocab, **kw)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        pre = kfac(model)
+    msgs = kfac_warnings(record)
+    assert len(msgs) == 1 and "'emb'" in msgs[0] and why in msgs[0], msgs
+    assert set(pre.layers) == {"head"}
+    if kw.get("sparse"):
+        return  # (a sparse gradient: nothing to compare densely)
+    token_loss(model, token_ids(7)).backward()
+    raw = model.emb.weight.grad.clone()
+    pre.step()
+    assert torch.equal(model.emb.weight.grad, raw)
+
+
+def test_a_tied_embedding_is_preconditioned_once_by_the_heads_block():
+    model = TokenModel(tied=True)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        pre = kfac(model)
+    msgs = kfac_warnings(record)
+    assert len(msgs) == 1 and "'emb'" in msgs[0] and "tied to 'head'" in msgs[0], msgs
+    assert set(pre.layers) == {"head"} and "emb" in pre.skipped
+    ids = token_ids()
+    captured = {}
+    model.head.register_forward_hook(capture(captured))
+    token_loss(model, ids).backward()
+    grad = model.head.weight.grad.clone()  # both uses' parts
+    a, d = captured["a"].reshape(-1, 4), captured["d"].reshape(-1, 7)
+    assert not torch.allclose(d.T @ a, grad)  # the embedding's part is in the gradient
+    _, _, P = reference(a, d, grad, ids.numel())
+    pre.step()
+    assert_close(model.emb.weight.grad, P, 1e-9)

@@ -70,6 +70,8 @@ class LayerHelper:
     unbatched_dim = -1
     # What factor_approx="auto" uses for this layer type (docs/math.md, "K-FAC-expand and K-FAC-reduce").
     auto_reduce = False
+    # Whether K-FAC-reduce rows exist for this type (an embedding's stay expand: its A is diagonal only there).
+    reducible = True
 
     def a_rows(self, x: torch.Tensor) -> torch.Tensor:
         """The input rows ``R x in`` without the bias column (the 1s are added in closed form)."""
@@ -87,6 +89,17 @@ class LayerHelper:
     def g_reduced(self, grad_output: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """K-FAC-reduce output-gradient rows ``B x out`` in ``dtype``: per example, the sum of its rows ``d_r``."""
         raise NotImplementedError  # pragma: no cover
+
+    def factor_rows(self, x: torch.Tensor, reduce: bool, dtype: torch.dtype) -> torch.Tensor:
+        """The rows of one call's input that :meth:`add_gram` takes (``R x in`` in ``dtype``)."""
+        return self.a_reduced(x, dtype) if reduce else self.a_rows(x).to(dtype)
+
+    def add_gram(self, xx: torch.Tensor, a: torch.Tensor, first: bool) -> None:
+        """``xx = a^T a`` (``first``) or ``xx += a^T a``, in place: the A sum of one call."""
+        if first:
+            torch.mm(a.T, a, out=xx)
+        else:
+            xx.addmm_(a.T, a)
 
     # -- gradient as a matrix ---------------------------------------------------------
     def params(self) -> list[torch.nn.Parameter]:
@@ -294,6 +307,80 @@ class ConvHelper(LayerHelper):
         return g.flatten(2).sum(2, dtype=dtype)  # (B, out, *spatial) -> (B, out)
 
 
+class EmbeddingHelper(LayerHelper):
+    """``nn.Embedding``: an input row is the one-hot vector of the token, so A is the diagonal matrix of the
+    token frequencies (a padding_idx token's row is zero: its weight row gets no gradient), and G the full
+    ``embedding_dim`` output-gradient covariance; every position is an example (K-FAC-expand only).
+
+    A is kept as a dense ``vocab x vocab`` matrix (diagonal) so that factor reduction, inversion, checkpoints
+    and the distributed plan treat it like any other factor; hence the vocabulary limit
+    :data:`EMBEDDING_MAX_VOCAB`. The weight is ``vocab x dim``: its gradient matrix is the transpose.
+    """
+
+    reducible = False
+    module: nn.Embedding
+
+    def __init__(self, module: nn.Embedding) -> None:
+        super().__init__(module)
+
+    @property
+    def in_features(self) -> int:
+        return self.module.num_embeddings
+
+    @property
+    def out_features(self) -> int:
+        return self.module.embedding_dim
+
+    def examples(self, x: torch.Tensor, reduce: bool) -> int:
+        """Every position is an example (the G of a per-token loss does not depend on the sequence length)."""
+        return x.numel()
+
+    def factor_rows(self, x: torch.Tensor, reduce: bool, dtype: torch.dtype) -> torch.Tensor:
+        """The token ids (``R``, int64), padding tokens as -1."""
+        ids = x.reshape(-1).long()
+        pad = self.module.padding_idx
+        return ids if pad is None else ids.masked_fill(ids == pad, -1)
+
+    def add_gram(self, xx: torch.Tensor, a: torch.Tensor, first: bool) -> None:
+        """The token counts on the diagonal (sum of the one-hot rows' outer products), padding left out."""
+        if first:
+            xx.zero_()
+        ids = a[a >= 0]
+        xx.diagonal().index_add_(0, ids, torch.ones(ids.shape, dtype=xx.dtype, device=xx.device))
+
+    def g_rows(self, grad_output: torch.Tensor) -> torch.Tensor:
+        return grad_output.reshape(-1, grad_output.shape[-1])
+
+    def _as_matrix(self, part: torch.Tensor) -> torch.Tensor:
+        return part.T
+
+    def _from_matrix(self, block: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
+        return block.T
+
+
+# nn.Embedding gets K-FAC up to this vocabulary size: its diagonal A is stored (and inverted) as a dense matrix
+# (4096^2 floats: 64 MiB in float32); a larger one is skipped with a warning.
+EMBEDDING_MAX_VOCAB = 4096
+
+
+def embedding_refusal(module: nn.Embedding) -> str | None:
+    """Why an ``nn.Embedding`` is left to the optimizer (None: it gets K-FAC)."""
+    if module.sparse:
+        return ("sparse=True: its gradient is a sparse tensor, which K-FAC does not precondition; left to the "
+                "optimizer unpreconditioned (use sparse=False for K-FAC)")
+    if module.max_norm is not None:
+        return ("max_norm renormalizes the weight in place in every forward, which K-FAC's factors do not model; "
+                "left to the optimizer unpreconditioned")
+    if module.scale_grad_by_freq:
+        return ("scale_grad_by_freq rescales its gradient by the batch's token counts, which K-FAC's factors do "
+                "not model; left to the optimizer unpreconditioned")
+    if module.num_embeddings > EMBEDDING_MAX_VOCAB:
+        return (f"its vocabulary ({module.num_embeddings}) is above EMBEDDING_MAX_VOCAB={EMBEDDING_MAX_VOCAB}, "
+                "the largest whose diagonal A factor K-FAC stores as a dense matrix; left to the optimizer "
+                "unpreconditioned")
+    return None
+
+
 def computed_parameter(module: nn.Module) -> str | None:
     """Why the module's weight (or bias) is not a Parameter of its own, or None when both are.
 
@@ -322,7 +409,7 @@ def computed_parameter(module: nn.Module) -> str | None:
 
 
 CONV_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
-SUPPORTED_TYPES: tuple[type[nn.Module], ...] = (nn.Linear, *CONV_TYPES)
+SUPPORTED_TYPES: tuple[type[nn.Module], ...] = (nn.Linear, *CONV_TYPES, nn.Embedding)
 
 # Layer types with trainable weights that K-FAC does not handle, and why: named in one warning at setup.
 UNSUPPORTED_TYPES: tuple[tuple[type, str], ...] = (
@@ -353,6 +440,9 @@ def make_helper(module: nn.Module) -> tuple[LayerHelper | None, str | None]:
         return None, computed
     if isinstance(module, nn.Linear):
         return LinearHelper(module), None
+    if isinstance(module, nn.Embedding):
+        why = embedding_refusal(module)
+        return (EmbeddingHelper(module), None) if why is None else (None, why)
     if module.groups != 1:
         return None, f"grouped convolution (groups={module.groups}) is not supported by K-FAC"
     return ConvHelper(cast(nn.Conv1d | nn.Conv2d | nn.Conv3d, module)), None
@@ -387,14 +477,17 @@ def shared_parameter_groups(model: nn.Module,
     sum of both layers' contributions, as for one layer called twice, and their factors sum both layers' calls.
     Any other sharing cannot be one Kronecker-factored block, so the group is refused: some but not all
     parameters shared (only the weight, or only the bias), layers of different kinds, or a parameter also used by
-    a module K-FAC does not handle (an ``nn.Embedding`` tied to a head, a layer skipped for another reason,
-    a parent that holds the parameter), whose part of the gradient the factors would not see.
+    a module K-FAC does not handle (a layer skipped for another reason, a parent that holds the parameter), whose
+    part of the gradient the factors would not see. Two exceptions: an ``nn.Embedding`` tied to an ``nn.Linear``
+    head is preconditioned by the head's block alone (:func:`_untie_embeddings`), and the q, k and v rows of one
+    packed attention weight are separate blocks (:meth:`LayerHelper.param_keys` names the part each uses).
     """
     owners: dict[int, list[tuple[str, nn.Module]]] = {}
     for name, module in model.named_modules():
         for p in module.parameters(recurse=False):
             owners.setdefault(id(p), []).append((name, module))
-    inside = {id(helper.owner()) for _, _, helper in candidates}
+    candidates, refused, tied = _untie_embeddings(candidates, owners)
+    inside = {id(helper.owner()) for _, _, helper in candidates} | tied
     root = list(range(len(candidates)))
 
     def find(i: int) -> int:
@@ -421,7 +514,31 @@ def shared_parameter_groups(model: nn.Module,
     used_by: dict[int, dict[str, str]] = {}  # group root -> outside module name -> its type
     for i, other_name, other in outside:
         used_by.setdefault(find(i), {})[other_name or "<root>"] = type(other).__name__
-    return [(group, _why_not_one_block(group, used_by.get(r))) for r, group in groups.items()]
+    return [(group, _why_not_one_block(group, used_by.get(r))) for r, group in groups.items()] + refused
+
+
+def _untie_embeddings(candidates: list[Candidate], owners: dict[int, list[tuple[str, nn.Module]]]
+                      ) -> tuple[list[Candidate], list[tuple[list[Candidate], str | None]], set[int]]:
+    """An ``nn.Embedding`` whose weight is an ``nn.Linear``'s (a tied LM head): the Linear's block preconditions
+    the shared weight's whole gradient, the embedding's part included (with the head's factors), and the
+    embedding gets no block of its own, so the parameter is preconditioned once.
+
+    Returns the candidates without such embeddings, the embeddings' refused groups, and the ids of every such
+    embedding module (a candidate or not: it does not make the head's weight "used outside" K-FAC).
+    """
+    heads = {id(h._weight()): name for name, _, h in candidates if type(h) is LinearHelper}
+    tied: dict[int, str] = {}  # embedding module id -> the head's name
+    for pid, head in heads.items():
+        for _, other in owners.get(pid, []):
+            if isinstance(other, nn.Embedding) and id(other.weight) == pid:
+                tied[id(other)] = head
+    kept = [c for c in candidates if id(c[1]) not in tied]
+    refused: list[tuple[list[Candidate], str | None]] = [
+        ([c], f"its weight is tied to {tied[id(c[1])]!r} (nn.Linear), whose K-FAC block preconditions the shared "
+              "weight's whole gradient (this embedding's part included, with the head's factors); no block of "
+              "its own, so the parameter is preconditioned once")
+        for c in candidates if id(c[1]) in tied]
+    return kept, refused, set(tied)
 
 
 def _why_not_one_block(group: list[Candidate], outside: dict[str, str] | None) -> str | None:

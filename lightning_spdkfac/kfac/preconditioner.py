@@ -209,7 +209,8 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
             # named after the first; each module's calls add to its factors with that module's own
             # geometry, like the calls of one layer called several times per forward.
             name, _, helper = group[0]
-            reduce = self.factor_approx == "reduce" or (self.factor_approx == "auto" and helper.auto_reduce)
+            reduce = helper.reducible and (
+                self.factor_approx == "reduce" or (self.factor_approx == "auto" and helper.auto_reduce))
             layer = KFACLayer(name=name, helper=helper, index=len(self.layers), reduce=reduce)
             for _, module, module_helper in group:
                 layer.handles.append(module.register_forward_hook(self._make_forward_hook(layer, module_helper)))
@@ -367,21 +368,18 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
         return eager(grad_hook)
 
     def _accumulate_a(self, layer: KFACLayer, helper: LayerHelper, x: torch.Tensor) -> None:
-        if layer.reduce:
-            a = helper.a_reduced(x.detach(), self.factor_dtype)
-        else:
-            a = helper.a_rows(x.detach()).to(self.factor_dtype)
-        if layer.a_calls == 0:
-            if layer.xx is None or layer.xx.shape[0] != a.shape[1] or layer.xx.device != a.device:
-                layer.xx = torch.empty(a.shape[1], a.shape[1], dtype=self.factor_dtype, device=a.device)
-            torch.mm(a.T, a, out=layer.xx)
+        a = helper.factor_rows(x.detach(), layer.reduce, self.factor_dtype)
+        first = layer.a_calls == 0
+        if first:
+            n = layer.helper.in_features
+            if layer.xx is None or layer.xx.shape[0] != n or layer.xx.device != a.device:
+                layer.xx = torch.empty(n, n, dtype=self.factor_dtype, device=a.device)
             layer.x_sum = a.sum(0) if layer.helper.has_bias else None
-        else:  # set by this step's first call
-            assert layer.xx is not None
-            layer.xx.addmm_(a.T, a)
-            if layer.helper.has_bias:
-                assert layer.x_sum is not None
-                layer.x_sum.add_(a.sum(0))
+        elif layer.helper.has_bias:  # set by this step's first call
+            assert layer.x_sum is not None
+            layer.x_sum.add_(a.sum(0))
+        assert layer.xx is not None
+        helper.add_gram(layer.xx, a, first)
         layer.rows += a.shape[0]
         layer.a_calls += 1
         layer.mb_a_calls += 1
