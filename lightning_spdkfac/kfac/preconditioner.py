@@ -179,9 +179,6 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
                 cls = type(module).__name__
                 if name in self.skipped:  # (the out_proj of a refused attention)
                     continue
-                if any(p.search(name) or p.search(cls) for p in self.skip_layers):
-                    self._skip(name, hooked, "matched skip_layers")
-                    continue
                 if helper is None:
                     assert reason is not None  # module_layers lists a module without a helper with its reason
                     self._skip(name, hooked, reason)
@@ -189,6 +186,9 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
                         of_type.append(f"{name!r} ({cls}: {reason})")
                     else:
                         warnings.warn(f"K-FAC skips layer {name!r}: {reason}", stacklevel=3)
+                    continue
+                if any(p.search(name) or p.search(cls) for p in self.skip_layers):
+                    self._skip(name, hooked, "matched skip_layers")
                     continue
                 # A layer frozen now is registered too: frozen layers are left alone step by step (trainable()), and
                 # one frozen at setup may be unfrozen later (BackboneFinetuning, a warm-up): it then gets K-FAC like
