@@ -392,3 +392,96 @@ def test_a_tied_embedding_is_preconditioned_once_by_the_heads_block():
     _, _, P = reference(a, d, grad, ids.numel())
     pre.step()
     assert_close(model.emb.weight.grad, P, 1e-9)
+
+
+@pytest.mark.parametrize("need_weights", [True, False])
+def test_attention_dropout_draws_the_same_masks(need_weights):
+    mha, _ = attn_module(dict(dropout=0.3, batch_first=True))
+    plain = copy.deepcopy(mha)
+    kfac(mha)
+    q = torch.randn(2, 4, 8, dtype=F64)
+    outs = []
+    for m in (mha, plain):
+        torch.manual_seed(5)
+        outs.append(m(q, q, q, need_weights=need_weights)[0])
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-6, atol=1e-6)
+
+
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(11, 8, padding_idx=0)
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.head = nn.Linear(8, 11)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        return self.head(self.attn(h, h, h, need_weights=False)[0])
+
+
+def test_embedding_and_attention_factors_round_trip_through_a_checkpoint():
+    model = Tiny()
+    pre = kfac(model, factor_dtype=torch.float32, inv_dtype=torch.float32)
+    ids = torch.randint(0, 11, (2, 6), generator=torch.Generator().manual_seed(0))
+    token_loss(model, ids).backward()
+    pre.step()
+    twin = Tiny()  # (a deepcopy would carry pre's hooks)
+    other = kfac(twin, factor_dtype=torch.float32, inv_dtype=torch.float32)
+    other.load_state_dict(pre.state_dict())
+    for name, layer in pre.layers.items():
+        assert torch.equal(other.layers[name].A, layer.A) and torch.equal(other.layers[name].G, layer.G), name
+    for m in (model, twin):
+        m.zero_grad()
+        token_loss(m, ids).backward()
+    pre.step()
+    other.step()
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
+def _train_tiny(ids_per_step, ddp=None, distributor=None):
+    model = Tiny()
+    net = model if ddp is None else ddp(model)
+    pre = kfac(model, factor_dtype=torch.float32, inv_dtype=torch.float32, factor_decay=0.5,
+               **({} if distributor is None else {"distributor": distributor}))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for ids in ids_per_step:
+        opt.zero_grad()
+        token_loss(net, ids).backward()
+        pre.step(opt)
+        opt.step()
+    return {n: (ly.A.clone(), ly.G.clone()) for n, ly in pre.layers.items()}, [p.detach().clone() for p in
+                                                                              model.parameters()]
+
+
+def _steps(n=3):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 11, (4, 6), generator=g) for _ in range(n)]
+
+
+def _tiny_on_ranks(rank, world):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from lightning_spdkfac.comm.scheduler import SPDDistributor, SPDOptions
+
+    torch.set_num_threads(1)
+    distributor = SPDDistributor(SPDOptions.from_schedule("spd"), process_group=dist.new_group())
+    return _train_tiny([ids[2 * rank:2 * rank + 2] for ids in _steps()], ddp=DDP, distributor=distributor)
+
+
+@pytest.mark.slow
+def test_embedding_and_attention_on_two_ranks_match_one_process():
+    """The dense diagonal A and the attention blocks through the SPD-KFAC distributed path: two ranks of half
+    the batch each give the factors and the parameters of one process on the whole batch."""
+    from lightning_spdkfac.multiprocess import run_distributed
+
+    factors, params = _train_tiny(_steps())
+    runs = run_distributed(_tiny_on_ranks, 2, timeout=180)
+    for got_factors, got_params in runs:
+        for name, (A, G) in factors.items():
+            torch.testing.assert_close(got_factors[name][0], A, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(got_factors[name][1], G, rtol=1e-5, atol=1e-6)
+        for p, q in zip(got_params, params, strict=True):
+            torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)

@@ -159,7 +159,8 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
         # seen at registration, held so that their ids stay theirs (see _check_layers).
         self._known: dict[int, tuple[nn.Module, str | None]] = {}
         self._register(model)
-        self._grad_params = [p for ly in self.layers.values() for p in ly.helper.params()]
+        # Each once: the q, k and v blocks of an attention share its packed weight.
+        self._grad_params = list(dict.fromkeys(p for ly in self.layers.values() for p in ly.helper.params()))
         kfac_ids = {id(p) for p in self._grad_params}
         self._other_params = [p for p in model.parameters() if id(p) not in kfac_ids]
         self.distributor.inv_dtype = self.inv_dtype
