@@ -320,9 +320,6 @@ class EmbeddingHelper(LayerHelper):
     reducible = False
     module: nn.Embedding
 
-    def __init__(self, module: nn.Embedding) -> None:
-        super().__init__(module)
-
     @property
     def in_features(self) -> int:
         return self.module.num_embeddings
