@@ -485,3 +485,26 @@ def test_embedding_and_attention_on_two_ranks_match_one_process():
             torch.testing.assert_close(got_factors[name][1], G, rtol=1e-5, atol=1e-6)
         for p, q in zip(got_params, params, strict=True):
             torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+
+
+def test_an_attention_subclass_with_its_own_forward_is_skipped_with_its_out_proj():
+    class Custom(nn.MultiheadAttention):
+        def forward(self, query, key, value, **kw):
+            return super().forward(query, key, value, **kw)
+
+    model = nn.ModuleDict({"attn": Custom(8, 2), "head": nn.Linear(8, 2)})
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        pre = kfac(model)
+    msgs = kfac_warnings(record)
+    assert len(msgs) == 1 and "'attn'" in msgs[0] and "overrides" in msgs[0], msgs
+    assert set(pre.layers) == {"head"} and {"attn", "attn.out_proj"} <= set(pre.skipped)
+
+
+def test_an_embedding_or_attention_added_after_setup_fails_naming_it():
+    model = nn.ModuleDict({"head": nn.Linear(8, 2)})
+    pre = kfac(model)
+    model["emb"] = nn.Embedding(5, 8)
+    model["emb"](torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(RuntimeError, match="'emb'"):
+        pre.step()

@@ -57,7 +57,8 @@ __all__ = ["STATE_VERSION", "KFACLayer", "KFACPreconditioner"]
 
 
 class KFACPreconditioner(NonFiniteGuard, CheckpointState):
-    """K-FAC for ``nn.Linear`` and ``nn.Conv2d`` layers of a model, usable with any optimizer.
+    """K-FAC for the ``nn.Linear``, ``nn.Conv1d/2d/3d``, ``nn.Embedding`` and ``nn.MultiheadAttention`` layers of a
+    model (docs/math.md, "Layers and rows"), usable with any optimizer.
 
     Args:
         model: the module whose supported layers get K-FAC.
@@ -176,17 +177,15 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
         of_type: list[str] = []  # layers skipped for their type: named in one warning
         for module_name, module in model.named_modules():
             seen_types.append(type(module).__name__)
+            cls = type(module).__name__
+            refused: list[str] = []  # this module's refused layers (an attention: itself and its out_proj)
             for name, hooked, helper, reason in module_layers(module_name, module):
-                cls = type(module).__name__
                 if name in self.skipped:  # (the out_proj of a refused attention)
                     continue
                 if helper is None:
                     assert reason is not None  # module_layers lists a module without a helper with its reason
                     self._skip(name, hooked, reason)
-                    if unsupported_reason(module) is not None:
-                        of_type.append(f"{name!r} ({cls}: {reason})")
-                    else:
-                        warnings.warn(f"K-FAC skips layer {name!r}: {reason}", stacklevel=3)
+                    refused.append(name)
                     continue
                 if any(p.search(name) or p.search(cls) for p in self.skip_layers):
                     self._skip(name, hooked, "matched skip_layers")
@@ -196,6 +195,12 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
                 # the others. (Distributed, its factor slots travel, empty, while it is frozen: exclude a layer that
                 # stays frozen for the whole run with skip_layers.)
                 candidates.append((name, hooked, helper))
+            if refused and unsupported_reason(module) is not None:
+                of_type.append(f"{module_name!r} ({cls}: {self.skipped[module_name]})")
+            elif refused:
+                names = ", ".join(repr(n) for n in refused)
+                warnings.warn(f"K-FAC skips layer{'s' if len(refused) > 1 else ''} {names}: "
+                              f"{self.skipped[refused[0]]}", stacklevel=3)
         if of_type:
             warnings.warn("K-FAC does not support these layers and leaves them to the optimizer unpreconditioned: "
                           + "; ".join(of_type), stacklevel=3)
