@@ -508,3 +508,18 @@ def test_an_embedding_or_attention_added_after_setup_fails_naming_it():
     model["emb"](torch.tensor([1, 2])).sum().backward()
     with pytest.raises(RuntimeError, match="'emb'"):
         pre.step()
+
+
+def test_a_routed_attention_pickles_and_deep_copies_with_its_module():
+    import io
+
+    mha, _ = attn_module(dict(batch_first=True))
+    kfac(mha).remove_hooks()
+    buf = io.BytesIO()
+    torch.save(mha, buf)
+    buf.seek(0)
+    q = torch.randn(2, 3, 8, dtype=F64)
+    for twin in (torch.load(buf, weights_only=False), copy.deepcopy(mha)):
+        assert twin.forward.module is twin and twin._kfac_projections[0].owner is twin
+        torch.testing.assert_close(twin(q, q, q)[0], mha(q, q, q)[0])
+        assert set(kfac(twin).layers) == {"q_proj", "k_proj", "v_proj", "out_proj"}  # routed again, once

@@ -22,7 +22,6 @@ inputs are one tensor. ``bias_k``/``bias_v`` (``add_bias_kv``) are left to the o
 from __future__ import annotations
 
 import math
-import types
 from typing import Any, cast
 
 import torch
@@ -117,7 +116,7 @@ def refusal(module: nn.MultiheadAttention) -> str | None:
         return (f"{type(module).__name__} overrides MultiheadAttention.forward, whose computation K-FAC cannot "
                 "follow; its projections (out_proj included) are left to the optimizer unpreconditioned")
     current = module.__dict__.get("forward")
-    if current is not None and getattr(current, "__func__", None) is not attention_forward:
+    if current is not None and not isinstance(current, RoutedForward):
         return ("its forward was replaced on the instance, a computation K-FAC cannot follow; its projections "
                 "(out_proj included) are left to the optimizer unpreconditioned")
     return None
@@ -128,8 +127,19 @@ def install(module: nn.MultiheadAttention) -> tuple[Projection, Projection, Proj
     taps = module.__dict__.get("_kfac_projections")
     if taps is None:
         taps = module.__dict__["_kfac_projections"] = tuple(Projection(module, i) for i in range(3))
-        module.__dict__["forward"] = types.MethodType(attention_forward, module)
+        module.__dict__["forward"] = RoutedForward(module)
     return taps
+
+
+class RoutedForward:
+    """The instance's ``forward``: :func:`attention_forward` on it. An object rather than a bound method so that
+    the module pickles (``torch.save(model)``) and deep-copies with it."""
+
+    def __init__(self, module: nn.MultiheadAttention) -> None:
+        self.module = module
+
+    def __call__(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return attention_forward(self.module, *args, **kwargs)
 
 
 def _batch_first(x: torch.Tensor, batched: bool, batch_first: bool) -> torch.Tensor:
