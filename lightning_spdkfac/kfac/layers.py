@@ -342,8 +342,8 @@ class EmbeddingHelper(LayerHelper):
         """The token counts on the diagonal (sum of the one-hot rows' outer products), padding left out."""
         if first:
             xx.zero_()
-        ids = a[a >= 0]
-        xx.diagonal().index_add_(0, ids, torch.ones(ids.shape, dtype=xx.dtype, device=xx.device))
+        # Weighted, not filtered: a boolean mask would make the GPU wait for the host (nonzero).
+        xx.diagonal().index_add_(0, a.clamp(min=0), (a >= 0).to(xx.dtype))
 
     def g_rows(self, grad_output: torch.Tensor) -> torch.Tensor:
         return grad_output.reshape(-1, grad_output.shape[-1])
