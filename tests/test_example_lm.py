@@ -94,13 +94,12 @@ def test_config_runs_a_few_steps(name, isolated, tmp_path):
     assert r["history"][0]["train_loss"] is not None and math.isfinite(r["history"][0]["train_loss"])
     kfacs = [c for c in trainer.callbacks if isinstance(c, KFAC)]
     assert len(kfacs) == (name == "kfac")
-    if kfacs:  # the callback preconditioned every Linear layer in every step
+    if kfacs:  # the callback preconditioned every Linear and Embedding layer in every step
         state = kfacs[0].state_dict()
-        n_linear = sum(isinstance(m, nn.Linear) for m in cli.model.modules())
-        missing = [
-            n for n, m in cli.model.named_modules() if isinstance(m, nn.Linear) and n not in state["layers"]
-        ]
-        assert state["steps"] == 3 and not missing and len(state["layers"]) == n_linear == 4 * 6 + 1, missing
+        kinds = (nn.Linear, nn.Embedding)
+        n_layers = sum(isinstance(m, kinds) for m in cli.model.modules())
+        missing = [n for n, m in cli.model.named_modules() if isinstance(m, kinds) and n not in state["layers"]]
+        assert state["steps"] == 3 and not missing and len(state["layers"]) == n_layers == 4 * 6 + 1 + 2, missing
     saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
     assert saved["trainer"]["max_steps"] == 3
 
@@ -135,7 +134,7 @@ def test_kfac_registers_every_linear_with_3d_inputs():
     linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     assert len(linears) == 2 * 6 + 1  # q, k, v, out, fc1, fc2 per block, and the head
     pre = KFACPreconditioner(model, damping=0.01, kl_clip=None)
-    assert set(pre.layers) == set(linears) and not pre.skipped
+    assert set(pre.layers) == set(linears) | {"tok_emb", "pos_emb"} and not pre.skipped
 
     inputs, out_grads = {}, {}
 
@@ -154,7 +153,8 @@ def test_kfac_registers_every_linear_with_3d_inputs():
         h.remove()
     grads_before = {n: m.weight.grad.clone() for n, m in linears.items()}
     bias_before = {n: m.bias.grad.clone() for n, m in linears.items() if m.bias is not None}
-    for name, layer in pre.layers.items():
+    for name in linears:
+        layer = pre.layers[name]
         assert inputs[name].shape[:2] == (B, T) and inputs[name].dim() == 3, name
         assert layer.rows == B * T and layer.examples == B * T and layer.a_calls == layer.g_calls == 1, name
     pre.step()

@@ -207,21 +207,23 @@ def test_module_whose_forward_did_not_run_is_skipped_for_that_step():
     assert not torch.equal(model.a.weight.grad, torch.ones_like(model.a.weight))
 
 
-def test_multihead_attention_out_proj_never_runs_and_does_not_crash():
+def test_multihead_attention_projections_are_preconditioned():
+    """Its out_proj used to be registered but never run (F.linear on its weight); now the q, k, v and output
+    projections are blocks whose factors fill (dense references: tests/test_layer_coverage.py)."""
     torch.manual_seed(0)
     attn = nn.MultiheadAttention(8, 2, batch_first=True)
     model = nn.ModuleDict({"attn": attn, "head": nn.Linear(8, 2)})
-    pre = KFACPreconditioner(model, lr=0.1)
-    assert "attn.out_proj" in pre.layers
+    pre = KFACPreconditioner(model, lr=0.1, factor_update_steps=1, inv_update_steps=1)
+    assert set(pre.layers) == {"attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.out_proj", "head"}
     x = torch.randn(4, 5, 8)
     for _ in range(2):
         model.zero_grad()
         out, _ = attn(x, x, x)
         model["head"](out).pow(2).mean().backward()
-        raw = attn.out_proj.weight.grad.clone()
+        raw = [p.grad.clone() for p in attn.parameters()]
         pre.step()
-        assert torch.equal(attn.out_proj.weight.grad, raw)  # never preconditioned
-    assert pre.layers["attn.out_proj"].A is None and pre.layers["head"].A is not None
+        assert not any(torch.equal(p.grad, r) for p, r in zip(attn.parameters(), raw))
+    assert all(layer.A is not None for layer in pre.layers.values())
 
 
 def test_shared_weights_accumulate_over_calls():

@@ -12,8 +12,9 @@ cover ``imghdr.py``, ``imp.py``, ``inspect.py`` and ``io.py``.
 
 ``TinyGPT`` is a small decoder-only transformer whose every projection is an ``nn.Linear``
 (attention q, k, v and out; the MLP; the output head), so the K-FAC callback preconditions all of
-them. Attention does not use ``nn.MultiheadAttention``, whose ``out_proj`` weight is used without
-calling the module and would therefore be invisible to K-FAC.
+them, and its two embeddings (vocabulary 256, block size). Attention is written out rather than
+``nn.MultiheadAttention`` (which K-FAC also handles, docs/math.md "Attention"), so that the q, k, v
+projections are plain modules.
 """
 
 from __future__ import annotations
@@ -267,9 +268,9 @@ class TinyGPT(pl.LightningModule):
         dropout: dropout on attention weights and residual branches (0: the run is deterministic
             given the seed).
         bias: biases in the Linear layers.
-        tie_weights: share the head's weight with the token embedding. Off by default: a head tied to an
-            ``nn.Embedding`` is skipped by K-FAC (with one warning at setup): its gradient holds the
-            embedding's too, which the head's factors do not describe.
+        tie_weights: share the head's weight with the token embedding. Off by default: K-FAC then
+            preconditions the shared weight by the head's block alone (with one warning at setup naming the
+            embedding), whose factors do not describe the embedding's part of its gradient.
         optimizer: "adamw" or "sgd" (SGD with momentum, the usual base optimizer of K-FAC).
         lr: peak learning rate.
         weight_decay: decoupled (AdamW) or L2 (SGD) weight decay, applied to the weight matrices of

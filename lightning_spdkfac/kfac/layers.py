@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +22,7 @@ from torch import nn
 class LayerHelper:
     """Math of one supported module. Subclasses fill in the row extraction."""
 
-    def __init__(self, module: nn.Linear | nn.Conv2d) -> None:
+    def __init__(self, module: nn.Module) -> None:
         self.module = module
         self.has_bias = getattr(module, "bias", None) is not None
 
@@ -70,6 +70,8 @@ class LayerHelper:
     unbatched_dim = -1
     # What factor_approx="auto" uses for this layer type (docs/math.md, "K-FAC-expand and K-FAC-reduce").
     auto_reduce = False
+    # Whether K-FAC-reduce rows exist for this type (an embedding's stay expand: its A is diagonal only there).
+    reducible = True
 
     def a_rows(self, x: torch.Tensor) -> torch.Tensor:
         """The input rows ``R x in`` without the bias column (the 1s are added in closed form)."""
@@ -88,24 +90,57 @@ class LayerHelper:
         """K-FAC-reduce output-gradient rows ``B x out`` in ``dtype``: per example, the sum of its rows ``d_r``."""
         raise NotImplementedError  # pragma: no cover
 
+    def factor_rows(self, x: torch.Tensor, reduce: bool, dtype: torch.dtype) -> torch.Tensor:
+        """The rows of one call's input that :meth:`add_gram` takes (``R x in`` in ``dtype``)."""
+        return self.a_reduced(x, dtype) if reduce else self.a_rows(x).to(dtype)
+
+    def add_gram(self, xx: torch.Tensor, a: torch.Tensor, first: bool) -> None:
+        """``xx = a^T a`` (``first``) or ``xx += a^T a``, in place: the A sum of one call."""
+        if first:
+            torch.mm(a.T, a, out=xx)
+        else:
+            xx.addmm_(a.T, a)
+
     # -- gradient as a matrix ---------------------------------------------------------
     def params(self) -> list[torch.nn.Parameter]:
         """The parameters whose gradients form :meth:`grad_matrix`: the weight, then the bias."""
         return [self._weight()] + ([self._bias()] if self.has_bias else [])
 
+    def param_keys(self) -> list[tuple[int, Any]]:
+        """What the block occupies, for :func:`shared_parameter_groups`: (parameter id, which part of it;
+        None: the whole parameter), the weight first."""
+        return [(id(p), None) for p in self.params()]
+
+    def owner(self) -> nn.Module:
+        """The module that holds the parameters (``self.module``, except for a projection of an attention)."""
+        return self.module
+
+    # The part of the weight's (bias's) gradient this block covers, as a tensor to read and write in place,
+    # and how it is laid out as the ``out x in`` matrix; a block of rows of a packed weight overrides these.
+    def _weight_part(self, wg: torch.Tensor) -> torch.Tensor:
+        return wg
+
+    def _bias_part(self, bg: torch.Tensor) -> torch.Tensor:
+        return bg
+
+    def _as_matrix(self, part: torch.Tensor) -> torch.Tensor:
+        return part.reshape(part.shape[0], -1)
+
+    def _from_matrix(self, block: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
+        return block.reshape(part.shape)
+
     def grad_matrix(self, grads: Mapping[nn.Parameter, torch.Tensor | None]) -> torch.Tensor | None:
         """``[dW, db]`` as one ``out x a_dim`` matrix, from ``grads`` (parameter -> gradient
         tensor, see :mod:`lightning_spdkfac.kfac.gradients`); None when one of them has none."""
-        w = self._weight()
-        wg = grads.get(w)
+        wg = grads.get(self._weight())
         if wg is None:
             return None
-        g = wg.reshape(w.shape[0], -1)
+        g = self._as_matrix(self._weight_part(wg))
         if self.has_bias:
             bg = grads.get(self._bias())
             if bg is None:
                 return None
-            g = torch.cat([g, bg.reshape(-1, 1)], dim=1)
+            g = torch.cat([g, self._bias_part(bg).reshape(-1, 1)], dim=1)
         return g
 
     def write_grad(self, matrix: torch.Tensor, scale: torch.Tensor | None,
@@ -119,11 +154,13 @@ class LayerHelper:
         n_in = self.in_features
         wg = grads[self._weight()]
         assert wg is not None  # grad_matrix returned a matrix: the weight has a gradient
-        _scaled_copy(wg, matrix[:, :n_in].reshape(wg.shape), scale)
+        part = self._weight_part(wg)
+        _scaled_copy(part, self._from_matrix(matrix[:, :n_in], part), scale)
         if self.has_bias:
             bg = grads[self._bias()]
             assert bg is not None  # likewise for the bias
-            _scaled_copy(bg, matrix[:, n_in].reshape(bg.shape), scale)
+            part = self._bias_part(bg)
+            _scaled_copy(part, matrix[:, n_in].reshape(part.shape), scale)
 
 
 def _scaled_copy(dst: torch.Tensor, src: torch.Tensor, scale: torch.Tensor | None) -> None:
@@ -178,24 +215,23 @@ class LinearHelper(LayerHelper):
         return grad_output.reshape(grad_output.shape[0], -1, grad_output.shape[-1]).sum(1, dtype=dtype)
 
 
-class Conv2dHelper(LayerHelper):
-    """``nn.Conv2d`` (groups=1) with any stride, padding, dilation and padding mode (KFC rows)."""
+class ConvHelper(LayerHelper):
+    """``nn.Conv1d``, ``nn.Conv2d`` and ``nn.Conv3d`` (groups=1) with any stride, padding, dilation and padding
+    mode (KFC rows: one per output position, the patch of the input it reads)."""
 
-    unbatched_dim = 3
-    # reduce: expand's A costs (C kh kw)^2 Ho Wo per image, many times the convolution itself, and a
+    # reduce: expand's A costs (C k...)^2 * positions per example, many times the convolution itself, and a
     # vision loss is per image (K-FAC-reduce's setting); measured faster to target (README).
     auto_reduce = True
-    module: nn.Conv2d
+    module: nn.Conv1d | nn.Conv2d | nn.Conv3d
 
-    def __init__(self, module: nn.Conv2d) -> None:
+    def __init__(self, module: nn.Conv1d | nn.Conv2d | nn.Conv3d) -> None:
         super().__init__(module)
-        m = module
-        self._explicit_pad = isinstance(m.padding, str) or m.padding_mode != "zeros"
+        self.spatial = len(module.kernel_size)
+        self.unbatched_dim = self.spatial + 1
 
     @property
     def in_features(self) -> int:
-        m = self.module
-        return m.in_channels * m.kernel_size[0] * m.kernel_size[1]
+        return self.module.in_channels * math.prod(self.module.kernel_size)
 
     @property
     def out_features(self) -> int:
@@ -205,74 +241,141 @@ class Conv2dHelper(LayerHelper):
         """The batched input, padded exactly as the module's forward pads it, in whatever memory format.
 
         Not copied to a contiguous tensor: the row extraction below reads through the input's own strides,
-        so a ``channels_last`` (or any strided) input is read in place.
+        so a ``channels_last`` (or any strided) input is read in place. ``_reversed_padding_repeated_twice`` is
+        the module's own padding of every side (string padding 'same' / 'valid' resolved, asymmetric included).
         """
         m = self.module
-        if x.dim() == 3:
+        if x.dim() == self.unbatched_dim:
             x = x.unsqueeze(0)
-        if self._explicit_pad:
-            # String padding ('same', 'valid') and non-zero padding modes: pad exactly as the
-            # module's forward does.
-            mode = "constant" if m.padding_mode == "zeros" else m.padding_mode
-            x = F.pad(x, m._reversed_padding_repeated_twice, mode=mode)
-        elif not isinstance(m.padding, str) and (m.padding[0] or m.padding[1]):  # str: explicit above
-            x = F.pad(x, (m.padding[1], m.padding[1], m.padding[0], m.padding[0]))
+        pad = m._reversed_padding_repeated_twice
+        if any(pad):
+            x = F.pad(x, pad, mode="constant" if m.padding_mode == "zeros" else m.padding_mode)
         return x
 
-    def _out_size(self, H: int, W: int) -> tuple[int, int]:
-        """(Ho, Wo) of a padded ``H x W`` input."""
-        (kh, kw), (sh, sw), (dh, dw) = self.module.kernel_size, self.module.stride, self.module.dilation
-        return (H - dh * (kh - 1) - 1) // sh + 1, (W - dw * (kw - 1) - 1) // sw + 1
+    def _geometry(self, x: torch.Tensor) -> list[tuple[int, int, int, int]]:
+        """Per spatial dim of the padded input: (kernel, stride, dilation, output size)."""
+        m = self.module
+        return [(k, s, d, (size - d * (k - 1) - 1) // s + 1)
+                for k, s, d, size in zip(m.kernel_size, m.stride, m.dilation, x.shape[2:], strict=True)]
 
     def a_rows(self, x: torch.Tensor) -> torch.Tensor:
-        """Patch rows ``R x (C*kh*kw)``, columns in the order of ``weight.view(out, -1)``.
+        """Patch rows ``R x (C*k1*...*kn)``, columns in the order of ``weight.view(out, -1)``.
 
         The patches are one strided view of the (padded) input, through its own strides (any memory
         format), copied once by the final reshape; ``F.unfold`` followed by the transpose to rows would
-        copy them twice.
+        copy them twice (and exists for 2-D only).
         """
-        m = self.module
         x = self._padded(x)
-        (kh, kw), (sh, sw), (dh, dw) = m.kernel_size, m.stride, m.dilation
-        B, C, H, W = x.shape
-        ho, wo = self._out_size(H, W)
-        s_b, s_c, s_h, s_w = x.stride()
-        patches = x.as_strided(
-            (B, ho, wo, C, kh, kw),
-            (s_b, sh * s_h, sw * s_w, s_c, dh * s_h, dw * s_w),
-        )
-        return patches.reshape(B * ho * wo, C * kh * kw)
+        geo = self._geometry(x)
+        s_b, s_c, *s_sp = x.stride()
+        size = (x.shape[0], *(o for _, _, _, o in geo), x.shape[1], *(k for k, _, _, _ in geo))
+        stride = (s_b, *(s * st for (_, s, _, _), st in zip(geo, s_sp)), s_c,
+                  *(d * st for (_, _, d, _), st in zip(geo, s_sp)))
+        patches = x.as_strided(size, stride)
+        return patches.reshape(-1, self.in_features)
 
     def a_reduced(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Mean patch of each example ``B x (C*kh*kw)``, without forming the patches.
+        """Mean patch of each example ``B x (C*k1*...*kn)``, without forming the patches.
 
-        Entry (c, i, j) of the mean patch is the mean of ``x[c, i*dh + p*sh, j*dw + q*sw]`` over the
-        output locations (p, q); the sum separates: over p for each kernel row i (a strided view of
-        ``B x C x kh x W``), then over q for each kernel column j. That reads ``kh*Ho*W + kh*kw*Wo``
-        values per channel instead of the ``kh*kw*Ho*Wo`` of the patches, and does no GEMM. The input is
-        read through its own strides (any memory format).
+        Entry (c, i1..in) of the mean patch is the mean of ``x[c, i1*d1 + p1*s1, ...]`` over the output
+        positions (p1..pn); the sum separates, one spatial dim at a time: a strided view puts (kernel index,
+        output index) in place of that dim and the output index is summed away. That reads
+        ``k1*O1*S2*...`` values for the first dim (instead of ``k1*...*kn*O1*...*On`` for the patches) and
+        does no GEMM. The input is read through its own strides (any memory format).
         """
-        m = self.module
-        x = self._padded(x)
-        (kh, kw), (sh, sw), (dh, dw) = m.kernel_size, m.stride, m.dilation
-        B, C, H, W = x.shape
-        ho, wo = self._out_size(H, W)
-        s_b, s_c, s_h, s_w = x.stride()
-        rows = x.as_strided((B, C, kh, W, ho), (s_b, s_c, dh * s_h, s_w, sh * s_h)).sum(-1, dtype=dtype)
-        rows = rows.contiguous()  # (B, C, kh, W)
-        cols = rows.as_strided((B, C, kh, kw, wo), (C * kh * W, kh * W, W, dw, sw)).sum(-1)
-        return cols.reshape(B, C * kh * kw).mul_(1.0 / (ho * wo))
+        t = self._padded(x)
+        geo = self._geometry(t)
+        for i, (k, s, d, o) in enumerate(geo):
+            dim = 2 + i
+            size, stride = list(t.shape), list(t.stride())
+            t = t.as_strided(size[:dim] + [k, o] + size[dim + 1:],
+                             stride[:dim] + [d * stride[dim], s * stride[dim]] + stride[dim + 1:])
+            t = t.sum(dim + 1, dtype=dtype)  # a new tensor: the next dim's view reads its strides
+        positions = math.prod(o for _, _, _, o in geo)
+        return t.reshape(t.shape[0], -1).mul_(1.0 / positions)
+
+    def _batched(self, grad_output: torch.Tensor) -> torch.Tensor:
+        return grad_output.unsqueeze(0) if grad_output.dim() == self.unbatched_dim else grad_output
 
     def g_rows(self, grad_output: torch.Tensor) -> torch.Tensor:
-        if grad_output.dim() == 3:
-            grad_output = grad_output.unsqueeze(0)
-        # (B, out, Ho, Wo) -> (B*Ho*Wo, out)
-        return grad_output.flatten(2).transpose(1, 2).reshape(-1, grad_output.shape[1])
+        g = self._batched(grad_output)
+        # (B, out, *spatial) -> (B*positions, out)
+        return g.flatten(2).transpose(1, 2).reshape(-1, g.shape[1])
 
     def g_reduced(self, grad_output: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        if grad_output.dim() == 3:
-            grad_output = grad_output.unsqueeze(0)
-        return grad_output.sum((2, 3), dtype=dtype)  # (B, out, Ho, Wo) -> (B, out)
+        g = self._batched(grad_output)
+        return g.flatten(2).sum(2, dtype=dtype)  # (B, out, *spatial) -> (B, out)
+
+
+class EmbeddingHelper(LayerHelper):
+    """``nn.Embedding``: an input row is the one-hot vector of the token, so A is the diagonal matrix of the
+    token frequencies (a padding_idx token's row is zero: its weight row gets no gradient), and G the full
+    ``embedding_dim`` output-gradient covariance; every position is an example (K-FAC-expand only).
+
+    A is kept as a dense ``vocab x vocab`` matrix (diagonal) so that factor reduction, inversion, checkpoints
+    and the distributed plan treat it like any other factor; hence the vocabulary limit
+    :data:`EMBEDDING_MAX_VOCAB`. The weight is ``vocab x dim``: its gradient matrix is the transpose.
+    """
+
+    reducible = False
+    module: nn.Embedding
+
+    @property
+    def in_features(self) -> int:
+        return self.module.num_embeddings
+
+    @property
+    def out_features(self) -> int:
+        return self.module.embedding_dim
+
+    def examples(self, x: torch.Tensor, reduce: bool) -> int:
+        """Every position is an example (the G of a per-token loss does not depend on the sequence length)."""
+        return x.numel()
+
+    def factor_rows(self, x: torch.Tensor, reduce: bool, dtype: torch.dtype) -> torch.Tensor:
+        """The token ids (``R``, int64), padding tokens as -1."""
+        ids = x.reshape(-1).long()
+        pad = self.module.padding_idx
+        return ids if pad is None else ids.masked_fill(ids == pad, -1)
+
+    def add_gram(self, xx: torch.Tensor, a: torch.Tensor, first: bool) -> None:
+        """The token counts on the diagonal (sum of the one-hot rows' outer products), padding left out."""
+        if first:
+            xx.zero_()
+        # Weighted, not filtered: a boolean mask would make the GPU wait for the host (nonzero).
+        xx.diagonal().index_add_(0, a.clamp(min=0), (a >= 0).to(xx.dtype))
+
+    def g_rows(self, grad_output: torch.Tensor) -> torch.Tensor:
+        return grad_output.reshape(-1, grad_output.shape[-1])
+
+    def _as_matrix(self, part: torch.Tensor) -> torch.Tensor:
+        return part.T
+
+    def _from_matrix(self, block: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
+        return block.T
+
+
+# nn.Embedding gets K-FAC up to this vocabulary size: its diagonal A is stored (and inverted) as a dense matrix
+# (4096^2 floats: 64 MiB in float32); a larger one is skipped with a warning.
+EMBEDDING_MAX_VOCAB = 4096
+
+
+def embedding_refusal(module: nn.Embedding) -> str | None:
+    """Why an ``nn.Embedding`` is left to the optimizer (None: it gets K-FAC)."""
+    if module.sparse:
+        return ("sparse=True: its gradient is a sparse tensor, which K-FAC does not precondition; left to the "
+                "optimizer unpreconditioned (use sparse=False for K-FAC)")
+    if module.max_norm is not None:
+        return ("max_norm renormalizes the weight in place in every forward, which K-FAC's factors do not model; "
+                "left to the optimizer unpreconditioned")
+    if module.scale_grad_by_freq:
+        return ("scale_grad_by_freq rescales its gradient by the batch's token counts, which K-FAC's factors do "
+                "not model; left to the optimizer unpreconditioned")
+    if module.num_embeddings > EMBEDDING_MAX_VOCAB:
+        return (f"its vocabulary ({module.num_embeddings}) is above EMBEDDING_MAX_VOCAB={EMBEDDING_MAX_VOCAB}, "
+                "the largest whose diagonal A factor K-FAC stores as a dense matrix; left to the optimizer "
+                "unpreconditioned")
+    return None
 
 
 def computed_parameter(module: nn.Module) -> str | None:
@@ -302,28 +405,54 @@ def computed_parameter(module: nn.Module) -> str | None:
     return None
 
 
+CONV_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+SUPPORTED_TYPES: tuple[type[nn.Module], ...] = (nn.Linear, *CONV_TYPES, nn.Embedding)
+
+# Layer types with trainable weights that K-FAC does not handle, and why: named in one warning at setup.
+UNSUPPORTED_TYPES: tuple[tuple[type, str], ...] = (
+    (nn.modules.conv._ConvTransposeNd, "transposed convolutions are not supported"),
+    (nn.modules.lazy.LazyModuleMixin, "its parameters are not initialized yet (build the preconditioner after "
+                                      "the first forward)"),
+    (nn.RNNBase, "recurrent layers are not supported"),
+    (nn.Bilinear, "bilinear layers are not supported"),
+    (nn.EmbeddingBag, "bag embeddings are not supported"),
+)
+
+
+def unsupported_reason(module: nn.Module) -> str | None:
+    """Why a layer type with a weight K-FAC could be expected to handle is not handled (None: not such a type)."""
+    for cls, why in UNSUPPORTED_TYPES:
+        if isinstance(module, cls):
+            return why
+    return None
+
+
 def make_helper(module: nn.Module) -> tuple[LayerHelper | None, str | None]:
-    """The helper for a module, or ``(None, reason)`` when the module is not supported."""
-    if not isinstance(module, nn.Linear | nn.Conv2d):
+    """The helper for a module, or ``(None, reason)`` when the module is not supported (reason None: not a
+    layer type K-FAC looks at; see :func:`unsupported_reason` for the types it names)."""
+    if isinstance(module, nn.modules.lazy.LazyModuleMixin) or not isinstance(module, SUPPORTED_TYPES):
         return None, None
     computed = computed_parameter(module)
     if computed is not None:
         return None, computed
     if isinstance(module, nn.Linear):
         return LinearHelper(module), None
+    if isinstance(module, nn.Embedding):
+        why = embedding_refusal(module)
+        return (EmbeddingHelper(module), None) if why is None else (None, why)
     if module.groups != 1:
         return None, f"grouped convolution (groups={module.groups}) is not supported by K-FAC"
-    return Conv2dHelper(module), None
+    return ConvHelper(cast(nn.Conv1d | nn.Conv2d | nn.Conv3d, module)), None
 
 
 def linear_and_conv_modules(model: nn.Module) -> list[nn.Module]:
-    """The ``nn.Linear`` and ``nn.Conv2d`` modules of ``model``, each once: ``model.modules()`` without
-    building every module's name (half the time; this runs on factor steps)."""
+    """The modules of ``model`` of a type K-FAC supports, each once: ``model.modules()`` without building
+    every module's name (half the time; this runs on factor steps)."""
     found: list[nn.Module] = []
     stack, seen = [model], {id(model)}
     while stack:
         module = stack.pop()
-        if isinstance(module, nn.Linear | nn.Conv2d):
+        if isinstance(module, SUPPORTED_TYPES):
             found.append(module)
         for child in module._modules.values():
             if child is not None and id(child) not in seen:
@@ -345,14 +474,17 @@ def shared_parameter_groups(model: nn.Module,
     sum of both layers' contributions, as for one layer called twice, and their factors sum both layers' calls.
     Any other sharing cannot be one Kronecker-factored block, so the group is refused: some but not all
     parameters shared (only the weight, or only the bias), layers of different kinds, or a parameter also used by
-    a module K-FAC does not handle (an ``nn.Embedding`` tied to a head, a layer skipped for another reason,
-    a parent that holds the parameter), whose part of the gradient the factors would not see.
+    a module K-FAC does not handle (a layer skipped for another reason, a parent that holds the parameter), whose
+    part of the gradient the factors would not see. Two exceptions: an ``nn.Embedding`` tied to an ``nn.Linear``
+    head is preconditioned by the head's block alone (:func:`_untie_embeddings`), and the q, k and v rows of one
+    packed attention weight are separate blocks (:meth:`LayerHelper.param_keys` names the part each uses).
     """
     owners: dict[int, list[tuple[str, nn.Module]]] = {}
     for name, module in model.named_modules():
         for p in module.parameters(recurse=False):
             owners.setdefault(id(p), []).append((name, module))
-    position = {id(module): i for i, (_, module, _) in enumerate(candidates)}
+    candidates, refused, tied = _untie_embeddings(candidates, owners)
+    inside = {id(helper.owner()) for _, _, helper in candidates} | tied
     root = list(range(len(candidates)))
 
     def find(i: int) -> int:
@@ -361,22 +493,49 @@ def shared_parameter_groups(model: nn.Module,
             i = root[i]
         return i
 
+    # Two blocks share when they use one parameter and one of them uses all of it, or both the same part
+    # (the q, k and v rows of one packed attention weight are three blocks that share nothing).
+    users: dict[int, list[tuple[int, Any]]] = {}  # parameter id -> (candidate, part)
     outside: list[tuple[int, str, nn.Module]] = []  # (candidate, name, module K-FAC does not handle)
-    for i, (_, module, _) in enumerate(candidates):
-        for p in module.parameters(recurse=False):
-            for other_name, other in owners[id(p)]:
-                j = position.get(id(other))
-                if j is None:
-                    outside.append((i, other_name, other))
-                else:
+    for i, (_, _, helper) in enumerate(candidates):
+        for pid, part in helper.param_keys():
+            for j, other_part in users.get(pid, []):
+                if part is None or other_part is None or part == other_part:
                     root[find(j)] = find(i)
+            users.setdefault(pid, []).append((i, part))
+            outside.extend((i, other_name, other) for other_name, other in owners.get(pid, [])
+                           if id(other) not in inside)
     groups: dict[int, list[Candidate]] = {}
     for i, candidate in enumerate(candidates):
         groups.setdefault(find(i), []).append(candidate)
-    users: dict[int, dict[str, str]] = {}  # group root -> outside module name -> its type
+    used_by: dict[int, dict[str, str]] = {}  # group root -> outside module name -> its type
     for i, other_name, other in outside:
-        users.setdefault(find(i), {})[other_name or "<root>"] = type(other).__name__
-    return [(group, _why_not_one_block(group, users.get(r))) for r, group in groups.items()]
+        used_by.setdefault(find(i), {})[other_name or "<root>"] = type(other).__name__
+    return [(group, _why_not_one_block(group, used_by.get(r))) for r, group in groups.items()] + refused
+
+
+def _untie_embeddings(candidates: list[Candidate], owners: dict[int, list[tuple[str, nn.Module]]]
+                      ) -> tuple[list[Candidate], list[tuple[list[Candidate], str | None]], set[int]]:
+    """An ``nn.Embedding`` whose weight is an ``nn.Linear``'s (a tied LM head): the Linear's block preconditions
+    the shared weight's whole gradient, the embedding's part included (with the head's factors), and the
+    embedding gets no block of its own, so the parameter is preconditioned once.
+
+    Returns the candidates without such embeddings, the embeddings' refused groups, and the ids of every such
+    embedding module (a candidate or not: it does not make the head's weight "used outside" K-FAC).
+    """
+    heads = {id(h._weight()): name for name, _, h in candidates if type(h) is LinearHelper}
+    tied: dict[int, str] = {}  # embedding module id -> the head's name
+    for pid, head in heads.items():
+        for _, other in owners.get(pid, []):
+            if isinstance(other, nn.Embedding) and id(other.weight) == pid:
+                tied[id(other)] = head
+    kept = [c for c in candidates if id(c[1]) not in tied]
+    refused: list[tuple[list[Candidate], str | None]] = [
+        ([c], f"its weight is tied to {tied[id(c[1])]!r} (nn.Linear), whose K-FAC block preconditions the shared "
+              "weight's whole gradient (this embedding's part included, with the head's factors); no block of "
+              "its own, so the parameter is preconditioned once")
+        for c in candidates if id(c[1]) in tied]
+    return kept, refused, set(tied)
 
 
 def _why_not_one_block(group: list[Candidate], outside: dict[str, str] | None) -> str | None:
@@ -386,10 +545,10 @@ def _why_not_one_block(group: list[Candidate], outside: dict[str, str] | None) -
                 "(e.g. an embedding tied to a head); left to the optimizer unpreconditioned")
     if len(group) == 1:
         return None
-    first = [id(p) for p in group[0][1].parameters(recurse=False)]
+    first = group[0][2].param_keys()
     if any(type(h) is not type(group[0][2]) for _, _, h in group):
         return "they share parameters but are layers of different kinds; left to the optimizer unpreconditioned"
-    if any([id(p) for p in module.parameters(recurse=False)] != first for _, module, _ in group[1:]):
+    if any(helper.param_keys() != first for _, _, helper in group[1:]):
         return ("they share some but not all of their parameters (e.g. the weight but not the bias), which is "
                 "not one Kronecker-factored block; left to the optimizer unpreconditioned")
     return None

@@ -30,6 +30,7 @@ from torch import nn
 
 from .. import validation as val
 from ..telemetry import StepTimer, capped_threads
+from .attention import module_layers
 from .checkpoint import STATE_VERSION, CheckpointState
 from .distributor import Distributor, FactorKey, PendingInverses, Task
 from .gradients import GradAccess
@@ -46,7 +47,13 @@ from .inverse import (
     robust_inverses,
 )
 from .layer_state import KFACLayer
-from .layers import LayerHelper, linear_and_conv_modules, make_helper, shared_parameter_groups
+from .layers import (
+    LayerHelper,
+    linear_and_conv_modules,
+    make_helper,
+    shared_parameter_groups,
+    unsupported_reason,
+)
 from .options import KFACOptions
 from .param_groups import StepGroups, step_groups
 
@@ -68,7 +75,8 @@ class _InFlight:
 
 
 class KFACPreconditioner(NonFiniteGuard, CheckpointState):
-    """K-FAC for ``nn.Linear`` and ``nn.Conv2d`` layers of a model, usable with any optimizer.
+    """K-FAC for the ``nn.Linear``, ``nn.Conv1d/2d/3d``, ``nn.Embedding`` and ``nn.MultiheadAttention`` layers of a
+    model (docs/math.md, "Layers and rows"), usable with any optimizer.
 
     Args:
         model: the module whose supported layers get K-FAC.
@@ -170,7 +178,8 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
         # seen at registration, held so that their ids stay theirs (see _check_layers).
         self._known: dict[int, tuple[nn.Module, str | None]] = {}
         self._register(model)
-        self._grad_params = [p for ly in self.layers.values() for p in ly.helper.params()]
+        # Each once: the q, k and v blocks of an attention share its packed weight.
+        self._grad_params = list(dict.fromkeys(p for ly in self.layers.values() for p in ly.helper.params()))
         kfac_ids = {id(p) for p in self._grad_params}
         self._other_params = [p for p in model.parameters() if id(p) not in kfac_ids]
         self.distributor.inv_dtype = self.inv_dtype
@@ -192,23 +201,36 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
     def _register(self, model: nn.Module) -> None:
         seen_types = []
         candidates: list[tuple[str, nn.Module, LayerHelper]] = []
-        for name, module in model.named_modules():
+        of_type: list[str] = []  # layers skipped for their type: named in one warning
+        for module_name, module in model.named_modules():
             seen_types.append(type(module).__name__)
-            helper, reason = make_helper(module)
-            if helper is None:
-                if reason is not None:
-                    self._skip(name, module, reason)
-                    warnings.warn(f"K-FAC skips layer {name!r}: {reason}", stacklevel=3)
-                continue
             cls = type(module).__name__
-            if any(p.search(name) or p.search(cls) for p in self.skip_layers):
-                self._skip(name, module, "matched skip_layers")
-                continue
-            # A layer frozen now is registered too: frozen layers are left alone step by step (trainable()), and
-            # one frozen at setup may be unfrozen later (BackboneFinetuning, a warm-up): it then gets K-FAC like
-            # the others. (Distributed, its factor slots travel, empty, while it is frozen: exclude a layer that
-            # stays frozen for the whole run with skip_layers.)
-            candidates.append((name, module, helper))
+            refused: list[str] = []  # this module's refused layers (an attention: itself and its out_proj)
+            for name, hooked, helper, reason in module_layers(module_name, module):
+                if name in self.skipped:  # (the out_proj of a refused attention)
+                    continue
+                if helper is None:
+                    assert reason is not None  # module_layers lists a module without a helper with its reason
+                    self._skip(name, hooked, reason)
+                    refused.append(name)
+                    continue
+                if any(p.search(name) or p.search(cls) for p in self.skip_layers):
+                    self._skip(name, hooked, "matched skip_layers")
+                    continue
+                # A layer frozen now is registered too: frozen layers are left alone step by step (trainable()), and
+                # one frozen at setup may be unfrozen later (BackboneFinetuning, a warm-up): it then gets K-FAC like
+                # the others. (Distributed, its factor slots travel, empty, while it is frozen: exclude a layer that
+                # stays frozen for the whole run with skip_layers.)
+                candidates.append((name, hooked, helper))
+            if refused and unsupported_reason(module) is not None:
+                of_type.append(f"{module_name!r} ({cls}: {self.skipped[module_name]})")
+            elif refused:
+                names = ", ".join(repr(n) for n in refused)
+                warnings.warn(f"K-FAC skips layer{'s' if len(refused) > 1 else ''} {names}: "
+                              f"{self.skipped[refused[0]]}", stacklevel=3)
+        if of_type:
+            warnings.warn("K-FAC does not support these layers and leaves them to the optimizer unpreconditioned: "
+                          + "; ".join(of_type), stacklevel=3)
         for group, why in shared_parameter_groups(model, candidates):
             if why is not None:
                 names = ", ".join(repr(n) for n, _, _ in group)
@@ -220,7 +242,8 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
             # named after the first; each module's calls add to its factors with that module's own
             # geometry, like the calls of one layer called several times per forward.
             name, _, helper = group[0]
-            reduce = self.factor_approx == "reduce" or (self.factor_approx == "auto" and helper.auto_reduce)
+            reduce = helper.reducible and (
+                self.factor_approx == "reduce" or (self.factor_approx == "auto" and helper.auto_reduce))
             layer = KFACLayer(name=name, helper=helper, index=len(self.layers), reduce=reduce)
             for _, module, module_helper in group:
                 layer.handles.append(module.register_forward_hook(self._make_forward_hook(layer, module_helper)))
@@ -230,7 +253,8 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
             found = ", ".join(sorted(set(seen_types)))
             detail = "; ".join(f"{n or '<root>'}: {r}" for n, r in self.skipped.items())
             raise ValueError(
-                "KFACPreconditioner found no supported layer (nn.Linear, nn.Conv2d) in model; "
+                "KFACPreconditioner found no supported layer (nn.Linear, nn.Conv1d/2d/3d, nn.MultiheadAttention) in "
+                "model; "
                 f"module types found: {found}" + (f"; skipped: {detail}" if detail else "")
             )
 
@@ -382,21 +406,18 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
         return eager(grad_hook)
 
     def _accumulate_a(self, layer: KFACLayer, helper: LayerHelper, x: torch.Tensor) -> None:
-        if layer.reduce:
-            a = helper.a_reduced(x.detach(), self.factor_dtype)
-        else:
-            a = helper.a_rows(x.detach()).to(self.factor_dtype)
-        if layer.a_calls == 0:
-            if layer.xx is None or layer.xx.shape[0] != a.shape[1] or layer.xx.device != a.device:
-                layer.xx = torch.empty(a.shape[1], a.shape[1], dtype=self.factor_dtype, device=a.device)
-            torch.mm(a.T, a, out=layer.xx)
+        a = helper.factor_rows(x.detach(), layer.reduce, self.factor_dtype)
+        first = layer.a_calls == 0
+        if first:
+            n = layer.helper.in_features
+            if layer.xx is None or layer.xx.shape[0] != n or layer.xx.device != a.device:
+                layer.xx = torch.empty(n, n, dtype=self.factor_dtype, device=a.device)
             layer.x_sum = a.sum(0) if layer.helper.has_bias else None
-        else:  # set by this step's first call
-            assert layer.xx is not None
-            layer.xx.addmm_(a.T, a)
-            if layer.helper.has_bias:
-                assert layer.x_sum is not None
-                layer.x_sum.add_(a.sum(0))
+        elif layer.helper.has_bias:  # set by this step's first call
+            assert layer.x_sum is not None
+            layer.x_sum.add_(a.sum(0))
+        assert layer.xx is not None
+        helper.add_gram(layer.xx, a, first)
         layer.rows += a.shape[0]
         layer.a_calls += 1
         layer.mb_a_calls += 1

@@ -13,6 +13,7 @@ factor. Inversion times are a property of the device and live in the cluster's `
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -82,12 +83,13 @@ def profile_layers(model: nn.Module, input_shape: Sequence[int], *, dtype: torch
     def hook_for(name: str, helper: Any) -> Callable[..., None]:
         def hook(mod: nn.Module, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
             x = inputs[0]
-            if isinstance(mod, nn.Conv2d):
-                rows = output.shape[-1] * output.shape[-2]
-                flops = 2.0 * rows * helper.out_features * helper.in_features
+            if isinstance(mod, nn.modules.conv._ConvNd):
+                rows = math.prod(output.shape[2:])
+            elif isinstance(mod, nn.Embedding):
+                rows = x.numel()
             else:
                 rows = x.numel() // x.shape[-1]
-                flops = 2.0 * rows * helper.in_features * helper.out_features
+            flops = 2.0 * rows * helper.in_features * helper.out_features
             if name not in found:
                 order.append(name)
                 found[name] = {"rows": 0, "flops": 0.0}
