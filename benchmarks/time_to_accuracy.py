@@ -11,6 +11,9 @@ Workloads (the package's demo models and data, nothing downloaded):
 * ``textlm``: the TinyGPT of configs/transformer_lm*.yaml on the stdlib sources, with the plain per-token
   mean loss (``loss_scale=1``); target val loss 2.0 nats/token (configs/transformer_lm_adamw.yaml's
   sweep reaches 1.98 at AdamW lr 0.003 and 1.85 at its best lr in 500 steps).
+* ``transformer`` (issue 18): TinyGPT as people build one now, ``nn.MultiheadAttention``, the head tied to
+  the token ``nn.Embedding``, the plain per-token mean loss, 500 optimizer steps, validated every 50; the
+  target is tuned AdamW's own result, the median over seeds of the final val loss at its best lr.
 * ``autoencoder``: a deep MLP autoencoder on the flattened digits, 64-256-128-32-128-256-64 with tanh,
   MSE reconstruction (defined here); target val MSE 0.005 (AdamW lr 3e-3 reaches it in about 10 epochs;
   SGD plateaus near 0.022 at every lr tried).
@@ -50,6 +53,7 @@ with every run's per-epoch history (metric, train loss, seconds), the summaries 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -199,9 +203,24 @@ def tinygpt(opt_name: str, lr: float, seed: int = 0) -> pl.LightningModule:
     # configs/transformer_lm*.yaml, but a plain per-token mean loss (loss_scale 1). Weight decay: the
     # AdamW config's 0.1 (decoupled) or the SGD config's 5e-4 (coupled).
     return TinyGPT(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=64, mlp_ratio=4, dropout=0.0,
-                   bias=True, tie_weights=False, optimizer=opt_name, lr=lr,
+                   bias=True, tie_weights=False, attention="linear", optimizer=opt_name, lr=lr,
                    weight_decay=0.1 if opt_name == "adamw" else 5e-4, momentum=0.9, betas=(0.9, 0.95),
                    warmup_steps=50, min_lr_ratio=0.1, init_seed=seed, loss_scale=1.0)
+
+
+def transformer(opt_name: str, lr: float, seed: int = 0) -> pl.LightningModule:
+    # Issue 18's workload: TinyGPT as people build one now, nn.MultiheadAttention, the head tied to the token
+    # embedding, the plain per-token mean loss; the sizes, schedule and weight decays of ``tinygpt``.
+    return TinyGPT(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=64, mlp_ratio=4, dropout=0.0,
+                   bias=True, tie_weights=True, attention="mha", optimizer=opt_name, lr=lr,
+                   weight_decay=0.1 if opt_name == "adamw" else 5e-4, momentum=0.9, betas=(0.9, 0.95),
+                   warmup_steps=50, min_lr_ratio=0.1, init_seed=seed, loss_scale=1.0)
+
+
+def transformer_data(seed: int) -> pl.LightningDataModule:
+    # validation every 50 optimizer steps (500 steps = 10 "epochs"): times to target at a finer grain
+    return StdlibTextDataModule(block_size=64, batch_size=32, max_bytes=2_000_000, seed=seed,
+                                val_fraction=0.1, val_windows=256, batches_per_epoch=50)
 
 
 def text_data(seed: int) -> pl.LightningDataModule:
@@ -223,6 +242,9 @@ class Workload:
     lrs: dict[str, list[float]]
     quick_budget: int
     quick_lrs: dict[str, list[float]] = field(default_factory=dict)
+    # "adamw": the target is set after the sweep, to the median final metric (over the seeds) of the AdamW lr
+    # with the best one: "reach tuned AdamW's result at the end of the budget"; ``target`` is then a placeholder.
+    target_from: str | None = None
 
     def better(self, a: float, b: float) -> bool:
         return a > b if self.mode == "max" else a < b
@@ -244,6 +266,10 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
              "val_loss", "min", 2.0, budget=5,
              lrs={"sgd": [0.1, 0.3, 1.0, 3.0], "adamw": [1.5e-3, 3e-3, 6e-3, 1.3e-2]},
              quick_budget=1, quick_lrs={"sgd": [1.0], "adamw": [1.3e-2]}),
+    Workload("transformer", "TinyGPT, nn.MultiheadAttention, tied embedding, per-token mean loss, val loss",
+             transformer, transformer_data, "val_loss", "min", math.nan, budget=10,
+             lrs={"sgd": [0.3, 1.0], "adamw": [1.5e-3, 3e-3, 6e-3, 1.2e-2]},
+             quick_budget=2, quick_lrs={"sgd": [1.0], "adamw": [6e-3]}, target_from="adamw"),
     Workload("autoencoder", "MLP autoencoder 64-256-128-32-128-256-64 (tanh) on digits, val MSE",
              DigitsAutoencoder, digits_data, "val_mse", "min", 0.005, budget=30,
              lrs={"sgd": [0.03, 0.1, 0.3, 1.0, 3.0], "adamw": [3e-4, 1e-3, 3e-3, 1e-2, 3e-2]},
@@ -411,6 +437,9 @@ def run_workload(w: Workload, seeds: list[int], quick: bool, budget: int | None,
             f"{recorded['seeds']}); the best baseline is re-run below beside K-FAC")
     else:
         sweep, winners, edge, best_opt, best_lr = _sweep(w, lrs, seeds, do, runs)
+    if w.target_from is not None:
+        w, sweep, winners, edge, best_opt, best_lr = _target_from_baseline(w, lrs, runs)
+        log(f"  [{w.name}] target: {w.target:.4f}, the median final {w.monitor} of tuned {w.target_from}")
     log(f"  [{w.name}] winners: " + ", ".join(f"{o} lr {winners[o]['lr']:g}" for o in winners)
         + f"; best baseline {best_opt} lr {best_lr:g}")
 
@@ -505,6 +534,11 @@ def _sweep(w: Workload, lrs: dict[str, list[float]], seeds: list[int], do: Calla
             for opt_name, grid in lrs.items():
                 if i < len(grid):
                     do(opt_name, grid[i], seed, None, f"sweep {opt_name}")
+    return _rank_sweep(w, lrs, runs)
+
+
+def _rank_sweep(w: Workload, lrs: dict[str, list[float]], runs: list[dict]) -> tuple[dict, dict, dict, str, float]:
+    """The sweep's summaries per optimizer and lr, the winners, winner-at-grid-edge, best optimizer, its lr."""
     sweep: dict[str, list[dict]] = {}
     for opt_name, grid in lrs.items():
         for lr in grid:
@@ -514,6 +548,31 @@ def _sweep(w: Workload, lrs: dict[str, list[float]], seeds: list[int], do: Calla
     edge = {o: winners[o]["lr"] in (lrs[o][0], lrs[o][-1]) and len(lrs[o]) > 1 for o in winners}
     best_opt = min(winners, key=lambda o: rank_key(w, winners[o]))
     return sweep, winners, edge, best_opt, winners[best_opt]["lr"]
+
+
+def _retarget(w: Workload, runs: list[dict]) -> None:
+    """Recompute each run's time to target from its history under ``w.target``."""
+    for r in runs:
+        hit = next((h for h in r["history"] if w.reached(h[w.monitor])), None)
+        r["reached"] = hit is not None
+        r["seconds_to_target"] = hit["seconds"] if hit else None
+        r["epoch_to_target"] = hit["epoch"] if hit else None
+
+
+def _target_from_baseline(w: Workload, lrs: dict[str, list[float]], runs: list[dict]
+                          ) -> tuple[Workload, dict, dict, dict, str, float]:
+    """``w.target_from``'s lr with the best median final metric sets the target (its median final metric over
+    seeds); every sweep run is re-scored against it and the winners re-ranked by time to it."""
+    ref = w.target_from
+    finals = {lr: [r["final_metric"] for r in runs if r["tag"] == f"sweep {ref}" and r["lr"] == lr] for lr in lrs[ref]}
+    medians = {lr: statistics.median(v) for lr, v in finals.items() if v and all(math.isfinite(x) for x in v)}
+    if not medians:
+        raise SystemExit(f"[{w.name}] no {ref} run of the sweep finished: no target")
+    pick = min if w.mode == "min" else max
+    best = pick(medians, key=lambda lr: medians[lr])
+    w = dataclasses.replace(w, target=medians[best])
+    _retarget(w, runs)
+    return (w, *_rank_sweep(w, lrs, runs))
 
 
 def median_curve(w_runs: list[dict], monitor: str) -> tuple[list[float], list[float]]:
@@ -570,7 +629,7 @@ def plot(results: list[dict], path: str) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--workloads", default="digits,resnet,textlm,autoencoder",
+    p.add_argument("--workloads", default="digits,resnet,textlm,transformer,autoencoder",
                    help=f"comma-separated subset of {','.join(WORKLOADS)}")
     p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (init weights and data order)")
     p.add_argument("--budget", default=None,

@@ -130,7 +130,8 @@ def test_cli_main_and_overrides(isolated, tmp_path):
 def test_kfac_registers_every_linear_with_3d_inputs():
     torch.manual_seed(0)
     B, T = 3, 16
-    model = TinyGPT(block_size=T, n_layer=2, n_head=2, n_embd=24, mlp_ratio=2).train()
+    model = TinyGPT(block_size=T, n_layer=2, n_head=2, n_embd=24, mlp_ratio=2, attention="linear",
+                    tie_weights=False).train()
     linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     assert len(linears) == 2 * 6 + 1  # q, k, v, out, fc1, fc2 per block, and the head
     pre = KFACPreconditioner(model, damping=0.01, kl_clip=None)
@@ -183,6 +184,31 @@ def test_kfac_registers_every_linear_with_3d_inputs():
         if bias:
             torch.testing.assert_close(m.bias.grad, P[:, -1], rtol=1e-4, atol=1e-8)
         assert not torch.allclose(m.weight.grad, grads_before[name]), name
+    pre.remove_hooks()
+
+
+def test_the_default_tinygpt_is_mha_with_a_tied_head_and_computes_what_the_linear_one_does():
+    """attention="mha" (default) and "linear" are the same function of the same weights; K-FAC registers MHA's
+    four projections, the MLP, the head (which preconditions the tied weight) and the position embedding, and
+    names the tied token embedding in its one warning."""
+    mha = TinyGPT(block_size=16, n_layer=2, n_head=2, n_embd=16, mlp_ratio=2)
+    lin = TinyGPT(block_size=16, n_layer=2, n_head=2, n_embd=16, mlp_ratio=2, attention="linear")
+    assert mha.head.weight is mha.tok_emb.weight and lin.head.weight is lin.tok_emb.weight
+    state = {k: v for k, v in mha.state_dict().items() if "attn" not in k}
+    lin.load_state_dict(state, strict=False)
+    for bm, bl in zip(mha.blocks, lin.blocks):
+        for i, proj in enumerate((bl.attn.q, bl.attn.k, bl.attn.v)):
+            rows = slice(16 * i, 16 * (i + 1))
+            proj.weight.data.copy_(bm.attn.in_proj_weight[rows])
+            proj.bias.data.copy_(bm.attn.in_proj_bias[rows])
+        bl.attn.out.load_state_dict(bm.attn.out_proj.state_dict())
+    x = torch.randint(0, 256, (3, 16))
+    torch.testing.assert_close(mha(x), lin(x), rtol=1e-5, atol=1e-6)
+    with pytest.warns(UserWarning, match="tok_emb"):
+        pre = KFACPreconditioner(mha, kl_clip=None)
+    per_block = ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.out_proj", "fc1", "fc2")
+    assert set(pre.layers) == {f"blocks.{i}.{n}" for i in range(2) for n in per_block} | {"head", "pos_emb"}
+    assert set(pre.skipped) == {"tok_emb"}
     pre.remove_hooks()
 
 

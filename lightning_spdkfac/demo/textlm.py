@@ -10,11 +10,11 @@ depends on the Python version; with CPython 3.11.7 the first 2 MB are 74 files, 
 to the start of ``ipaddress.py``, and the last 10% (validation) begin inside ``imaplib.py`` and
 cover ``imghdr.py``, ``imp.py``, ``inspect.py`` and ``io.py``.
 
-``TinyGPT`` is a small decoder-only transformer whose every projection is an ``nn.Linear``
-(attention q, k, v and out; the MLP; the output head), so the K-FAC callback preconditions all of
-them, and its two embeddings (vocabulary 256, block size). Attention is written out rather than
-``nn.MultiheadAttention`` (which K-FAC also handles, docs/math.md "Attention"), so that the q, k, v
-projections are plain modules.
+``TinyGPT`` is a small decoder-only transformer built the way people write one now: attention is
+``nn.MultiheadAttention`` (K-FAC preconditions its q, k, v and output projections, docs/math.md
+"Attention"), the output head shares its weight with the token ``nn.Embedding`` (preconditioned once, by
+the head's block), and the loss is the plain per-token mean cross-entropy. ``attention="linear"`` writes
+attention out as four ``nn.Linear`` (the same computation) and ``tie_weights=False`` unties the head.
 """
 
 from __future__ import annotations
@@ -229,31 +229,62 @@ class CausalSelfAttention(nn.Module):
         return self.out(y.transpose(1, 2).reshape(B, T, C))
 
 
+class CausalMHA(nn.MultiheadAttention):
+    """``nn.MultiheadAttention`` (batch first) called as causal self-attention: ``attn(x)``.
+
+    Only the call is wrapped (this class has no forward of its own, so K-FAC's attention routing applies to
+    it as to any ``nn.MultiheadAttention``): a boolean upper-triangular mask with ``is_causal=True``, no
+    attention weights returned.
+    """
+
+    def __init__(self, n_embd: int, n_head: int, dropout: float = 0.0, bias: bool = True) -> None:
+        super().__init__(n_embd, n_head, dropout=dropout, bias=bias, batch_first=True)
+
+    def causal(self, x: torch.Tensor) -> torch.Tensor:
+        T = x.shape[1]
+        mask = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
+        return self(x, x, x, attn_mask=mask, is_causal=True, need_weights=False)[0]
+
+
 class Block(nn.Module):
-    """Pre-LayerNorm transformer block: ``x + attn(ln(x))``, then ``x + mlp(ln(x))``."""
+    """Pre-LayerNorm transformer block: ``x + attn(ln(x))``, then ``x + mlp(ln(x))``.
+
+    ``attention``: ``"mha"`` an ``nn.MultiheadAttention`` (:class:`CausalMHA`), ``"linear"`` four plain
+    ``nn.Linear`` projections (:class:`CausalSelfAttention`); the same computation.
+    """
 
     def __init__(
-        self, n_embd: int, n_head: int, mlp_ratio: int = 4, dropout: float = 0.0, bias: bool = True
+        self, n_embd: int, n_head: int, mlp_ratio: int = 4, dropout: float = 0.0, bias: bool = True,
+        attention: Literal["mha", "linear"] = "mha",
     ) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(n_embd)
-        self.attn = CausalSelfAttention(n_embd, n_head, dropout, bias)
+        self.attn: CausalMHA | CausalSelfAttention = (
+            CausalMHA(n_embd, n_head, dropout, bias) if attention == "mha"
+            else CausalSelfAttention(n_embd, n_head, dropout, bias))
         self.ln2 = nn.LayerNorm(n_embd)
         self.fc1 = nn.Linear(n_embd, mlp_ratio * n_embd, bias=bias)
         self.fc2 = nn.Linear(mlp_ratio * n_embd, n_embd, bias=bias)
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.ln1(x)))
+        h = self.ln1(x)
+        a = self.attn.causal(h) if isinstance(self.attn, CausalMHA) else self.attn(h)
+        x = x + self.drop(a)
         return x + self.drop(self.fc2(F.gelu(self.fc1(self.ln2(x)))))
+
+    def out_projection(self) -> nn.Linear:
+        """The attention's output projection (initialized with the residual scaling)."""
+        return self.attn.out_proj if isinstance(self.attn, CausalMHA) else self.attn.out
 
 
 class TinyGPT(pl.LightningModule):
     """A small decoder-only transformer language model (GPT-style, pre-LN) for byte tokens.
 
-    token + position embeddings -> ``n_layer`` blocks (causal self-attention of nn.Linear q/k/v/out,
-    MLP of two nn.Linear with GELU) -> LayerNorm -> nn.Linear head. Weights are initialized as in
-    GPT-2 (normal, std 0.02; residual output projections scaled by 1/sqrt(2 n_layer)).
+    token + position embeddings -> ``n_layer`` blocks (causal self-attention, ``nn.MultiheadAttention`` by
+    default; MLP of two nn.Linear with GELU) -> LayerNorm -> nn.Linear head tied to the token embedding.
+    Weights are initialized as in GPT-2 (normal, std 0.02; residual output projections scaled by
+    1/sqrt(2 n_layer)).
 
     ``train_loss`` (mean over the epoch's batches) and ``val_loss`` (mean over the validation
     windows) are cross-entropies in nats per token.
@@ -268,9 +299,10 @@ class TinyGPT(pl.LightningModule):
         dropout: dropout on attention weights and residual branches (0: the run is deterministic
             given the seed).
         bias: biases in the Linear layers.
-        tie_weights: share the head's weight with the token embedding. Off by default: K-FAC then
-            preconditions the shared weight by the head's block alone (with one warning at setup naming the
-            embedding), whose factors do not describe the embedding's part of its gradient.
+        tie_weights: share the head's weight with the token embedding (default). K-FAC then preconditions
+            the shared weight by the head's block (one warning at setup names the embedding), whose factors
+            describe the head's use of it, not the embedding's part of its gradient.
+        attention: ``"mha"`` (default) ``nn.MultiheadAttention``; ``"linear"`` four ``nn.Linear`` q/k/v/out.
         optimizer: "adamw" or "sgd" (SGD with momentum, the usual base optimizer of K-FAC).
         lr: peak learning rate.
         weight_decay: decoupled (AdamW) or L2 (SGD) weight decay, applied to the weight matrices of
@@ -308,7 +340,8 @@ class TinyGPT(pl.LightningModule):
         mlp_ratio: int = 4,
         dropout: float = 0.0,
         bias: bool = True,
-        tie_weights: bool = False,
+        tie_weights: bool = True,
+        attention: Literal["mha", "linear"] = "mha",
         optimizer: Literal["adamw", "sgd"] = "adamw",
         lr: float = 3e-3,
         weight_decay: float = 0.1,
@@ -330,20 +363,22 @@ class TinyGPT(pl.LightningModule):
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {min_lr_ratio!r}")
         if not loss_scale > 0:
             raise ValueError(f"loss_scale must be > 0, got {loss_scale!r}")
+        if attention not in ("mha", "linear"):
+            raise ValueError(f"attention must be 'mha' or 'linear', got {attention!r}")
         self.save_hyperparameters()
         self.block_size = block_size
         with torch.random.fork_rng(devices=[], enabled=init_seed is not None):
             if init_seed is not None:
                 torch.manual_seed(init_seed)
             self._build(vocab_size, block_size, n_layer, n_head, n_embd, mlp_ratio, dropout, bias,
-                        tie_weights)
+                        tie_weights, attention)
 
     def _build(self, vocab_size: int, block_size: int, n_layer: int, n_head: int, n_embd: int, mlp_ratio: int,
-               dropout: float, bias: bool, tie_weights: bool) -> None:
+               dropout: float, bias: bool, tie_weights: bool, attention: Literal["mha", "linear"]) -> None:
         self.tok_emb = nn.Embedding(vocab_size, n_embd)
         self.pos_emb = nn.Embedding(block_size, n_embd)
         self.drop = nn.Dropout(dropout)
-        blocks = [Block(n_embd, n_head, mlp_ratio, dropout, bias) for _ in range(n_layer)]
+        blocks = [Block(n_embd, n_head, mlp_ratio, dropout, bias, attention) for _ in range(n_layer)]
         self.blocks = nn.ModuleList(blocks)
         self.ln_f = nn.LayerNorm(n_embd)
         self.head = nn.Linear(n_embd, vocab_size, bias=False)
@@ -351,7 +386,11 @@ class TinyGPT(pl.LightningModule):
             self.head.weight = self.tok_emb.weight
         self.apply(self._init_weights)
         for block in blocks:
-            for proj in (block.attn.out, block.fc2):
+            if isinstance(block.attn, CausalMHA):  # its packed q/k/v weight is a Parameter, not a Linear
+                nn.init.normal_(block.attn.in_proj_weight, mean=0.0, std=0.02)
+                if block.attn.in_proj_bias is not None:
+                    nn.init.zeros_(block.attn.in_proj_bias)
+            for proj in (block.out_projection(), block.fc2):
                 nn.init.normal_(proj.weight, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
 
     @staticmethod
@@ -395,17 +434,13 @@ class TinyGPT(pl.LightningModule):
         self.log("test_loss", self.loss(batch), on_epoch=True, batch_size=len(batch[0]), sync_dist=True)
 
     def param_groups(self) -> list[dict[str, Any]]:
-        """Weight decay on Linear weights and embeddings; none on biases and LayerNorm parameters."""
+        """Weight decay on the weight matrices (Linear, attention projections, embeddings); none on biases and
+        LayerNorm parameters."""
         decay: list[nn.Parameter] = []
         no_decay: list[nn.Parameter] = []
-        seen: set[int] = set()
-        for module in self.modules():
-            for name, p in module.named_parameters(recurse=False):
-                if id(p) in seen or not p.requires_grad:
-                    continue
-                seen.add(id(p))
-                is_matrix = name == "weight" and isinstance(module, (nn.Linear, nn.Embedding))
-                (decay if is_matrix else no_decay).append(p)
+        for p in self.parameters():  # each once (a tied weight too), in module order
+            if p.requires_grad:  # matrices: Linear and embedding weights, attention's packed in_proj_weight
+                (decay if p.dim() >= 2 else no_decay).append(p)
         return [
             {"params": decay, "weight_decay": cast(AttributeDict, self.hparams).weight_decay},
             {"params": no_decay, "weight_decay": 0.0},
