@@ -33,6 +33,7 @@ from lightning_spdkfac.demo.textlm import (
     load_corpus,
     stdlib_files,
 )
+from lightning_spdkfac.kfac.options import KFACOptions
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = {
@@ -49,20 +50,20 @@ SHORT = (
 
 
 # ----------------------------------------------------------------------------- configs
-def test_configs_differ_only_by_optimizer_and_kfac():
+def test_configs_differ_only_by_the_kfac_group():
     kfac, adamw = (yaml.safe_load(p.read_text()) for p in CONFIGS.values())
-    assert kfac["kfac"]["damping"] == 0.01 and adamw["kfac"] is None  # the kfac: group; null = no K-FAC
-    assert (
-        kfac["model"]["init_args"]["optimizer"] == "sgd"
-        and adamw["model"]["init_args"]["optimizer"] == "adamw"
-    )
+    assert adamw["kfac"] is None  # the kfac: group; null = no K-FAC
+    defaults = KFACOptions()
+    for key in ("damping", "factor_decay", "kl_clip", "factor_update_steps", "inv_update_steps"):
+        assert kfac["kfac"][key] == getattr(defaults, key), key  # K-FAC at its library defaults
+    model = kfac["model"]["init_args"]
+    assert model["optimizer"] == "adamw" and model["loss_scale"] == 1.0 and model["tie_weights"] is True
+    assert model["attention"] == "mha"
     a, b = copy.deepcopy(kfac), copy.deepcopy(adamw)
     for cfg in (a, b):
         cfg["trainer"].pop("default_root_dir")
         cfg.pop("kfac")
-        for key in ("optimizer", "lr", "weight_decay", "momentum", "nesterov", "betas", "eps"):
-            cfg["model"]["init_args"].pop(key, None)  # the optimizer's own settings
-    assert a == b  # same seed, model, data, batch, steps, schedule shape and callbacks
+    assert a == b  # same seed, model, optimizer, data, batch, steps, schedule and callbacks
     assert kfac["trainer"]["max_steps"] == adamw["trainer"]["max_steps"] > 0
 
 
@@ -85,8 +86,7 @@ def test_config_runs_a_few_steps(name, isolated, tmp_path):
     trainer = cli.trainer
     assert trainer.global_step == 3
     assert isinstance(cli.model, TinyGPT) and isinstance(cli.datamodule, StdlibTextDataModule)
-    opt = trainer.optimizers[0]
-    assert isinstance(opt, torch.optim.SGD if name == "kfac" else torch.optim.AdamW)
+    assert isinstance(trainer.optimizers[0], torch.optim.AdamW)
     r = json.loads((tmp_path / "val_loss.json").read_text())
     assert r["steps"] == 3 and len(r["history"]) == 1 and r["history"][0]["step"] == 3
     # 3 steps from a uniform-ish start: close to log(256) = 5.55 nats, and finite
@@ -94,12 +94,11 @@ def test_config_runs_a_few_steps(name, isolated, tmp_path):
     assert r["history"][0]["train_loss"] is not None and math.isfinite(r["history"][0]["train_loss"])
     kfacs = [c for c in trainer.callbacks if isinstance(c, KFAC)]
     assert len(kfacs) == (name == "kfac")
-    if kfacs:  # the callback preconditioned every Linear and Embedding layer in every step
+    if kfacs:  # the callback collected factors of every attention projection, MLP layer, the head and pos_emb
         state = kfacs[0].state_dict()
-        kinds = (nn.Linear, nn.Embedding)
-        n_layers = sum(isinstance(m, kinds) for m in cli.model.modules())
-        missing = [n for n, m in cli.model.named_modules() if isinstance(m, kinds) and n not in state["layers"]]
-        assert state["steps"] == 3 and not missing and len(state["layers"]) == n_layers == 4 * 6 + 1 + 2, missing
+        per_block = ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.out_proj", "fc1", "fc2")
+        want = {f"blocks.{i}.{n}" for i in range(4) for n in per_block} | {"head", "pos_emb"}
+        assert state["steps"] == 3 and set(state["layers"]) == want
     saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
     assert saved["trainer"]["max_steps"] == 3
 
