@@ -17,6 +17,7 @@ import yaml
 from helpers.processes import clean_env, kill_group, spdkfac_cmd, wait_group
 
 from lightning_spdkfac.cli import main
+from lightning_spdkfac.multiprocess import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
@@ -30,7 +31,7 @@ COVERED = {
     "digits_spdkfac.yaml": "test_strategy_digits.py::test_two_processes_match_the_single_process_accuracy",
     "digits_deepspeed.yaml": "test_deepspeed_digits.py::test_bf16_zero2_trains_digits_to_95_percent",
     "multinode.yaml": "test_configs.py::test_multinode_template_runs_on_one_cpu_process",
-    **{f"schedules/{p.name}": "test_configs.py::test_schedule_fragment_runs_on_two_processes" for p in FRAGMENTS},
+    **{f"schedules/{p.name}": "test_configs.py::test_schedule_fragments_run_on_two_processes" for p in FRAGMENTS},
 }
 # Configs added by the examples (their smoke tests live with them).
 EXAMPLE_TESTS = {
@@ -78,18 +79,23 @@ def test_config_parses(name, isolated, capsys):
         assert got["profile_steps"] == [3, 8]  # the base config's other arguments survive the composition
 
 
-def _run(args: list[str], root: Path, timeout: float) -> str:
-    """``spdkfac fit ARGS`` as a subprocess in its own session; the whole process group is killed after."""
+def _start(args: list[str], root: Path, port: int | None = None) -> tuple[subprocess.Popen, list[str]]:
+    """``spdkfac fit ARGS`` as a subprocess in its own session (``port``: its MASTER_PORT)."""
     cmd = [*spdkfac_cmd(), "fit", *args, f"--trainer.default_root_dir={root}"]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    env = clean_env() if port is None else {**clean_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
-    t0 = time.monotonic()
+    return proc, cmd
+
+
+def _finish(proc: subprocess.Popen, cmd: list[str], t0: float, deadline: float) -> str:
+    """Wait for ``proc`` until ``deadline`` (monotonic); the whole process group is killed after."""
     try:
-        out, err = proc.communicate(timeout=timeout)
+        out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
         kill_group(proc.pid)
         out, err = proc.communicate()
-        pytest.fail(f"{' '.join(cmd)} timed out after {timeout} s\n{err[-3000:]}")
+        pytest.fail(f"{' '.join(cmd)} timed out after {time.monotonic() - t0:.0f} s\n{err[-3000:]}")
     finally:
         wait_group(proc.pid, 10)
         kill_group(proc.pid)
@@ -98,15 +104,29 @@ def _run(args: list[str], root: Path, timeout: float) -> str:
     return err
 
 
-@pytest.mark.parametrize("fragment", FRAGMENTS, ids=[p.stem for p in FRAGMENTS])
-def test_schedule_fragment_runs_on_two_processes(fragment, tmp_path):
-    _run(["--config", str(BASE), "--config", str(fragment), "--trainer.max_steps=10", "--trainer.limit_val_batches=0"],
-         tmp_path, timeout=180)
-    saved = yaml.safe_load((tmp_path / "config.yaml").read_text())  # what rank 0 actually ran with
-    ran = saved["trainer"]["strategy"]["init_args"]
-    for key, value in yaml.safe_load(fragment.read_text())["trainer"]["strategy"]["init_args"].items():
-        assert ran[key] == value, (key, ran[key], value)
-    assert saved["trainer"]["devices"] == 2
+def test_schedule_fragments_run_on_two_processes(tmp_path):
+    """Every fragment of configs/schedules composed with the base config, trained on 2 processes. The runs
+    start together (each on its own MASTER_PORT) and are waited for in turn: their start-ups, most of each
+    run, overlap (about 30 s of the suite)."""
+    ports: set[int] = set()
+    while len(ports) < len(FRAGMENTS):
+        ports.add(free_port())
+    t0 = time.monotonic()
+    runs = [(_start(["--config", str(BASE), "--config", str(fragment), "--trainer.max_steps=10",
+                     "--trainer.limit_val_batches=0"], tmp_path / fragment.stem, port), fragment)
+            for fragment, port in zip(FRAGMENTS, sorted(ports))]
+    try:
+        for (proc, cmd), _ in runs:
+            _finish(proc, cmd, t0, t0 + 300)
+    finally:
+        for (proc, _), _ in runs:
+            kill_group(proc.pid)
+    for _, fragment in runs:
+        saved = yaml.safe_load((tmp_path / fragment.stem / "config.yaml").read_text())  # what rank 0 ran with
+        ran = saved["trainer"]["strategy"]["init_args"]
+        for key, value in yaml.safe_load(fragment.read_text())["trainer"]["strategy"]["init_args"].items():
+            assert ran[key] == value, (fragment.stem, key, ran[key], value)
+        assert saved["trainer"]["devices"] == 2
 
 
 def test_multinode_template_runs_on_one_cpu_process(tmp_path, isolated):

@@ -160,7 +160,7 @@ class AutoDistributor(Distributor):
         if self._t_last is not None and self._slot is not None:
             self._period_time += now - self._t_last
         self._t_last = now
-        step = self.step
+        step = self.kfac_step
         if step % self.inv_update_steps == 0:  # a period boundary
             self._at_period_boundary(step)
         self.candidates[self.active].begin_step()

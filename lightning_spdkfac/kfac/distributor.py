@@ -137,9 +137,9 @@ class Distributor:
     # The preconditioner's ``async_inverses`` option, set before setup(); :meth:`use_async_inverses` decides.
     async_inverses: bool = False
     # Set by the preconditioner: its ``inv_update_steps`` (before setup()), and the optimizer step about to begin
-    # (before each begin_step()); inverse steps are those with ``step % inv_update_steps == 0``.
+    # (before each begin_step()); inverse steps are those with ``kfac_step % inv_update_steps == 0``.
     inv_update_steps: int = 1
-    step: int = 0
+    kfac_step: int = 0
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

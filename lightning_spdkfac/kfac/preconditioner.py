@@ -194,7 +194,7 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
         self._graft_hparams = (DEFAULT_BETA2, DEFAULT_EPS)
         self.distributor.kfac_settings = self.settings_text()
         self.distributor.setup([(ly.helper.a_dim, ly.helper.g_dim) for ly in self.layers.values()])
-        self.distributor.step = self.steps
+        self.distributor.kfac_step = self.steps
         self.distributor.begin_step()
 
     # ------------------------------------------------------------------ registration
@@ -827,5 +827,5 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
         self.timer.end_step()
         self._drop_collected()
         self.steps += 1
-        self.distributor.step = self.steps
+        self.distributor.kfac_step = self.steps
         self.distributor.begin_step()
