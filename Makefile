@@ -15,7 +15,7 @@ DEMO_STAMP := $(VENV)/.installed-demo-$(TORCH_VERSION)
 STAMP := $(VENV)/.installed-$(TORCH_VERSION)
 PYTEST_ARGS ?=
 
-.PHONY: install install-demo demo test test-no-cpu-fp16 lint bench clean
+.PHONY: install install-demo demo test test-slow test-no-cpu-fp16 lint bench clean
 
 install: $(STAMP)
 
@@ -44,8 +44,13 @@ $(STAMP): $(TORCH_STAMP) pyproject.toml
 demo: $(DEMO_STAMP)
 	$(PY) -m lightning_spdkfac.demo
 
+# The suite without the tests marked slow (multi-process trainings to an accuracy, concurrent CLI runs): under
+# 10 minutes on 2 cores. test-slow runs those; CI runs both.
 test: install
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+test-slow: install
+	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
 
 # The whole suite as a CPU without DeepSpeed fp16 support sees it (AMD EPYC, Intel before AVX512-FP16/AMX).
 test-no-cpu-fp16: install

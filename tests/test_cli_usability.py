@@ -147,6 +147,7 @@ def test_strategy_argument_from_the_command_line_reaches_the_strategy(isolated, 
 
 
 # ------------------------------------------------------------------------ results on screen, versioned runs
+@pytest.mark.slow
 def test_two_runs_print_their_outcome_into_two_version_folders(tmp_path):
     first = _fit_digits(tmp_path)
     second = _fit_digits(tmp_path)

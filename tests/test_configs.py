@@ -104,6 +104,7 @@ def _finish(proc: subprocess.Popen, cmd: list[str], t0: float, deadline: float) 
     return err
 
 
+@pytest.mark.slow
 def test_schedule_fragments_run_on_two_processes(tmp_path):
     """Every fragment of configs/schedules composed with the base config, trained on 2 processes. The runs
     start together (each on its own MASTER_PORT) and are waited for in turn: their start-ups, most of each

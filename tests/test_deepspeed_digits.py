@@ -34,6 +34,7 @@ def test_config_builds_the_deepspeed_strategy_with_its_inline_config(isolated):
     assert any(isinstance(c, KFAC) for c in cli.trainer.callbacks)
 
 
+@pytest.mark.slow
 def test_bf16_zero2_trains_digits_to_95_percent(tmp_path):
     result, wall, err = run_cli(CONFIG, tmp_path, timeout=300)
     history = [round(h["val_acc"], 4) for h in result["history"]]

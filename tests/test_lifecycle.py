@@ -244,6 +244,7 @@ YAML_ERRORS = [
 ]
 
 
+@pytest.mark.slow
 def test_a_strategy_argument_error_in_yaml_reads_as_one_line_with_exit_2(tmp_path):
     """Each bad strategy argument through the CLI (the runs at once: each is mostly imports)."""
     pytest.importorskip("deepspeed")

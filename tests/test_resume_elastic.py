@@ -16,6 +16,7 @@ import math
 import os
 import warnings
 
+import pytest
 import pytorch_lightning as pl
 import torch
 from helpers.lightning_models import KW, TinyInterleaved, trainer
@@ -112,6 +113,7 @@ def _check_elastic(resumed, world, saved):
         assert any(o >= 0 for o in owners)  # inversions are placed over the new ranks
 
 
+@pytest.mark.slow
 def test_elastic_restart_on_one_and_three_processes(tmp_path):
     full, ckpt = _uninterrupted(tmp_path)
     saved = torch.load(ckpt, weights_only=False)["callbacks"]["KFAC"]
