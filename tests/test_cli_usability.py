@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers.processes import clean_env, kill_group, spdkfac_cmd, wait_group
+from helpers.processes import finish_cli, start_cli
 
 from lightning_spdkfac import KFAC
 from lightning_spdkfac.cli import RunSummary, lightning_cli, main
@@ -28,33 +28,15 @@ SHORT = ["--trainer.max_epochs=1", "--trainer.limit_train_batches=3", "--trainer
          "--trainer.num_sanity_val_steps=0"]
 
 
-def _start(args: tuple[str, ...], cwd: Path) -> subprocess.Popen:
-    return subprocess.Popen([*spdkfac_cmd(), *args], cwd=cwd, env=clean_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-
-
-def _finish(proc: subprocess.Popen, args: tuple[str, ...], timeout: float) -> subprocess.CompletedProcess:
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_group(proc.pid)
-        out, err = proc.communicate()
-        pytest.fail(f"spdkfac {' '.join(args)} timed out\n{err[-3000:]}")
-    finally:
-        wait_group(proc.pid, 10)
-        kill_group(proc.pid)
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-
-
 def spdkfac(*args: str, cwd: Path = REPO, timeout: float = 120) -> subprocess.CompletedProcess:
     """``spdkfac ARGS`` as a user runs it (a subprocess in its own session, killed with its group after)."""
-    return _finish(_start(args, cwd), args, timeout)
+    return finish_cli(start_cli(args, cwd), timeout)
 
 
 def spdkfac_together(*calls: tuple[str, ...], cwd: Path = REPO, timeout: float = 120) -> list[subprocess.CompletedProcess]:
     """Several independent ``spdkfac`` runs at once (each mostly imports: they overlap on two cores)."""
-    procs = [_start(args, cwd) for args in calls]
-    return [_finish(proc, args, timeout) for proc, args in zip(procs, calls)]
+    procs = [start_cli(args, cwd) for args in calls]
+    return [finish_cli(proc, timeout) for proc in procs]
 
 
 def _fit_digits(root: Path, *extra: str) -> subprocess.CompletedProcess:

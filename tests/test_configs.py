@@ -8,13 +8,12 @@ listed in COVERED; this file checks those tests exist, so a new config cannot go
 
 from __future__ import annotations
 
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
 import yaml
-from helpers.processes import clean_env, kill_group, spdkfac_cmd, wait_group
+from helpers.processes import finish_cli, kill_group, start_cli
 
 from lightning_spdkfac.cli import main
 from lightning_spdkfac.multiprocess import free_port
@@ -79,31 +78,6 @@ def test_config_parses(name, isolated, capsys):
         assert got["profile_steps"] == [3, 8]  # the base config's other arguments survive the composition
 
 
-def _start(args: list[str], root: Path, port: int | None = None) -> tuple[subprocess.Popen, list[str]]:
-    """``spdkfac fit ARGS`` as a subprocess in its own session (``port``: its MASTER_PORT)."""
-    cmd = [*spdkfac_cmd(), "fit", *args, f"--trainer.default_root_dir={root}"]
-    env = clean_env() if port is None else {**clean_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
-    return proc, cmd
-
-
-def _finish(proc: subprocess.Popen, cmd: list[str], t0: float, deadline: float) -> str:
-    """Wait for ``proc`` until ``deadline`` (monotonic); the whole process group is killed after."""
-    try:
-        out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        kill_group(proc.pid)
-        out, err = proc.communicate()
-        pytest.fail(f"{' '.join(cmd)} timed out after {time.monotonic() - t0:.0f} s\n{err[-3000:]}")
-    finally:
-        wait_group(proc.pid, 10)
-        kill_group(proc.pid)
-    assert proc.returncode == 0, f"{' '.join(cmd)} exited with {proc.returncode} after {time.monotonic() - t0:.0f} s\n" \
-                                 f"{err[-4000:]}"
-    return err
-
-
 @pytest.mark.slow
 def test_schedule_fragments_run_on_two_processes(tmp_path):
     """Every fragment of configs/schedules composed with the base config, trained on 2 processes. The runs
@@ -112,15 +86,17 @@ def test_schedule_fragments_run_on_two_processes(tmp_path):
     ports: set[int] = set()
     while len(ports) < len(FRAGMENTS):
         ports.add(free_port())
-    t0 = time.monotonic()
-    runs = [(_start(["--config", str(BASE), "--config", str(fragment), "--trainer.max_steps=10",
-                     "--trainer.limit_val_batches=0"], tmp_path / fragment.stem, port), fragment)
+    deadline = time.monotonic() + 300
+    runs = [(start_cli(["fit", "--config", str(BASE), "--config", str(fragment), "--trainer.max_steps=10",
+                        "--trainer.limit_val_batches=0", f"--trainer.default_root_dir={tmp_path / fragment.stem}"],
+                       env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}), fragment)
             for fragment, port in zip(FRAGMENTS, sorted(ports))]
     try:
-        for (proc, cmd), _ in runs:
-            _finish(proc, cmd, t0, t0 + 300)
+        for proc, fragment in runs:
+            done = finish_cli(proc, max(1.0, deadline - time.monotonic()))
+            assert done.returncode == 0, f"{fragment.stem}: exited with {done.returncode}\n{done.stderr[-4000:]}"
     finally:
-        for (proc, _), _ in runs:
+        for proc, _ in runs:
             kill_group(proc.pid)
     for _, fragment in runs:
         saved = yaml.safe_load((tmp_path / fragment.stem / "config.yaml").read_text())  # what rank 0 ran with

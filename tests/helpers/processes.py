@@ -2,7 +2,7 @@
 that are waited for and killed, so that no rank outlives a test (pass, fail or timeout).
 
 Used by the tests that run ``spdkfac fit`` or ``torchrun`` as a user does (test_strategy_digits,
-test_deepspeed_digits, test_configs, test_multinode).
+test_deepspeed_digits, test_configs, test_multinode, test_cli_usability).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import pytest
@@ -90,6 +91,28 @@ def kill_group(pgid: int) -> None:
     except ProcessLookupError:
         return
     wait_group(pgid, 10)
+
+
+def start_cli(args: Sequence[str], cwd: Path = REPO, env: Mapping[str, str] | None = None) -> subprocess.Popen:
+    """``spdkfac ARGS`` as a subprocess in its own session, in :func:`clean_env` plus ``env``; end it with
+    :func:`finish_cli`, which kills its process group."""
+    return subprocess.Popen([*spdkfac_cmd(), *args], cwd=cwd, env={**clean_env(), **(env or {})},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def finish_cli(proc: subprocess.Popen, timeout: float) -> subprocess.CompletedProcess:
+    """Wait for a :func:`start_cli` run (the test fails past ``timeout`` seconds); its whole process group is
+    killed after, whatever happened."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_group(proc.pid)
+        out, err = proc.communicate()
+        pytest.fail(f"{' '.join(proc.args)} timed out after {timeout:.0f} s\n{err[-3000:]}")
+    finally:
+        wait_group(proc.pid, 10)
+        kill_group(proc.pid)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def run_cli(config: Path, root: Path, *overrides: str, timeout: float) -> tuple[dict, float, str]:
