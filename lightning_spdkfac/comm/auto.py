@@ -142,13 +142,11 @@ class AutoDistributor(Distributor):
             c.async_inverses = self.async_inverses
         lead = self.candidates[0]
         lead.setup(sides)  # measures the cost models; the others plan from the same ones
-        shared = lead._async_group
         if any(c.use_async_inverses() for c in self.candidates):
-            lead._new_async_group()
-            shared = lead._async_group
+            lead._new_async_group()  # (a no-op when lead's setup made it)
         for c in self.candidates[1:]:
             c.models = lead.models
-            c._async_group = shared  # (created once; every candidate's broadcasts go there, one round at a time)
+            c._async_group = lead._async_group  # created once; every candidate's broadcasts go there, one round at a time
             c.setup(sides)
 
     # ------------------------------------------------------------------ which candidate runs

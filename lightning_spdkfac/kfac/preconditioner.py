@@ -67,7 +67,6 @@ class _InFlight:
     pending: PendingInverses
     layers: dict[int, KFACLayer]  # by index: the layers being inverted
     damping: float  # the block damping they were computed with (eigen applies it when preconditioning)
-    step: int
     # Fallback reports the worker made, replayed on the caller's thread at the swap (warnings and counters
     # are not touched from the worker).
     reports: list[Callable[[], None]] = field(default_factory=list)
@@ -194,8 +193,7 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
         self._graft_hparams = (DEFAULT_BETA2, DEFAULT_EPS)
         self.distributor.kfac_settings = self.settings_text()
         self.distributor.setup([(ly.helper.a_dim, ly.helper.g_dim) for ly in self.layers.values()])
-        self.distributor.kfac_step = self.steps
-        self.distributor.begin_step()
+        self._begin_step()
 
     # ------------------------------------------------------------------ registration
     def _register(self, model: nn.Module) -> None:
@@ -462,6 +460,11 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
         return self._g_scale_value
 
     # ------------------------------------------------------------------ the step
+    def _begin_step(self) -> None:
+        """Tell the distributor that optimizer step ``steps`` begins (before its first forward)."""
+        self.distributor.kfac_step = self.steps
+        self.distributor.begin_step()
+
     def _drop_collected(self) -> None:
         """Forget the factor statistics collected since the last step (each step's end, a loaded state)."""
         for layer in self.layers.values():
@@ -608,7 +611,7 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
     def _launch_inverses(self, k: int, damping: float, layers: list[KFACLayer]) -> None:
         """Start the inversions of ``layers`` on the distributor's worker (async_inverses); see _settle_inverses."""
         by_index = {ly.index: ly for ly in layers}
-        flight = _InFlight(pending=None, layers=by_index, damping=damping, step=k)  # type: ignore[arg-type]
+        flight = _InFlight(pending=None, layers=by_index, damping=damping)  # type: ignore[arg-type]
         invert = (self._eigen_fn(k, by_index, flight.reports.append, flight) if self._eigen
                   else self._cholesky_fn(k, damping, layers, by_index, flight.reports.append, flight))
         # The worker reads these factors; they are not modified before the next step() settles it.
@@ -735,7 +738,8 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
         # (arrival order depends on which inverses a rank owns), or the replicas drift apart.
         todo, precs, grads = zip(*(done[i] for i in sorted(done)))
         if self.options.grafting is not None:
-            states = [self._graft_states.setdefault(ly.index, AdamGraftState()) for ly in todo]
+            states = ([self._graft_states.setdefault(ly.index, AdamGraftState()) for ly in todo]
+                      if self.options.grafting == "adam" else None)
             beta2, eps = self._graft_hparams
             precs = tuple(graft(self.options.grafting, precs, grads, states, beta2, eps))
         scale = None
@@ -779,10 +783,11 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
             self._stepping = None
             self._graft_hparams = (DEFAULT_BETA2, DEFAULT_EPS)
             return
-        group0 = optimizer.param_groups[0] if getattr(optimizer, "param_groups", None) else {}
-        betas, eps = group0.get("betas"), group0.get("eps")
-        self._graft_hparams = ((float(betas[1]), float(eps)) if isinstance(betas, (tuple, list)) and eps is not None
-                               else (DEFAULT_BETA2, DEFAULT_EPS))
+        if self.options.grafting == "adam":  # Adam's beta2 and eps, when the optimizer has them
+            group0 = optimizer.param_groups[0] if getattr(optimizer, "param_groups", None) else {}
+            betas, eps = group0.get("betas"), group0.get("eps")
+            self._graft_hparams = ((float(betas[1]), float(eps)) if isinstance(betas, (tuple, list)) and eps is not None
+                                   else (DEFAULT_BETA2, DEFAULT_EPS))
         groups = self._step_groups.get(id(optimizer))
         if groups is None or not groups.current(optimizer):
             layers = [(ly.index, ly.name, ly.helper.params()) for ly in self.layers.values()]
@@ -827,5 +832,4 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
         self.timer.end_step()
         self._drop_collected()
         self.steps += 1
-        self.distributor.kfac_step = self.steps
-        self.distributor.begin_step()
+        self._begin_step()
