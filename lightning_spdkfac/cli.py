@@ -118,6 +118,7 @@ class RunSummary(pl.Callback):
         self.inverse_steps = 0
         self.phase_seconds: dict[str, float] = {}
         self.counters: dict[str, int] = {}
+        self.auto: str | None = None  # schedule="auto" / async_inverses="auto": what was chosen, when
         self._seen_step: int | None = None
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -152,6 +153,7 @@ class RunSummary(pl.Callback):
             self.counters = {"skipped factor steps": int(pre.skipped_factor_steps),
                              "skipped precondition steps": int(pre.skipped_precondition_steps),
                              "inverse fallbacks": int(pre.inverse_fallbacks)}
+            self.auto = _auto_choice(pre.distributor)
 
 
 class _SaveConfig(SaveConfigCallback):
@@ -188,6 +190,17 @@ def _metric_line(trainer: pl.Trainer) -> str | None:
 _OVERLAPPED = "factor_comm_inflight"
 
 
+def _auto_choice(distributor: Any) -> str | None:
+    """What an AutoDistributor (comm/auto.py) chose, for the run summary; None for a fixed schedule."""
+    decisions = getattr(distributor, "decisions", None)
+    if decisions is None:
+        return None
+    if not decisions:
+        return "auto still timing its candidates when the run ended (no choice yet)"
+    last = decisions[-1]
+    return f"auto chose {last['choice']} at step {last['step']}"
+
+
 def _kfac_line(summary: RunSummary, kfac: KFAC | None) -> str:
     if kfac is None:
         return "off (no KFAC callback: kfac is null)"
@@ -203,7 +216,7 @@ def _kfac_line(summary: RunSummary, kfac: KFAC | None) -> str:
     counters = ", ".join(f"{k} {v}" for k, v in summary.counters.items())
     return (f"{n} steps, {sum(ms.values()):.2f} ms per step in K-FAC ({phases or 'no phase timed'}); "
             f"inverse steps {summary.inverse_steps} of {n} ({100.0 * summary.inverse_steps / n:.0f}%)"
-            + (f"; {counters}" if counters else ""))
+            + (f"; {counters}" if counters else "") + (f"; {summary.auto}" if summary.auto else ""))
 
 
 def _record_lines(trainer: pl.Trainer) -> list[str]:

@@ -13,6 +13,7 @@ from test_spd_distributed import BATCH, KFAC_KW, data, make_model
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_spdkfac import KFACPreconditioner
+from lightning_spdkfac.cli import _auto_choice
 from lightning_spdkfac.comm.auto import AUTO_SCHEDULES, AutoDistributor, candidates
 from lightning_spdkfac.comm.scheduler import SPDDistributor, SPDOptions
 from lightning_spdkfac.multiprocess import run_distributed
@@ -124,9 +125,14 @@ def test_one_process_auto_decides_and_logs(caplog):
     distributor = AutoDistributor(SPDOptions.from_schedule("auto", profile_steps=(1, 3), auto_rounds=1))
     pre = KFACPreconditioner(model, distributor=distributor, **KW)
     with caplog.at_level(logging.INFO, logger="lightning_spdkfac.comm.auto"):
-        sgd_kfac_steps(model, pre, data, 30, 1)
+        sgd_kfac_steps(model, pre, data, 20, 1)
+        assert _auto_choice(distributor) == "auto still timing its candidates when the run ended (no choice yet)"
+        sgd_kfac_steps(model, pre, data, 10, 1)
     assert distributor.chosen is not None and len(distributor.decisions) == 1
     assert "K-FAC schedule=auto at step 28" in caplog.text and "ms/step" in caplog.text
+    # the run summary of `spdkfac fit` names the choice
+    assert _auto_choice(distributor) == f"auto chose {distributor.labels[distributor.chosen]} at step 28"
+    assert _auto_choice(SPDDistributor(SPDOptions())) is None
 
 
 def test_replan_every_times_the_candidates_again_and_decides_again():

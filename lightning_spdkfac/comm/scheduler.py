@@ -133,8 +133,8 @@ class SPDOptions:
             chosen = [k for k in ("pipelining", "fusion", "placement") if values.get(k) is not None]
             if chosen:
                 raise ValueError(f"{chosen[0]} must be None with schedule='auto' (the candidates are timed and the "
-                                 f"fastest kept; that is what it chooses), got {chosen[0]}={values[chosen[0]]!r}; name "
-                                 "a schedule to fix it")
+                                 f"fastest kept; that is what it chooses), got {chosen[0]}={values[chosen[0]]!r}; set "
+                                 f"{', '.join(chosen)} to None (null in YAML), or name a schedule")
         for k, default in SCHEDULE_PARTS["spd" if name == "auto" else name].items():
             if values.get(k) is None:
                 values[k] = default
