@@ -18,6 +18,7 @@ from .cost import (
     measure_inverse_seconds,
 )
 from .fusion import FusionPlan, FusionPolicy, FusionTimeline, plan_fusion, simulate_fusion
+from .layer_placement import LayerPlacement, layer_state_bytes, plan_layer_placement
 from .placement import (
     REPLICATED,
     Placement,
@@ -38,6 +39,7 @@ __all__ = [
     "FusionPolicy",
     "FusionTimeline",
     "InverseCost",
+    "LayerPlacement",
     "Placement",
     "PlacementPolicy",
     "PlacementTimeline",
@@ -45,9 +47,11 @@ __all__ = [
     "fit_alpha_beta",
     "fit_inverse_cost",
     "inverted_by",
+    "layer_state_bytes",
     "measure_inverse_cost",
     "measure_inverse_seconds",
     "owned_by",
+    "plan_layer_placement",
     "plan_fusion",
     "plan_placement",
     "simulate_placement",
