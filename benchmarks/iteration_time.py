@@ -95,6 +95,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_spdkfac import KFACPreconditioner
 from lightning_spdkfac.comm.auto import AutoDistributor
+from lightning_spdkfac.comm.dpkfac import DPKFACDistributor
 from lightning_spdkfac.comm.scheduler import SPDDistributor, SPDOptions
 from lightning_spdkfac.comm.triangle import pack_triu, triu_size, unpack_triu
 from lightning_spdkfac.lightning.deepspeed import DeepSpeedGradAccess
@@ -103,7 +104,7 @@ from lightning_spdkfac.multiprocess import run_distributed as run_ranks
 from lightning_spdkfac.telemetry import PHASES
 
 CONFIGS = ("sgd", "dkfac", "mpd", "spd", "spd-no-pipe", "spd-no-dtf", "spd-no-lbp",
-           "dkfac-async", "mpd-async", "spd-async", "spd-no-pipe-async", "auto", "auto-async")
+           "dkfac-async", "mpd-async", "spd-async", "spd-no-pipe-async", "auto", "auto-async", "dpkfac", "dpkfac-async")
 # schedule="auto" (comm/auto.py) and what it is measured against: "auto" times the four synchronous schedules,
 # "auto-async" (async_inverses="auto") each of them with and without asynchronous inverses.
 AUTO_FIXED = {
@@ -114,7 +115,7 @@ AUTO_FIXED = {
 AUTO_TARGET = 1.03  # auto within 3% of the fastest fixed schedule of the setting
 # DeepSpeed engines instead of DDP (ZeRO stage 0 / 2, fp32): SGD alone and with SPD-KFAC. Part of the
 # default set when deepspeed is installed.
-DEEPSPEED_CONFIGS = ("ds0-sgd", "ds0-spd", "ds2-sgd", "ds2-spd")
+DEEPSPEED_CONFIGS = ("ds0-sgd", "ds0-spd", "ds2-sgd", "ds2-spd", "ds2-dpkfac")
 # Opt-in variants (--configs) for investigation: other fusion policies under pipelining, bf16 messages.
 EXTRA_CONFIGS = ("spd-bucket", "spd-all", "spd-bf16", "spd-lbp", "spd-g-unfused")
 _SPD_OVERRIDES = {
@@ -214,6 +215,8 @@ def spd_options(name: str, profile_steps: tuple[int, int]) -> SPDOptions | None:
     name = name.removesuffix("-async")
     if name in ("dkfac", "mpd"):
         return SPDOptions.from_schedule(name, **flags)
+    if name == "dpkfac":
+        return SPDOptions.from_schedule(name, profile_steps=profile_steps, **flags)
     return SPDOptions.from_schedule("spd", profile_steps=profile_steps, **_SPD_OVERRIDES[name], **flags)
 
 
@@ -238,7 +241,8 @@ class Runner:
         self.pre = None
         options = spd_options(name, cfg["profile_steps"])
         if options is not None:
-            kind = AutoDistributor if options.is_auto else SPDDistributor
+            kind = (AutoDistributor if options.is_auto else DPKFACDistributor if options.schedule == "dpkfac"
+                    else SPDDistributor)
             self.distributor = kind(options, process_group=group)
             self.pre = KFACPreconditioner(
                 self.model,
@@ -453,6 +457,7 @@ def worker(rank: int, world: int, cfg: dict) -> dict:
             "plans": {name: plans[name] for name in plans} if rank == 0 else None,
             "plans_agree_key": {name: (p["order"], p["groups"], p["owners"]) for name, p in plans.items()},
             "loss": {name: float(r.last_loss) for name, r in runners.items()},
+            "state_bytes": {name: r.pre.state_bytes() for name, r in runners.items() if r.pre is not None},
             "skipped_factor_steps": {
                 name: r.pre.skipped_factor_steps for name, r in runners.items() if r.pre is not None
             },
@@ -539,6 +544,7 @@ def analyse(results: list[dict], args) -> dict:
             a = aggregate([r["records"][name] for r in rs])
             a["final_loss"] = [r["loss"][name] for r in rs]
             a["skipped_factor_steps"] = [r["skipped_factor_steps"].get(name, 0) for r in rs]
+            a["kfac_state_bytes"] = [r.get("state_bytes", {}).get(name, 0) for r in rs]  # per rank
             p = a["phases_rank_mean_ms"]
             a["factor_comm_exposed_ms"] = p["factor_comm_wait"]
             a["factor_comm_inflight_ms"] = p["factor_comm_inflight"]
@@ -751,6 +757,12 @@ def print_report(res: dict, args) -> None:
         extra = rt.get("spd exposed / spd-no-pipe exposed factor comm")
         if extra is not None:
             print(f"spd exposed factor comm / spd-no-pipe exposed factor comm: {extra:.2f}")
+        for base, dp in (("spd", "dpkfac"), ("ds2-spd", "ds2-dpkfac")):
+            if base in r["configs"] and dp in r["configs"] and max(r["configs"][base]["kfac_state_bytes"]):
+                b, d = r["configs"][base], r["configs"][dp]
+                print(f"{dp} / {base}: iteration {d['iter_ms'] / b['iter_ms']:.3f}; K-FAC state per rank "
+                      f"{[round(x / 2**20, 2) for x in d['kfac_state_bytes']]} MiB vs {max(b['kfac_state_bytes']) / 2**20:.2f}"
+                      f" MiB, most loaded rank {max(d['kfac_state_bytes']) / max(b['kfac_state_bytes']):.3f}")
         for auto in AUTO_FIXED:
             if f"{auto}/fastest fixed" in rt:
                 choice = ((r["plans"] or {}).get(auto) or {}).get("auto") or {}

@@ -54,6 +54,7 @@ PHASES = (
     "inverse_async",
     "inverse_wait",
     "precondition",
+    "precondition_comm_wait",
 )
 
 

@@ -13,10 +13,11 @@ from types import MappingProxyType
 from typing import Any, Literal
 
 # K-FAC communication schedules of the runtime (the simulator's own named variants, such as
-# "spd-paper" or "spd-no-dtf", are in lightning_spdkfac.simulate.SIM_SCHEDULES).
-ScheduleName = Literal["spd", "mpd", "dkfac"]
+# "spd-paper" or "spd-no-dtf", are in lightning_spdkfac.simulate.SIM_SCHEDULES). "dpkfac": distributed
+# preconditioning, each layer's K-FAC state and work on one owner (comm/dpkfac.py).
+ScheduleName = Literal["spd", "mpd", "dkfac", "dpkfac"]
 # What a strategy's ``schedule`` accepts: a schedule, or "auto" (time the candidates, keep the fastest: comm/auto.py).
-ScheduleChoice = Literal["spd", "mpd", "dkfac", "auto"]
+ScheduleChoice = Literal["spd", "mpd", "dkfac", "dpkfac", "auto"]
 # A strategy's ``async_inverses``: on, off, None (the KFAC callback's setting) or "auto" (timed, like schedule="auto").
 AsyncInversesChoice = bool | Literal["auto"] | None
 # How factor all-reduces are grouped.
@@ -52,6 +53,8 @@ SCHEDULE_PARTS: typing.Mapping[ScheduleName, typing.Mapping[str, Any]] = Mapping
     "spd": MappingProxyType(dict(pipelining=True, fusion="dtf", placement="lbp_channel")),
     "mpd": MappingProxyType(dict(pipelining=False, fusion="layerwise", placement="round_robin")),
     "dkfac": MappingProxyType(dict(pipelining=False, fusion="layerwise", placement="replicated")),
+    # (placement: unused, a layer's owner does all of its K-FAC work; plan_layer_placement places layers)
+    "dpkfac": MappingProxyType(dict(pipelining=True, fusion="dtf", placement="lbp")),
 })
 
 # Names registered in Lightning's StrategyRegistry -> the fixed arguments each name stands for.

@@ -23,11 +23,15 @@ from typing import Protocol
 FACTOR_ALLREDUCE = "K-FAC factor all-reduce"
 INVERSE_BROADCAST = "K-FAC inverse broadcast"
 PLAN_CHECK = "K-FAC plan check"
+PRECONDITIONED_BROADCAST = "K-FAC preconditioned-gradient broadcast"
+STATE_GATHER = "K-FAC state gather"
 
 __all__ = [
     "FACTOR_ALLREDUCE",
     "INVERSE_BROADCAST",
     "PLAN_CHECK",
+    "PRECONDITIONED_BROADCAST",
+    "STATE_GATHER",
     "KFACCommError",
     "TIMEOUT_ACCEPTED",
     "Work",

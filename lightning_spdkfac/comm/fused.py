@@ -100,6 +100,10 @@ class FusedAllReduce(CollectiveExecutor):
         timeout: seconds any one wait on a group's all-reduce may block before it raises
             :class:`~lightning_spdkfac.comm.faults.KFACCommError` (see the module docstring).
         names: a label per factor index for error messages (e.g. ``"layer 3 G"``); default: the index.
+        destinations: per group, the rank (in ``process_group``) that alone receives the group's result
+            (``dist.reduce`` instead of an all-reduce: distributed preconditioning, ``schedule="dpkfac"``);
+            on the other ranks the group's members come back None from :meth:`wait`. None: every group is
+            all-reduced.
     """
 
     unit = "step"
@@ -118,6 +122,7 @@ class FusedAllReduce(CollectiveExecutor):
         device: torch.device | str | None = None,
         timeout: float = 600.0,
         names: Sequence[str] | None = None,
+        destinations: Sequence[int] | None = None,
     ) -> None:
         super().__init__(sides, timeout, names)
         n = len(self.sides)
@@ -141,6 +146,13 @@ class FusedAllReduce(CollectiveExecutor):
         self.allow_missing = val.check_bool("allow_missing", allow_missing)
         self.result_dtype = None if result_dtype is None else check_wire_dtype("result_dtype", result_dtype)
         self._join(process_group)
+        self.destinations: tuple[int, ...] | None = None
+        if destinations is not None:
+            dsts = tuple(val.check_ints("destinations", destinations, low=0))
+            if len(dsts) != len(self.groups) or any(d >= self.world_size for d in dsts):
+                raise ValueError(f"destinations must give one rank in [0, {self.world_size}) per group "
+                                 f"({len(self.groups)}), got {list(dsts)}")
+            self.destinations = dsts
         if self.allow_missing and self.dtype == torch.bfloat16 and self.world_size > 256:
             raise ValueError("allow_missing with dtype=bfloat16 needs a world size <= 256 (exact counts)")
         self.device = torch.device(device) if device is not None else default_device(process_group)
@@ -290,7 +302,13 @@ class FusedAllReduce(CollectiveExecutor):
             flags = torch.tensor([1.0 if self._present[i] else 0.0 for i in members], dtype=self.dtype)
             buf[self._numel[g] - len(members):].copy_(flags)
         work: Work
-        if self._distributed:
+        if self._distributed and self.destinations is not None:
+            dst = self.destinations[g]
+            if self.process_group is not None:
+                dst = dist.get_global_rank(self.process_group, dst)
+            work = self._issue(g, lambda: dist.reduce(buf, dst, op=dist.ReduceOp.SUM, group=self.process_group,
+                                                      async_op=True))
+        elif self._distributed:
             work = self._issue(g, lambda: dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.process_group,
                                                           async_op=True))
         else:
@@ -333,6 +351,8 @@ class FusedAllReduce(CollectiveExecutor):
         members = self.groups[g]
         buf = self._buffers[g]
         assert buf is not None
+        if self.destinations is not None and self.destinations[g] != self.rank and self._distributed:
+            return self._done(g, [None] * len(members))  # reduced to another rank: nothing arrives here
         tri = buf[: self._numel[g] - (len(members) if self.allow_missing else 0)]
         if tri.dtype in (torch.bfloat16, torch.float16):
             tri = tri.to(torch.float32)  # divide in float32: no second rounding to the comm dtype
@@ -354,7 +374,10 @@ class FusedAllReduce(CollectiveExecutor):
                     seg = seg.div_(counts[k])
             out = torch.empty(n, n, dtype=self._out_dtype[i], device=buf.device)
             results.append(unpack_triu(seg, [n], out=[out])[0])
-        for i, r in zip(members, results):
+        return self._done(g, results)
+
+    def _done(self, g: int, results: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        for i, r in zip(self.groups[g], results):
             self._results[i] = r
         self._buffers[g] = None  # drop the buffer and the work that references it
         self._works[g] = None

@@ -174,6 +174,17 @@ class SPDOptions:
                     raise ValueError(f"{name} must be left at its default ({default}) with schedule='auto' (the "
                                      f"candidates use their own), got {name}={given!r}")
 
+        if self.schedule == "dpkfac":
+            if self.placement != SCHEDULE_PARTS["dpkfac"]["placement"]:
+                raise ValueError(f"placement must be None with schedule='dpkfac' (a layer's owner inverts both of its "
+                                 f"factors: layers are placed whole, by plan_layer_placement), got "
+                                 f"placement={self.placement!r}; leave it unset")
+            if self.async_inverses == "auto":
+                raise ValueError("async_inverses='auto' is not available with schedule='dpkfac' (the timed candidates "
+                                 "hold every layer's state, dpkfac only its owned layers'); set it to True or False")
+            if self.small_factor is not None:
+                raise ValueError(f"small_factor must be None with schedule='dpkfac' (nothing is replicated: a layer's "
+                                 f"owner alone holds its factors), got small_factor={self.small_factor!r}")
         if self.fusion != "bucket" and self.bucket_mb != _DEFAULT_BUCKET_MB:
             raise ValueError(
                 f"bucket_mb must be left at its default ({_DEFAULT_BUCKET_MB:g}) unless fusion='bucket': "
@@ -313,7 +324,8 @@ class SPDDistributor(Distributor):
             return
         opts = self.options
         need_allreduce = opts.fusion == "dtf"
-        need_placement = opts.placement in LOAD_BALANCED_PLACEMENTS
+        need_placement = opts.placement in LOAD_BALANCED_PLACEMENTS and opts.schedule != "dpkfac"
+        need_inverse = need_placement or opts.schedule == "dpkfac"  # (dpkfac: the layer placement's model)
         zero = AlphaBeta(0.0, 0.0)
         # Probe up to the largest message: a factor's triangle (all-reduce) or its inverse (broadcast).
         tri_bytes = [triu_size(self._side(k)) * opts.bytes_per_element for k in self.keys]
@@ -326,7 +338,7 @@ class SPDDistributor(Distributor):
                 allreduce = fit_alpha_beta(sizes, measure_allreduce(sizes, self.process_group, repeats=5))
             if need_placement:
                 broadcast = fit_alpha_beta(sizes, measure_broadcast(sizes, self.process_group, repeats=5))
-        if need_placement and self.sides:
+        if need_inverse and self.sides:
             ns = sorted({self._side(k) for k in self.keys})
             probe = sorted({ns[0], ns[len(ns) // 2], ns[-1], max(8, ns[-1] // 2)})
             inverse = broadcast_object(
@@ -366,10 +378,15 @@ class SPDDistributor(Distributor):
             self.plan_groups, [self._side(k) for k in self.order], process_group=self.process_group,
             dtype=self.options.torch_comm_dtype, allow_missing=True, result_dtype=torch.float32,
             device=self.device, timeout=self.options.comm_timeout_s, names=[f"layer {i} {w}" for i, w in self.order],
+            destinations=self._destinations(self.order, self.plan_groups),
         )
         check_plan_consistency(self.order, self.plan_groups, self.placement_owners, self._fused.sides,
                                self.process_group, self.options.comm_timeout_s, settings=self.kfac_settings,
                                broadcast=self._planned_broadcast_order())
+
+    def _destinations(self, order: Sequence[FactorKey], groups: Sequence[Sequence[int]]) -> list[int] | None:
+        """The rank each fusion group is reduced to; None: every group is all-reduced (dpkfac reduces to owners)."""
+        return None
 
     def _finish_profile(self) -> None:
         """Plan the fusion from the measured ready times (rank 0's, broadcast) on every rank."""

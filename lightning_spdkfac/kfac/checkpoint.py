@@ -15,6 +15,7 @@ from typing import Any, TypeGuard
 import torch
 
 from ..vocabulary import FACTOR_APPROXES, INVERSE_METHODS
+from .distributor import Distributor
 from .grafting import AdamGraftState
 from .layer_state import KFACLayer
 from .options import KFACOptions
@@ -37,6 +38,7 @@ class CheckpointState:
     factor_dtype: torch.dtype
     inv_dtype: torch.dtype
     options: KFACOptions
+    distributor: Distributor
     _graft_states: dict[int, AdamGraftState]
 
     def _drop_collected(self) -> None:
@@ -46,6 +48,25 @@ class CheckpointState:
     def _settle_inverses(self, keep: bool = True) -> None:
         """Swap in (``keep``) or drop the asynchronous inversions in flight (the preconditioner's)."""
         raise NotImplementedError
+
+    def _layer_states(self) -> dict[int, tuple[Any, ...]]:
+        """Every layer's (A, G, A_inv, G_inv, inverse damping) by index. Under distributed preconditioning
+        (``schedule="dpkfac"``) each rank holds its own layers only: the others are gathered from their owners
+        (a collective: every rank calls :meth:`state_dict` at the same point; received tensors are on the host),
+        so the state is complete on every rank and independent of the world size."""
+        own = {ly.index: (ly.A, ly.G, ly.A_inv, ly.G_inv, ly.inv_damping) for ly in self.layers.values()}
+        if self.distributor.layer_owners is None:
+            return own
+        rank = self.distributor.rank
+        held = {i: v for i, v in own.items() if self.distributor.layer_owners[i] == rank}
+        shapes = []
+        for ly in sorted(self.layers.values(), key=lambda ly: ly.index):
+            a, g = ly.helper.a_dim, ly.helper.g_dim
+            shapes.append(((a, a), (g, g), _inverse_shape(a, self.options.inverse_method),
+                           _inverse_shape(g, self.options.inverse_method)))
+        states = self.distributor.gather_layers(held, shapes,  # type: ignore[attr-defined]
+                                                (self.factor_dtype, self.inv_dtype))
+        return {i: states.get(i, (None, None, None, None, None)) for i in own}
 
     def state_dict(self) -> dict[str, Any]:
         """Everything the next step needs: counters, running factors and current inverses.
@@ -62,11 +83,13 @@ class CheckpointState:
         from it continues exactly (its next step finds nothing in flight and uses the same inverses).
         """
         self._settle_inverses()
+        held = self._layer_states()
         layers: dict[str, dict[str, torch.Tensor | None]] = {}
         for name, ly in self.layers.items():
-            if ly.A is None:
+            A, G, A_inv, G_inv, _ = held[ly.index]
+            if A is None:
                 continue
-            layers[name] = {"A": ly.A, "G": ly.G, "A_inv": ly.A_inv, "G_inv": ly.G_inv}
+            layers[name] = {"A": A, "G": G, "A_inv": A_inv, "G_inv": G_inv}
         extra: dict[str, Any] = {}
         by_index = {ly.index: name for name, ly in self.layers.items()}
         moments = {by_index[i]: {"v": st.v, "t": st.t} for i, st in self._graft_states.items() if st.v is not None}
@@ -74,8 +97,8 @@ class CheckpointState:
             extra["grafting_moments"] = moments
         if self.options.inverse_method != "cholesky":  # a cholesky state is what it was before the option
             extra["inverse_method"] = self.options.inverse_method
-            extra["inverse_damping"] = {name: ly.inv_damping for name, ly in self.layers.items()
-                                        if ly.A_inv is not None and ly.inv_damping is not None}
+            extra["inverse_damping"] = {name: held[ly.index][4] for name, ly in self.layers.items()
+                                        if held[ly.index][2] is not None and held[ly.index][4] is not None}
         return {
             "version": STATE_VERSION,
             "steps": self.steps,
@@ -119,9 +142,12 @@ class CheckpointState:
             )
         saved_method, method = state.get("inverse_method", "cholesky"), self.options.inverse_method
         dampings = state.get("inverse_damping") or {}
+        owners = self.distributor.layer_owners
         for name, layer in self.layers.items():
             layer.A, layer.G, layer.A_inv, layer.G_inv = loaded.get(name, (None, None, None, None))
             layer.inv_damping = float(dampings[name]) if name in dampings else None
+            if owners is not None and owners[layer.index] != self.distributor.rank:  # another rank's layer
+                layer.A = layer.G = layer.A_inv = layer.G_inv = layer.inv_damping = None
             if saved_method != method:  # never use an inverse of the other kind: recomputed at the next step
                 layer.A_inv = layer.G_inv = layer.inv_damping = None
         if saved_method != method:

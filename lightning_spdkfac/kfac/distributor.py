@@ -28,6 +28,13 @@ Contract, per optimizer step (every rank calls the same methods in the same orde
    wait returns, the caller leaves the tasks' factors untouched and calls no other ``invert`` or
    ``invert_async``. Collectives the work issues must not share a process group with anything
    the caller's thread issues meanwhile (they would interleave differently on different ranks).
+6. With ``layer_owners`` set (distributed preconditioning), ``reduce_factors`` returns a layer's factors on
+   its owner only (None elsewhere), ``invert`` is given owned layers only, and the preconditioned gradients
+   are exchanged every step: ``begin_share(layers)`` (the layers to exchange, identical on every rank) before
+   the inversions, ``offer(index, P or None)`` on the owner as soon as a layer is preconditioned, and
+   ``finish_share()`` returns every exchanged layer's P (None: left as it is), identical on every rank.
+   ``agree(ok)`` (every factor step, on every rank) is the AND of ``ok`` over ranks, and
+   ``gather_layers(...)`` gives every rank every layer's state (for checkpoints).
 """
 
 from __future__ import annotations
@@ -140,6 +147,10 @@ class Distributor:
     # (before each begin_step()); inverse steps are those with ``kfac_step % inv_update_steps == 0``.
     inv_update_steps: int = 1
     kfac_step: int = 0
+    # Distributed preconditioning (schedule="dpkfac"): the rank that owns each layer (its running factors,
+    # inverses and preconditioning live there only; see the contract's last item). None: every rank holds every
+    # layer. Set by setup().
+    layer_owners: tuple[int, ...] | None = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -9,6 +9,7 @@ such steps in a row. It is a part of :class:`~lightning_spdkfac.kfac.KFACPrecond
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -50,13 +51,19 @@ class NonFiniteGuard:
         grads_ok, extra_ok = torch.stack([ok[:n].all(), ok[n:].all()]).tolist()
         return grads_ok, extra_ok
 
-    def _check_finite(self, extra: list[torch.Tensor], labels: list[tuple[KFACLayer, str, bool]]) -> bool:
+    def _check_finite(self, extra: list[torch.Tensor], labels: list[tuple[KFACLayer, str, bool]],
+                      agree: Callable[[bool], bool] | None = None) -> bool:
         """Whether this step may update the factors; notes non-finite gradients for the step.
 
         ``labels[i]`` is ``(layer, "A" or "G", received)`` for ``extra[i]``, used only on a bad step
         to say where the non-finite values are. Raises after ``max_bad_steps`` bad steps in a row.
+        ``agree`` (distributed preconditioning, where each rank sees its own layers' factors only) makes the
+        verdict on ``extra`` that of every rank, so that every rank skips the step together.
         """
         grads_ok, extra_ok = self._finite(extra)
+        local_ok = extra_ok
+        if agree is not None:
+            extra_ok = agree(extra_ok)
         if not grads_ok:
             # The optimizer's own overflow handling (GradScaler, DeepSpeed) sees the gradients as
             # they are: preconditioning would only spread the inf/NaN over every entry.
@@ -69,7 +76,9 @@ class NonFiniteGuard:
         bad = self._blame(extra, labels)  # off the healthy path: one more host sync
         self.last_bad_step = {"step": self.steps, "bad": bad}
         where = _describe_bad(bad)
-        only_grads = all(what == ["gradient"] for what in bad.values())
+        if local_ok and not bad:
+            where = "the factors of layers other ranks own (their logs name them)"
+        only_grads = extra_ok and all(what == ["gradient"] for what in bad.values())
         # A gradient overflow alone is routine under a dynamic fp16 loss scale: info, not warning.
         log.log(
             logging.INFO if only_grads else logging.WARNING,

@@ -193,6 +193,8 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
         self._graft_hparams = (DEFAULT_BETA2, DEFAULT_EPS)
         self.distributor.kfac_settings = self.settings_text()
         self.distributor.setup([(ly.helper.a_dim, ly.helper.g_dim) for ly in self.layers.values()])
+        # Distributed preconditioning (schedule="dpkfac"): the owner rank of each layer; None: every rank holds all.
+        self._owners: tuple[int, ...] | None = self.distributor.layer_owners
         self._begin_step()
 
     # ------------------------------------------------------------------ registration
@@ -255,6 +257,12 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
                 "model; "
                 f"module types found: {found}" + (f"; skipped: {detail}" if detail else "")
             )
+
+    def state_bytes(self) -> int:
+        """Bytes of K-FAC state this rank holds now: running factors and inverses (eigen payloads) of its layers
+        (every layer, except under ``schedule="dpkfac"``, where only the layers this rank owns)."""
+        return sum(t.numel() * t.element_size() for ly in self.layers.values()
+                   for t in (ly.A, ly.G, ly.A_inv, ly.G_inv) if t is not None)
 
     def settings_text(self) -> str:
         """The settings every rank of one run must share, as text: the options (a schedule by its name), the
@@ -542,12 +550,15 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
             A, G = reduced[(layer.index, "A")], reduced[(layer.index, "G")]
             if A is not None and G is not None:
                 ready.append((layer, A, G))
-        if not ready:
+        if not ready and self._owners is None:
             return
-        # Reduced factors and DDP-averaged gradients are identical on every rank: so is this test.
+        # Reduced factors and DDP-averaged gradients are identical on every rank: so is this test. Under
+        # distributed preconditioning a rank receives its own layers' factors only; the verdict is agreed on
+        # (every rank, every factor step, even one that received nothing), so every rank skips together.
         diagonals = [m.diagonal().sum() for _, A, G in ready for m in (A, G)]
         labels = [(layer, which, True) for layer, _, _ in ready for which in ("A", "G")]
-        if not self._check_finite(diagonals, labels):
+        agree = self.distributor.agree if self._owners is not None else None  # type: ignore[attr-defined]
+        if not self._check_finite(diagonals, labels, agree) or not ready:
             return
         decay = val.resolve("factor_decay", self.factor_decay, k, val.DECAY)
         for layer, A, G in ready:
@@ -727,10 +738,39 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
         else:
             p = layer.G_inv @ gi @ layer.A_inv
         self._preconditioned[layer.index] = (layer, p, gi)
+        if self._owners is not None:  # its broadcast starts now, while the next layer is worked on
+            self.distributor.offer(layer.index, p)  # type: ignore[attr-defined]
+
+    def _shared_layers(self) -> list[int]:
+        """Distributed preconditioning: the layers whose preconditioned gradient this step exchanges, decided on
+        what every rank sees alike (the optimizer's groups, requires_grad, the reduced gradients)."""
+        out = []
+        for layer in self.layers.values():
+            if self._stepping is not None and layer.index not in self._stepping:
+                continue
+            if layer.trainable() and layer.helper.grad_matrix(self._grads) is not None:
+                out.append(layer.index)
+        return out
+
+    def _gather_preconditioned(self) -> None:
+        """Distributed preconditioning: every exchanged layer's P from its owner (the owner's own tensor here)."""
+        shared = self.distributor.finish_share()  # type: ignore[attr-defined]
+        by_index = {ly.index: ly for ly in self.layers.values()}
+        for index, p in shared.items():
+            if p is None or index in self._preconditioned:
+                continue
+            layer = by_index[index]
+            g = layer.helper.grad_matrix(self._grads)
+            assert g is not None  # exchanged only when every rank has it
+            self._preconditioned[index] = (layer, p, g.to(self.inv_dtype))
+        for index in [i for i in self._preconditioned if shared.get(i) is None]:
+            del self._preconditioned[index]  # (the owner's, had it offered None: never)
 
     def _precondition(self, k: int) -> None:
         for layer in self.layers.values():
             self._precondition_layer(layer)
+        if self._owners is not None:
+            self._gather_preconditioned()
         done, self._preconditioned = self._preconditioned, {}
         if not done:
             return
@@ -822,6 +862,8 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
                 # Calls of one micro-batch: the count that makes a factor final when pipelining.
                 if layer.a_calls and layer.mb_a_calls == layer.mb_g_calls:
                     layer.calls_per_micro_batch = layer.mb_a_calls
+        if self._owners is not None:
+            self.distributor.begin_share(self._shared_layers())  # type: ignore[attr-defined]
         self._update_inverses(k)
         with self.timer.phase("precondition"):
             self._precondition(k)

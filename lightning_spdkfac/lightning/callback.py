@@ -208,6 +208,7 @@ class KFACCallbackBody(_CallbackBase):
         self._checkpoint_seen = False  # this fit's checkpoint was inspected (and any warning given)
         self._start_fresh = False  # ... and its K-FAC state is not to be loaded
         self._unguard: Callable[[], None] | None = None
+        self._gathered = False  # schedule="dpkfac": _final_state was gathered at the end of training
 
     @property
     def state_key(self) -> str:
@@ -275,14 +276,30 @@ class KFACCallbackBody(_CallbackBase):
         # the hooks from the model here, keeping the state for state_dict().
         self._release()
 
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        pre = self.preconditioner
+        if pre is not None and pre.distributor.layer_owners is not None:
+            # schedule="dpkfac": a rank holds its own layers only, and the state is gathered from their owners (a
+            # collective). Here every rank is still in step and the process group is alive; at teardown it may
+            # be gone, and after an exception a peer may be.
+            self._final_state = pre.state_dict()
+            self._gathered = True
+
     def _release(self) -> None:
         if self._unguard is not None:
             self._unguard()
         self._checkpoint_seen = self._start_fresh = False  # decisions about this fit's checkpoint
-        if self.preconditioner is not None:
-            self._final_state = self.preconditioner.state_dict()
-            self.preconditioner.remove_hooks()
-            self.preconditioner = None
+        pre, self.preconditioner = self.preconditioner, None
+        if pre is not None:
+            if pre.distributor.layer_owners is None:
+                self._final_state = pre.state_dict()
+            elif not self._gathered:
+                self._final_state = None
+                rank_zero_warn("KFAC: the fit ended before its end of training (an exception?), so the K-FAC state "
+                               "of this schedule='dpkfac' fit, spread over the ranks, was not gathered: "
+                               "resume from its last checkpoint")
+            self._gathered = False
+            pre.remove_hooks()
 
     @staticmethod
     def _distributor(trainer: pl.Trainer, check_only: bool = False) -> Distributor | None:

@@ -28,6 +28,7 @@ from pytorch_lightning.strategies import DDPStrategy, StrategyRegistry
 
 from .. import validation as val
 from ..comm.auto import AutoDistributor
+from ..comm.dpkfac import DPKFACDistributor
 from ..comm.scheduler import SPDDistributor, SPDOptions
 from ..kfac.distributor import Distributor
 from ..kfac.gradients import GradAccess
@@ -162,6 +163,8 @@ class _SPDKFACStrategyMixin:
         group = self._factor_group if dist.is_initialized() else None
         if self.spd_options.is_auto:
             return AutoDistributor(self.spd_options, process_group=group, device=self.root_device)
+        if self.spd_options.schedule == "dpkfac":
+            return DPKFACDistributor(self.spd_options, process_group=group, device=self.root_device)
         return SPDDistributor(self.spd_options, process_group=group, device=self.root_device)
 
     def make_kfac_grad_access(self) -> GradAccess:

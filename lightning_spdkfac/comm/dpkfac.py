@@ -1,0 +1,343 @@
+"""Distributed preconditioning (DP-KFAC, Zhang, Shi, Wang, Li 2022) as ``schedule="dpkfac"``.
+
+Under the other schedules every rank holds every layer's running factors and inverses. Here a layer is the
+unit of work and has one owner (:func:`~lightning_spdkfac.schedule.plan_layer_placement`):
+
+* **factors**: each step's A and G of a layer are *reduced* to its owner only (``dist.reduce`` of fused
+  buffers, one per fusion group of one owner's factors, launched from the hooks as they become final, like
+  spd's all-reduces); the other ranks get nothing back and keep no running factor of the layer;
+* **inverses**: the owner inverts its layers' factors locally (no inverse broadcast; with
+  ``async_inverses`` on a worker thread, also without communication);
+* **preconditioning**: the owner preconditions its layers' gradients and broadcasts each result to every
+  rank (:class:`GradientBroadcaster`): each broadcast is launched as soon as its result is computed, in one
+  global order that takes the owners in turn, while the owner goes on with its next layer. Every rank then
+  holds the same preconditioned gradients (the owner's tensors, bit for bit) and computes the same KL clip.
+
+So a rank holds about ``1/P`` of the K-FAC state: that is what makes K-FAC fit beside ZeRO 1/2. Per step it
+sends a reduce of the factors (about half an all-reduce's volume with ring algorithms) plus one broadcast of
+each preconditioned gradient (the size of the gradient), and no inverse.
+
+Two things every rank must still agree on, because they decide which collectives run: whether a step's factor
+update is skipped for non-finite values (only owners see their factors; :meth:`DPKFACDistributor.agree` is one
+all-reduce of one flag per factor step), and whether a layer was preconditioned at all (its owner may have no
+inverse yet): the broadcast payload carries a flag after the gradient.
+
+Checkpoints stay independent of the world size: :meth:`DPKFACDistributor.gather_layers` gives every rank every
+layer's state (moved to the host, one layer at a time), and a loaded state keeps the owned layers only.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..kfac.distributor import Distributor, FactorKey, PendingInverses, Task
+from ..schedule import plan_fusion, plan_layer_placement
+from ..schedule.layer_placement import LayerPlacement
+from ._common import NAN, default_device, global_rank
+from .executor import CollectiveExecutor
+from .faults import PRECONDITIONED_BROADCAST, STATE_GATHER, Work, wait_work
+from .scheduler import SPDDistributor, SPDOptions
+from .triangle import triu_size
+
+__all__ = ["DPKFACDistributor", "GradientBroadcaster"]
+
+LayerTensors = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, float | None]
+"""A layer's (A, G, A_inv, G_inv, inverse damping) as :meth:`DPKFACDistributor.gather_layers` moves them."""
+
+
+class GradientBroadcaster(CollectiveExecutor):
+    """One round per step: each layer's preconditioned gradient broadcast by its owner, in one global order.
+
+    Args:
+        owners: owner rank (in ``process_group``) of each layer.
+        shapes: the (rows, columns) of each layer's gradient matrix.
+        process_group, device, timeout, names: as for the other executors.
+
+    A round exchanges the layers :meth:`begin_round` names (the same on every rank). The owner hands each of
+    them to :meth:`offer` (its preconditioned gradient, or None: left as it is), in any order; broadcasts are
+    issued in the round's order as far as this rank can go (a receive is posted at once, a send once offered).
+    :meth:`finish` offers None for what the owner did not offer, waits, and returns every layer's result.
+    """
+
+    unit = "round"
+    collective = "broadcast"
+    phase = PRECONDITIONED_BROADCAST
+
+    def __init__(self, owners: Sequence[int], shapes: Sequence[tuple[int, int]],
+                 process_group: dist.ProcessGroup | None = None, device: torch.device | str | None = None,
+                 timeout: float = 600.0, names: Sequence[str] | None = None) -> None:
+        self.shapes = [(int(r), int(c)) for r, c in shapes]
+        super().__init__([max(1, r * c) for r, c in self.shapes], timeout, names)
+        self.owners = tuple(int(o) for o in owners)
+        if len(self.owners) != len(self.shapes):
+            raise ValueError(f"owners and shapes must have the same length, got {len(self.owners)} and {len(self.shapes)}")
+        self._join(process_group)
+        self.device = torch.device(device) if device is not None else default_device(process_group)
+        # The global order: owners in turn, each owner's layers in layer order (each offers them in that order).
+        per_owner: dict[int, list[int]] = {}
+        for i, o in enumerate(self.owners):
+            per_owner.setdefault(o, []).append(i)
+        turns = [(k, o, i) for o, layers in per_owner.items() for k, i in enumerate(layers)]
+        self.order = tuple(i for _, _, i in sorted(turns))
+        self._clear()
+
+    def _clear(self) -> None:
+        self._round: list[int] = []
+        self._pos = 0
+        self._offered: dict[int, torch.Tensor | None] = {}
+        self._posted: dict[int, tuple[torch.Tensor, Work | None]] = {}
+        self._t_begin = NAN
+
+    def _describe(self, key: int) -> str:
+        owner = self.owners[key]
+        who = "this rank" if owner == self.rank else f"rank {owner}"
+        return f"the preconditioned gradient of {self.names[key]} (from its owner, {who})"
+
+    def _in_flight(self) -> list[tuple[int, Work]]:
+        return [(i, w) for i, (_, w) in self._posted.items() if w is not None]
+
+    def begin_round(self, layers: Sequence[int]) -> None:
+        """Start the step's exchange of ``layers`` (identical on every rank)."""
+        with self._lock:
+            self._check_usable("begin_round()")
+            if self._active:
+                raise RuntimeError("GradientBroadcaster.begin_round() while the previous round is unfinished; "
+                                   "call finish() (or reset()) first")
+            self._clear()
+            wanted = set(layers)
+            self._round = [i for i in self.order if i in wanted]
+            self._active = True
+            self._t_begin = time.perf_counter()
+        self._pump()
+
+    @property
+    def active(self) -> bool:
+        return self._active
+
+    def in_round(self, index: int) -> bool:
+        return self._active and index in self._round and index not in self._offered
+
+    def offer(self, index: int, value: torch.Tensor | None) -> None:
+        """On the owner: layer ``index``'s preconditioned gradient (None: this layer is left unpreconditioned)."""
+        with self._lock:
+            self._check_usable(f"offer({index})")
+            if self.owners[index] != self.rank:
+                raise RuntimeError(f"offer({index}) on rank {self.rank}, but layer {index} is owned by rank "
+                                   f"{self.owners[index]}")
+            if index in self._offered:
+                raise RuntimeError(f"layer {index} was already offered in this round")
+            if value is not None and tuple(value.shape) != self.shapes[index]:
+                raise ValueError(f"layer {index}'s preconditioned gradient must have shape {self.shapes[index]}, "
+                                 f"got {tuple(value.shape)}")
+            self._offered[index] = value
+        self._pump()
+
+    def _pump(self) -> None:
+        """Issue the round's broadcasts in order, as far as this rank can (a send waits for its offer)."""
+        with self._lock:
+            while self._pos < len(self._round):
+                i = self._round[self._pos]
+                rows, cols = self.shapes[i]
+                if self.owners[i] == self.rank:
+                    if i not in self._offered:
+                        return
+                    value = self._offered[i]
+                    dtype = value.dtype if value is not None else torch.float32
+                    buf = torch.zeros(rows * cols + 1, dtype=dtype,
+                                      device=value.device if value is not None else self.device)
+                    if value is not None:
+                        buf[:-1].copy_(value.reshape(-1))
+                        buf[-1] = 1.0
+                else:
+                    buf = torch.empty(rows * cols + 1, dtype=self._dtype, device=self.device)
+                work = None
+                if self._distributed:
+                    src = global_rank(self.process_group, self.owners[i])
+                    work = self._issue(i, lambda b=buf, s=src: dist.broadcast(b, src=s, group=self.process_group,
+                                                                              async_op=True))
+                self._posted[i] = (buf, work)
+                self._pos += 1
+
+    _dtype = torch.float32  # the dtype of the preconditioned gradients (the preconditioner's inv_dtype)
+
+    def finish(self) -> dict[int, torch.Tensor | None]:
+        """Offer None for every owned layer not offered, wait for the round; every layer's result by index
+        (None: its owner left it unpreconditioned). One host read of the flags."""
+        for i in self._round:
+            if self.owners[i] == self.rank and i not in self._offered:
+                self.offer(i, None)
+        with self._lock:
+            posted = [(i, *self._posted[i]) for i in self._round]
+        for i, _, work in posted:
+            if work is not None:
+                self._wait(i, work)
+        out: dict[int, torch.Tensor | None] = {}
+        received = [(i, buf) for i, buf, _ in posted if self.owners[i] != self.rank]
+        flags = torch.stack([buf[-1] for _, buf in received]).tolist() if received else []
+        for (i, buf), flag in zip(received, flags):
+            out[i] = buf[:-1].view(self.shapes[i]) if flag == 1.0 else None
+        for i in self._round:
+            if self.owners[i] == self.rank:
+                out[i] = self._offered[i]
+        with self._lock:
+            self._end()
+        return out
+
+
+class DPKFACDistributor(SPDDistributor):
+    """``schedule="dpkfac"``: every layer's K-FAC state and work on its owner only (module docstring)."""
+
+    def __init__(self, options: SPDOptions, process_group: dist.ProcessGroup | None = None,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__(options, process_group, device)
+        self.layer_placement: LayerPlacement | None = None
+        self._grads: GradientBroadcaster | None = None
+
+    # ------------------------------------------------------------------ planning
+    def setup(self, sides: Sequence[tuple[int, int]]) -> None:
+        super().setup(sides)
+        shapes = [(g, a) for a, g in self.sides]
+        self._grads = GradientBroadcaster(self.layer_owners, shapes, process_group=self.process_group,
+                                          device=self.device, timeout=self.options.comm_timeout_s,
+                                          names=[f"layer {i}" for i in range(len(self.sides))])
+        self._grads._dtype = self.inv_dtype
+
+    def _plan_placement(self) -> tuple[int, ...]:
+        """The layer placement, and each factor's owner (that of its layer) in canonical factor order."""
+        assert self.models is not None  # measured in setup()
+        self.layer_placement = plan_layer_placement(self.sides, self.world_size, self.models.inverse,
+                                                    inverse_method=self.inverse_method)
+        self.layer_owners = self.layer_placement.owners
+        return tuple(self.layer_owners[i] for i, _ in self.keys)
+
+    def _new_async_group(self) -> None:
+        """Nothing to create: asynchronous inversions communicate nothing under dpkfac."""
+
+    def _plan_groups(self, order: list[FactorKey], ready: list[float]) -> list[tuple[int, ...]]:
+        """The fusion plan of each owner's factors (in ``order``), merged by the position of each group's last
+        member: a group is complete when its last factor is, so the groups launch in that order everywhere."""
+        opts = self.options
+        assert self.models is not None  # measured in setup()
+        if self.world_size == 1:
+            return super()._plan_groups(order, ready)
+        alone = set() if opts.fuse_g else {pos for pos, key in enumerate(order) if key[1] == "G"}
+        groups: list[tuple[int, ...]] = []
+        for owner in sorted(set(self.layer_owners)):
+            mine = [pos for pos, key in enumerate(order) if self.layer_owners[key[0]] == owner]
+            plan = plan_fusion([triu_size(self._side(order[p])) for p in mine], [ready[p] for p in mine],
+                               self.models.allreduce, policy=opts.fusion, bucket_bytes=int(opts.bucket_mb * 2**20),
+                               bytes_per_element=opts.bytes_per_element,
+                               alone=[k for k, p in enumerate(mine) if p in alone])
+            groups += [tuple(mine[k] for k in g) for g in plan.groups]
+        return sorted(groups, key=lambda g: (max(g), g))
+
+    def _destinations(self, order: Sequence[FactorKey], groups: Sequence[Sequence[int]]) -> list[int] | None:
+        owners = [{self.layer_owners[order[p][0]] for p in g} for g in groups]
+        if self.world_size == 1 or any(len(o) != 1 for o in owners):
+            return None  # (the measuring plan: one all-reduce of everything; non-owners drop what they get)
+        return [o.pop() for o in owners]
+
+    def _planned_broadcast_order(self) -> list[FactorKey]:
+        return []  # no inverse is broadcast
+
+    # ------------------------------------------------------------------ per step
+    def reduce_factors(self, local: dict[FactorKey, torch.Tensor | None]) -> dict[FactorKey, torch.Tensor | None]:
+        reduced = super().reduce_factors(local)
+        return {k: (v if self.layer_owners[k[0]] == self.rank else None) for k, v in reduced.items()}
+
+    def _check_owned(self, tasks: Sequence[Task]) -> None:
+        stray = sorted({t[0] for t in tasks if self.layer_owners[t[0]] != self.rank})
+        if stray:
+            raise RuntimeError(f"dpkfac: rank {self.rank} was asked to invert layers {stray}, which it does not own")
+
+    def invert(self, tasks: Sequence[Task], invert_fn: Callable[[list[Task]], list[torch.Tensor]],
+               on_ready: Callable[[int, str, torch.Tensor], None]) -> None:
+        """The owner inverts its layers here, one layer at a time (so each layer's gradient is preconditioned
+        and its broadcast launched before the next inversion); nothing is sent."""
+        self._check_owned(tasks)
+        for task in tasks:
+            on_ready(task[0], task[1], invert_fn([task])[0])
+
+    def invert_async(self, tasks: Sequence[Task],
+                     invert_fn: Callable[[list[Task]], list[torch.Tensor]]) -> PendingInverses:
+        self._check_owned(tasks)
+        return Distributor.invert_async(self, tasks, invert_fn)
+
+    def begin_share(self, layers: Sequence[int]) -> None:
+        assert self._grads is not None  # set up
+        self._grads.begin_round(layers)
+
+    def offer(self, index: int, value: torch.Tensor | None) -> None:
+        assert self._grads is not None  # set up
+        if self._grads.in_round(index):
+            self._grads.offer(index, value)
+
+    def finish_share(self) -> dict[int, torch.Tensor | None]:
+        assert self._grads is not None  # set up
+        t0 = time.perf_counter()
+        out = self._grads.finish()
+        self.timer.add("precondition_comm_wait", time.perf_counter() - t0)
+        return out
+
+    def agree(self, ok: bool) -> bool:
+        """True on every rank when ``ok`` is true on every rank (one all-reduce of one flag)."""
+        if not self._dist or self.world_size == 1:
+            return ok
+        flag = torch.tensor([1.0 if ok else 0.0], device=self.device)
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.process_group, async_op=True)
+        wait_work(work, self.options.comm_timeout_s, collective="all_reduce", phase=STATE_GATHER,
+                  what="the finite-factor flag of this step", rank=self.rank, world_size=self.world_size)
+        return bool(flag.item() == 1.0)
+
+    def gather_layers(self, held: dict[int, LayerTensors], shapes: Sequence[tuple[tuple[int, int], ...]],
+                      dtypes: tuple[torch.dtype, torch.dtype]) -> dict[int, LayerTensors]:
+        """Every layer's (A, G, A_inv, G_inv, damping) on every rank, from its owner (``held``: the owned
+        layers' own; ``shapes[i]``: layer i's four shapes; ``dtypes``: of the factors and of the inverses).
+        Received tensors are moved to the host as they arrive (device memory grows by one layer at a time)."""
+        n = len(shapes)
+        out: dict[int, LayerTensors] = {i: v for i, v in held.items()}
+        if not self._dist or self.world_size == 1:
+            return out
+        header = torch.zeros(n, 3, dtype=torch.float64, device=self.device)  # has factors, has inverses, damping
+        for i, (A, _, A_inv, _, damping) in held.items():
+            header[i, 0], header[i, 1] = float(A is not None), float(A_inv is not None)
+            header[i, 2] = -1.0 if damping is None else float(damping)
+        self._wait_state(dist.all_reduce(header, group=self.process_group, async_op=True), "the layer headers")
+        for i, (has_factors, has_inverses, damping) in enumerate(header.tolist()):
+            owner = self.layer_owners[i]
+            if not has_factors:
+                continue
+            mine = held.get(i) if owner == self.rank else None
+            parts: list[torch.Tensor | None] = []
+            for k, (shape, dtype) in enumerate(zip(shapes[i], (dtypes[0], dtypes[0], dtypes[1], dtypes[1]))):
+                if k >= 2 and not has_inverses:
+                    parts.append(None)
+                    continue
+                if mine is not None:
+                    own = mine[k]
+                    assert own is not None  # the header says it is there
+                    buf = own.contiguous()
+                else:
+                    buf = torch.empty(shape, dtype=dtype, device=self.device)
+                src = global_rank(self.process_group, owner)
+                self._wait_state(dist.broadcast(buf, src=src, group=self.process_group, async_op=True),
+                                 f"layer {i}'s state (from rank {owner})")
+                parts.append(None if mine is not None else buf.cpu())
+            if mine is None:
+                out[i] = (parts[0], parts[1], parts[2], parts[3], damping if has_inverses and damping >= 0 else None)
+        return out
+
+    def _wait_state(self, work: Work, what: str) -> None:
+        wait_work(work, self.options.comm_timeout_s, collective="broadcast", phase=STATE_GATHER, what=what,
+                  rank=self.rank, world_size=self.world_size)
+
+    def describe(self) -> dict[str, Any]:
+        out = super().describe()
+        out["layer_owners"] = list(self.layer_owners)
+        out["destinations"] = list(self._fused.destinations or ())
+        return out
