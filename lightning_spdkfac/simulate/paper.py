@@ -14,13 +14,15 @@ calibration takes from the paper, and what it must not:
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass, replace
+from typing import Any, Literal
 
 from .. import validation as val
 from ..comm.triangle import triu_size
 from ..schedule import AlphaBeta, InverseCost
 from ..schedule.cost import _nnls_small
-from .cluster import Cluster
+from .cluster import AllreduceAlgorithm, Cluster
 from .models import PAPER_MODELS
 from .timeline import _grad_comm
 from .workload import LayerSpec, Workload, profile_layers
@@ -104,29 +106,68 @@ class PaperCase:
     specs: tuple[LayerSpec, ...]
     workload: Workload
     cluster: Cluster
+    network: tuple[tuple[str, Any], ...] = ()  # paper_cluster's keyword arguments
 
-    def at_world(self, world_size: int) -> tuple[Workload, Cluster]:
-        """The same GPUs and network at another scale: per-link numbers from the 64-GPU fit, ring
-        all-reduce at ``world_size`` (broadcasts costed like it, as in the 64-GPU calibration), and the
-        measured gradient all-reduce scaled by the model's ratio between the two sizes."""
+    def at_world(self, world_size: int, **network: Any) -> tuple[Workload, Cluster]:
+        """The same GPUs and network at another scale (:func:`paper_cluster` with this case's network
+        options, updated by ``network``: per-link numbers from the 64-GPU fit on the two-level topology),
+        and the measured gradient all-reduce scaled by the model's ratio between the two sizes."""
         p = val.check_int("world_size", world_size, low=1)
-        cluster = paper_cluster(p, self.cluster.inverse)
+        cluster = paper_cluster(p, self.cluster.inverse, **{**dict(self.network), **network})
         modelled = replace(self.workload, grad_comm=None)
         ratio = _grad_comm(modelled, cluster) / _grad_comm(modelled, self.cluster)
         measured = self.workload.grad_comm  # None: grad_comm="model", costed by the simulator at any size
         return replace(self.workload, grad_comm=None if measured is None else measured * ratio), cluster
 
 
-def paper_cluster(world_size: int, inverse: InverseCost | None = None, name: str | None = None) -> Cluster:
-    """The paper's network at ``world_size`` GPUs: at 64 its fitted all-reduce itself, elsewhere a ring
-    all-reduce from that fit's per-link numbers; broadcasts and reduces are costed like the all-reduce
-    (the paper fitted only the all-reduce, and its planner used that model for broadcasts too: the
-    n = 1024 threshold). ``inverse`` defaults to :func:`paper_inverse`."""
+# The paper's nodes: 4 GPUs (RTX 2080 Ti, the shared notes' guess) on PCIe 3.0 x16. Textbook figures, not fitted:
+# PCIe 3.0 x16 moves 15.75 GB/s per direction in theory, about 10 GB/s achieved by NCCL between GPUs of one
+# node (1e-10 s per byte); a step of an intra-node collective costs about 5 microseconds (kernel launch and
+# flag polling). The inter-node numbers are what the 64-GPU fit leaves when these are taken out of it.
+PAPER_INTRA_ALPHA = 5e-6
+PAPER_INTRA_BETA = 1e-10
+# How the paper's cluster costs a broadcast (and a reduce):
+# "allreduce": like the fitted all-reduce (the calibration before issue 19: the planner's n = 1024 threshold
+#   was set with that model); "half": half of it, the authors' own estimate of a broadcast;
+# "chain" / "tree": the textbook pipelined chain (NCCL's broadcast) / binomial tree on the two-level
+#   topology whose per-link numbers come from the fit (:meth:`Cluster.from_fit`).
+PaperBroadcast = Literal["allreduce", "half", "chain", "tree"]
+PAPER_BROADCASTS: tuple[str, ...] = typing.get_args(PaperBroadcast)
+
+
+def paper_cluster(world_size: int, inverse: InverseCost | None = None, name: str | None = None, *,
+                  broadcast: PaperBroadcast = "allreduce", algorithm: AllreduceAlgorithm = "ring",
+                  two_level: bool = False, overlap_slowdown: float = 0.0) -> Cluster:
+    """The paper's network at ``world_size`` GPUs: at 64 (``algorithm="ring"``) its fitted all-reduce
+    itself. Elsewhere, or with ``algorithm="tree"``: by default (``two_level=False``, the model before
+    issue 19, which ``spdkfac plan`` uses) a flat ring or tree over all P GPUs with the per-link numbers
+    of the fit; with ``two_level=True`` the two-level topology (nodes of 4 GPUs, one inter-node link per
+    node shared by its 4 GPUs: :data:`PAPER_INTRA_ALPHA`, :data:`PAPER_INTRA_BETA` inside a node, the
+    inter-node numbers inverted from the 64-GPU fit on 16 x 4; below two nodes, one node's links).
+    ``broadcast``: :data:`PaperBroadcast` (default: like the all-reduce, the calibration of the paper
+    table). ``inverse`` defaults to :func:`paper_inverse`."""
     p = val.check_int("world_size", world_size, low=1)
+    val.check_choice("broadcast", broadcast, PAPER_BROADCASTS)
     inv = paper_inverse() if inverse is None else inverse
-    ar = PAPER_ALLREDUCE if p == PAPER_WORLD else Cluster.from_fit(PAPER_ALLREDUCE, PAPER_WORLD, p, inv).allreduce
-    return Cluster(p, ar, ar, ar, inv, gpus_per_node=min(PAPER_GPUS_PER_NODE, p),
-                   name=f"{p} GPUs" if name is None else name)
+    g = min(PAPER_GPUS_PER_NODE, p)
+    label = f"{p} GPUs" if name is None else name
+    if p == 1:
+        return Cluster(1, AlphaBeta(0.0, 0.0), AlphaBeta(0.0, 0.0), AlphaBeta(0.0, 0.0), inv, name=label,
+                       overlap_slowdown=overlap_slowdown)
+    kw: dict[str, Any] = dict(algorithm=algorithm, broadcast="tree" if broadcast == "tree" else "chain",
+                              overlap_slowdown=overlap_slowdown)
+    if not two_level:
+        net = Cluster.from_fit(PAPER_ALLREDUCE, PAPER_WORLD, p, inv, gpus_per_node=g, **kw)
+    elif p <= PAPER_GPUS_PER_NODE:  # one node: the intra-node links alone
+        net = Cluster.ring(p, PAPER_INTRA_ALPHA, PAPER_INTRA_BETA, inv, gpus_per_node=g, **kw)
+    else:
+        net = Cluster.from_fit(PAPER_ALLREDUCE, PAPER_WORLD, p, inv, gpus_per_node=PAPER_GPUS_PER_NODE,
+                               intra_alpha=PAPER_INTRA_ALPHA, intra_beta=PAPER_INTRA_BETA, shared_nic=True, **kw)
+    ar = PAPER_ALLREDUCE if p == PAPER_WORLD and algorithm == "ring" else net.allreduce
+    bc = {"allreduce": ar, "half": AlphaBeta(ar.alpha / 2, ar.beta / 2)}.get(broadcast, net.broadcast)
+    return replace(net, allreduce=ar, broadcast=bc, reduce=bc, name=label,
+                   reduce_scatter=net.reduce_scatter if ar is net.allreduce else AlphaBeta(ar.alpha / 2, ar.beta / 2),
+                   allgather=net.allgather if ar is net.allreduce else AlphaBeta(ar.alpha / 2, ar.beta / 2))
 
 
 _SPECS: dict[str, tuple[LayerSpec, ...]] = {}
@@ -145,14 +186,17 @@ def model_specs(name: str) -> tuple[LayerSpec, ...]:
     return _SPECS[name]
 
 
-def paper_case(name: str, grad_comm: str = "paper") -> PaperCase:
+def paper_case(name: str, grad_comm: str = "paper", **network: Any) -> PaperCase:
     """The calibrated 64-GPU case of one model. ``grad_comm="paper"`` takes the measured gradient
-    all-reduce time (identical for every algorithm); ``"model"`` derives it from the all-reduce model."""
+    all-reduce time (identical for every algorithm); ``"model"`` derives it from the all-reduce model.
+    ``network``: :func:`paper_cluster`'s keyword arguments (``broadcast``, ``algorithm``, ``two_level``,
+    ``overlap_slowdown``)."""
     val.check_choice("grad_comm", grad_comm, ("paper", "model"))
     specs = model_specs(name)
     _, _, batch = PAPER_MODELS[name]
     ffbp, gcomm, fcomp, _, _, _, _ = PAPER_BREAKDOWN[name]["dkfac"]
     workload = Workload.calibrated(name, specs, batch, ff_bp=ffbp, factor_comp=fcomp,
                                    grad_comm=gcomm if grad_comm == "paper" else None)
-    cluster = paper_cluster(PAPER_WORLD, name="paper: 64 GPUs, 16 x 4")
-    return PaperCase(name=name, specs=specs, workload=workload, cluster=cluster)
+    cluster = paper_cluster(PAPER_WORLD, name="paper: 64 GPUs, 16 x 4", **network)
+    return PaperCase(name=name, specs=specs, workload=workload, cluster=cluster,
+                     network=tuple(sorted(network.items())))
