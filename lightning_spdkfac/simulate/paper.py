@@ -10,6 +10,10 @@ calibration takes from the paper, and what it must not:
   algorithm) and the D-KFAC InvComp (every GPU inverts every factor: the sum of all inversion times);
 * never taken: any FactorComm, InvComm, MPD or SPD InvComp, or total - those are what the simulation must
   reproduce.
+
+:func:`compare_phases` sets every simulated phase and total beside the paper's (issue 19's bands: 25% per
+phase, 10% per total); :func:`factor_allreduce_gap` and :func:`small_factor_share` compute, from the paper's
+own figures and the layer shapes, the measured numbers behind the misses (docs/simulator-fidelity.md).
 """
 
 from __future__ import annotations
