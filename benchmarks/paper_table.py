@@ -1,6 +1,6 @@
 """Reproduce the SPD-KFAC paper's 64-GPU iteration-time table with the cluster simulator, then go beyond it.
 
-Run ``python benchmarks/paper_table.py`` (about 20 s; ``--help``). The simulator (lightning_spdkfac.simulate)
+Run ``python benchmarks/paper_table.py`` (about 30 s; ``--help``). The simulator (lightning_spdkfac.simulate)
 plans with the runtime's own DTF and LBP code. What is taken from the paper and what is predicted is spelled
 out in lightning_spdkfac/simulate/paper.py: the compute side (FF&BP, FactorComp, the D-KFAC inversion totals,
 the gradient all-reduce) and the network (the fitted all-reduce model) are inputs; every other number of
@@ -12,13 +12,19 @@ benchmarks/results/run-<date>-<time>-paper_table/; with ``--out PATH`` everythin
 docs/simulated_timeline.png (``--docs-figure``: the timeline figure refreshes the committed one even with --out):
 
 1. per model, the simulated breakdown of D-KFAC, MPD-KFAC and SPD-KFAC (as the paper's code ran it:
-   ``spd-paper``) beside the paper's, and the ratio of the totals (target: within 10%);
+   ``spd-paper``) beside the paper's, and the ratio of the totals (target: within 10%); then (issue 19)
+   every phase and total as simulated / paper's with the misses flagged (phases 25%, totals 10%), the
+   measured numbers behind the misses, and the twelve totals under each network model (broadcast
+   chain/tree/half, tree all-reduce, two-level topology, compute slowdown under communication);
 2. SPD's speedups over D-KFAC and MPD-KFAC, simulated and the paper's (target: within 0.05);
-3. the exposed factor communication of the paper's pipelining ablation, simulated and measured;
+3. the exposed factor communication of the paper's pipelining ablation, simulated and measured, and the
+   all-reduce latency at which the paper's direction (layer-wise slower than none) appears;
 4. the improvement ladder from the paper's SPD-KFAC to this project's schedules, one change at a time
    (target: the best >= 10% faster than the paper's SPD-KFAC on all four models);
-5. ResNet-50 at P = 8 ... 1024: iteration time and speedup over D-KFAC of every schedule, and the
-   critical-path lower bound of a synchronous schedule (``Timeline.lower_bound``);
+5. ResNet-50 at P = 8 ... 1024 on the two-level network (nodes of 4 GPUs): iteration time and speedup
+   over D-KFAC of every schedule, and the critical-path lower bound of a synchronous schedule
+   (``Timeline.lower_bound``); then 256 and 1024 GPUs under the flat ring, the two-level ring and the
+   two-level tree all-reduce;
 6. asynchronous inverses (issue 17): every model at 64 GPUs, each schedule's period beside its lower
    bound, and spd, spd-async and spd-async-idle with their bounds at P = 8 ... 1024.
 """
@@ -40,16 +46,26 @@ from _common import fresh_run_dir  # noqa: E402
 
 from lightning_spdkfac.simulate import CATEGORIES, simulate, with_schedule  # noqa: E402
 from lightning_spdkfac.simulate.paper import (  # noqa: E402
+    PAPER_ALGORITHMS,
     PAPER_BREAKDOWN,
     PAPER_COLUMNS,
     PAPER_SPEEDUPS,
+    PHASE_BAND,
+    TOTAL_BAND,
+    compare_phases,
+    factor_allreduce_gap,
     paper_case,
     paper_inverse,
+    small_factor_share,
 )
 
 MODELS = ("resnet50", "resnet152", "densenet201", "inception_v4")
 PAPER_NAMES = {"dkfac": "D-KFAC", "mpd": "MPD-KFAC", "spd-paper": "SPD-KFAC"}
 # exposed factor communication, seconds: no pipelining / layer-wise without fusion / SPD with DTF
+# The paper's "no pipelining" figures equal its D-KFAC/MPD FactorComm (.170, .436, .350, .290): every factor,
+# G included, in 64 MiB buckets after backward. spd-paper-no-pipelining leaves G factors unfused (the paper's
+# SPD code), which is not that row, so the ablation's "none" is it with G fused.
+NO_PIPELINING = with_schedule("spd-paper-no-pipelining", fuse_g=True)
 PAPER_ABLATION = {"resnet50": (.170, .206, .098), "resnet152": (.436, .523, .276),
                   "densenet201": (.350, .455, .244), "inception_v4": (.290, .470, .199)}
 # (step, base schedule, its changed attributes)
@@ -139,7 +155,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"  {res[sim_name].lower_bound:14.3f}")
             print(f"{PAPER_NAMES[sim_name] + ' paper':22s} {_row(paper_vals[:6])} {paper_vals[-1]:7.3f}")
             entry[sim_name] = {"sim": {**b, "total": res[sim_name].total, "lower_bound": res[sim_name].lower_bound},
-                               "paper": dict(zip(PAPER_COLUMNS, paper_vals)), "ratio": ratio}
+                               "paper": dict(zip(PAPER_COLUMNS, paper_vals)), "ratio": ratio,
+                               "phases": compare_phases(name, sim_name, b)}
         sd = res["dkfac"].total / res["spd-paper"].total
         sm = res["mpd"].total / res["spd-paper"].total
         pd, pm = PAPER_SPEEDUPS[name]
@@ -147,11 +164,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"SPD speedup over D-KFAC {sd:.2f} (paper {pd:.2f}, {sd - pd:+.2f}); "
               f"over MPD-KFAC {sm:.2f} (paper {pm:.2f}, {sm - pm:+.2f})")
         abl = [simulate(case.workload, case.cluster, s).breakdown["FactorComm"]
-               for s in ("spd-paper-no-pipelining", "spd-paper-layerwise", "spd-paper")]
+               for s in (NO_PIPELINING, "spd-paper-layerwise", "spd-paper")]
+        g_alone = simulate(case.workload, case.cluster, "spd-paper-no-pipelining").breakdown["FactorComm"]
         print("exposed FactorComm, no pipelining / layer-wise / DTF: sim "
-              + " / ".join(f"{v:.3f}" for v in abl) + "; paper " + " / ".join(f"{v:.3f}" for v in PAPER_ABLATION[name]))
+              + " / ".join(f"{v:.3f}" for v in abl) + "; paper " + " / ".join(f"{v:.3f}" for v in PAPER_ABLATION[name])
+              + f"; layer-wise {'slower' if abl[1] > abl[0] else 'FASTER'} than none (paper: slower); "
+              f"none with G factors unfused {g_alone:.3f}")
         entry["speedups"] = {"sim": [sd, sm], "paper": [pd, pm]}
-        entry["ablation_factor_comm"] = {"sim": abl, "paper": list(PAPER_ABLATION[name])}
+        entry["ablation_factor_comm"] = {"sim": abl, "paper": list(PAPER_ABLATION[name]),
+                                         "sim_none_g_unfused": g_alone, "layerwise_slower": abl[1] > abl[0]}
         base = res["spd-paper"].total
         print("improvements (simulated, 64 GPUs):")
         ladder = []
@@ -164,18 +185,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         out["models"][name] = entry
         print()
     print(f"largest total error {worst_ratio:.1%} (target 10%); largest speedup error {worst_speed:.3f} (target 0.05)")
+    out["phases"] = _phase_table(out["models"])
+    out["causes"] = _causes()
+    out["network_variants"] = _network_variants()
+    out["ablation_cause"] = _ablation_cause()
     best = {n: out["models"][n]["ladder"][-1]["speedup_vs_paper_spd"] for n in MODELS}
     fp32 = {n: out["models"][n]["ladder"][-2]["speedup_vs_paper_spd"] for n in MODELS}
     print("best schedule over the paper's SPD-KFAC: " + ", ".join(f"{n} x{v:.2f}" for n, v in best.items())
           + " (fp32 only: " + ", ".join(f"x{v:.2f}" for v in fp32.values()) + "; target x1.10)")
 
-    print("\nResNet-50, per-GPU batch 32: iteration time in s (speedup over D-KFAC)")
+    print("\nResNet-50, per-GPU batch 32: iteration time in s (speedup over D-KFAC); two-level network (nodes of 4 "
+          "GPUs, one shared inter-node link each, numbers from the 64-GPU fit), ring all-reduce")
     case = paper_case("resnet50")
     print(f"{'P':>5s} " + " ".join(f"{s:>17s}" for s in SCALING_SCHEDULES) + "  lower bound")
     scaling = {}
     bounds = {}
     for p in WORLDS:
-        work, cl = case.at_world(p)
+        work, cl = case.at_world(p, two_level=True)
         runs = {s: simulate(work, cl, s, rank_events=0) for s in SCALING_SCHEDULES}
         tot = {s: tl.total for s, tl in runs.items()}
         scaling[p], bounds[p] = tot, runs["spd"].lower_bound  # the same for every synchronous schedule
@@ -183,6 +209,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               + f"  {bounds[p]:11.3f}")
     out["scaling_resnet50"] = {str(p): v for p, v in scaling.items()}
     out["scaling_resnet50_lower_bound"] = {str(p): v for p, v in bounds.items()}
+    out["topology_resnet50"] = _topology_table(case)
     out["async"] = _async_tables()
     out["categories"] = list(CATEGORIES)
     out_json.parent.mkdir(parents=True, exist_ok=True)
@@ -192,6 +219,157 @@ def main(argv: Sequence[str] | None = None) -> int:
         _plot_timelines(timeline_png)
     print(f"\nwrote {out_json} ({time.perf_counter() - t0:.1f} s)")
     return 0
+
+
+PHASES = PAPER_COLUMNS  # FF&BP ... InvComm, total
+
+
+def _cell(c: dict[str, Any]) -> str:
+    if c["ratio"] is None:
+        text = "0=0" if not c["miss"] else f"{c['sim']:.3f}s"
+    else:
+        text = f"{c['ratio']:.2f}"
+    return text + ("*" if c["miss"] else " ")
+
+
+def _phase_table(models: dict[str, Any]) -> dict[str, Any]:
+    """Section 1b: every phase and total, simulated / paper's, with the misses flagged."""
+    print(f"\nPer-phase figures, simulated / paper's (* outside {PHASE_BAND:.0%} for a phase, {TOTAL_BAND:.0%} for the "
+          "total; 0=0: both zero; FF&BP, GradComm, FactorComp and D-KFAC InvComp are calibration inputs)")
+    print(f"{'':13s} {'':9s} " + " ".join(f"{c:>10s}" for c in PHASES))
+    table: dict[str, Any] = {}
+    misses = []
+    for name, entry in models.items():
+        for sim_name, paper_key in PAPER_ALGORITHMS.items():
+            ph = entry[sim_name]["phases"]
+            print(f"{name:13s} {PAPER_NAMES[sim_name]:9s} " + " ".join(f"{_cell(ph[c]):>10s}" for c in PHASES))
+            table.setdefault(name, {})[paper_key] = ph
+            misses += [(name, paper_key, c) for c in PHASES if ph[c]["miss"]]
+    totals = sum(1 for n, _, c in misses if c == "total")
+    print(f"misses: {len(misses) - totals} phase figures of {len(models) * 3 * 6}, {totals} totals of {len(models) * 3}")
+    return {"table": table, "misses": [list(m) for m in misses]}
+
+
+def _causes() -> dict[str, Any]:
+    """Section 1c: the measured numbers behind the misses (README, "Cluster simulator", explains them)."""
+    print("\nWhy the misses (measured from the paper's own figures and the layer shapes):")
+    out: dict[str, Any] = {}
+    for name in MODELS:
+        gap = factor_allreduce_gap(name)
+        share = small_factor_share(name)
+        grad = _grad_gap(name)
+        out[name] = {"factor_allreduce": gap, "small_factors": share, "grad_allreduce": grad}
+        print(f"  {name:13s} D-KFAC factor all-reduce: {gap['elements'] / 1e6:6.1f} M elements in "
+              f"{gap['messages']:.0f} x 64 MiB: fit {gap['fit_s']:.3f} s, paper {gap['paper_s']:.3f} s -> "
+              f"{gap['implied_ns_per_element']:.2f} ns/element measured vs {gap['fit_ns_per_element']:.2f} fitted "
+              f"(gradient all-reduce: fit {grad['fit_s']:.3f} s vs paper {grad['paper_s']:.3f} s, x{grad['ratio']:.2f})")
+        print(f"  {'':13s} factors n < 1024: {share['count_share']:.0%} of the factors, "
+              f"{share['model_time_share']:.0%} of the inversion time in the model; paper's SPD InvComp is "
+              f"{share['paper_spd_over_dkfac']:.0%} of its D-KFAC InvComp")
+    return out
+
+
+def _grad_gap(name: str) -> dict[str, float]:
+    """The gradient all-reduce (an input, measured by the paper) against the fitted model on the same bytes."""
+    from dataclasses import replace
+
+    from lightning_spdkfac.simulate.timeline import _grad_comm
+
+    case = paper_case(name)
+    fit = _grad_comm(replace(case.workload, grad_comm=None), case.cluster)
+    paper = PAPER_BREAKDOWN[name]["dkfac"][1]
+    return {"fit_s": fit, "paper_s": paper, "ratio": fit / paper}
+
+
+# network model variants (paper_cluster's options), each against the paper's twelve totals
+VARIANTS: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("default: broadcast costed as the all-reduce", {}),
+    ("broadcast = all-reduce / 2 (the authors' estimate)", {"broadcast": "half"}),
+    ("broadcast: pipelined chain, two-level (textbook)", {"broadcast": "chain", "two_level": True}),
+    ("broadcast: binomial tree, two-level", {"broadcast": "tree", "two_level": True}),
+    ("all-reduce: double binary tree, two-level", {"algorithm": "tree", "two_level": True}),
+    ("compute slowed x1.5 under communication", {"overlap_slowdown": 0.5}),
+)
+
+
+def _network_variants() -> dict[str, Any]:
+    """Section 1d: the twelve totals, simulated / paper's, under each network model."""
+    print("\nTotals, simulated / paper's, by network model (D-KFAC / MPD / SPD per model; * outside 10%):")
+    print(f"{'':52s} " + " ".join(f"{m:>20s}" for m in MODELS) + "  within")
+    out: dict[str, Any] = {}
+    for label, net in VARIANTS:
+        row: dict[str, list[float]] = {}
+        for name in MODELS:
+            case = paper_case(name, **net)
+            row[name] = [simulate(case.workload, case.cluster, s, rank_events=0).total
+                         / PAPER_BREAKDOWN[name][k][-1] for s, k in PAPER_ALGORITHMS.items()]
+        ok = sum(abs(r - 1) <= TOTAL_BAND for v in row.values() for r in v)
+        print(f"{label:52s} " + " ".join(" ".join(f"{r:5.2f}{'*' if abs(r - 1) > TOTAL_BAND else ' '}" for r in v)
+                                        for v in row.values()) + f"  {ok:2d}/12")
+        out[label] = {"network": net, "ratios": row, "within": ok}
+    return out
+
+
+def _ablation_cause() -> dict[str, Any]:
+    """Section 3b: the per-message start-up cost from which layer-wise pipelining (one all-reduce per
+    factor) is slower than none (every factor in 64 MiB buckets after backward, the paper's row), found by
+    bisection on the all-reduce's alpha (64 GPUs)."""
+    from dataclasses import replace
+
+    from lightning_spdkfac.schedule import AlphaBeta
+
+    print("\nLayer-wise pipelining vs none (exposed FactorComm, s): the all-reduce latency alpha at which the paper's "
+          "direction (layer-wise slower) appears")
+    out: dict[str, Any] = {}
+    for name in MODELS:
+        case = paper_case(name)
+
+        def gap(k: float, case: Any = case) -> tuple[float, float]:
+            ar = case.cluster.allreduce
+            cl = replace(case.cluster, allreduce=AlphaBeta(ar.alpha * k, ar.beta))
+            none, lw = (simulate(case.workload, cl, s, rank_events=0).breakdown["FactorComm"]
+                        for s in (NO_PIPELINING, "spd-paper-layerwise"))
+            return none, lw
+
+        lo, hi = 0.0, 32.0  # the multiple of the fitted alpha; at or below 1: reproduced with the fit itself
+        for _ in range(20):
+            mid = (lo + hi) / 2
+            none, lw = gap(mid)
+            lo, hi = (lo, mid) if lw > none else (mid, hi)
+        slow = paper_case(name, overlap_slowdown=1.0)
+        s_none, s_lw = (simulate(slow.workload, slow.cluster, s, rank_events=0).breakdown["FactorComm"]
+                        for s in (NO_PIPELINING, "spd-paper-layerwise"))
+        n = 2 * len(case.specs)
+        alpha = case.cluster.allreduce.alpha
+        out[name] = {"factors": n, "break_even_alpha_s": hi * alpha, "break_even_multiple": hi,
+                     "latency_layerwise_s": n * alpha, "slowdown_1": [s_none, s_lw]}
+        none1, lw1 = gap(1.0)
+        out[name]["fitted_alpha"] = [none1, lw1]
+        print(f"  {name:13s} {n} factors ({n} x alpha = {n * alpha:.3f} s of start-up): with the fit none {none1:.3f} / "
+              f"layer-wise {lw1:.3f} ({'reproduced' if lw1 > none1 else 'REVERSED'}); layer-wise is slower from alpha = "
+              f"{hi * alpha * 1e3:.2f} ms (x{hi:.2f} the fit); compute at half speed under communication: "
+              f"none {s_none:.3f} / layer-wise {s_lw:.3f}")
+    return out
+
+
+def _topology_table(case: Any) -> dict[str, Any]:
+    """Section 5b: ResNet-50 at 256 and 1024 GPUs under the old flat ring, the two-level ring and the
+    two-level tree all-reduce (broadcasts costed like the all-reduce in each)."""
+    print("\nResNet-50 at scale by network model: iteration s (lower bound s)")
+    nets = (("flat ring (before issue 19)", {"two_level": False}), ("two-level, ring", {"two_level": True}),
+            ("two-level, tree", {"two_level": True, "algorithm": "tree"}))
+    scheds = ("dkfac", "spd-paper", "spd")
+    print(f"{'':8s} {'':30s} " + " ".join(f"{s:>17s}" for s in scheds))
+    out: dict[str, Any] = {}
+    for p in (256, 1024):
+        for label, net in nets:
+            work, cl = case.at_world(p, **net)
+            runs = {s: simulate(work, cl, s, rank_events=0) for s in scheds}
+            out.setdefault(str(p), {})[label] = {s: {"total": t.total, "lower_bound": t.lower_bound}
+                                                  for s, t in runs.items()}
+            print(f"{'P=' + str(p):8s} {label:30s} " + " ".join(f"{t.total:8.3f} ({t.lower_bound:6.3f})"
+                                                              for t in runs.values()))
+    return out
 
 
 def _async_tables() -> dict[str, Any]:

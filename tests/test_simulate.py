@@ -230,19 +230,26 @@ def test_paper_names_are_checked():
         paper_case("resnet50", grad_comm="measured")
 
 
-def test_resnet50_paper_row_within_ten_percent():
-    """The fast guard on the paper reproduction (benchmarks/paper_table.py prints all four models).
-
-    D-KFAC and MPD-KFAC are within the issue's 10% band. SPD-KFAC is not: the simulation gives 0.607 s
-    against the paper's 0.6755 s, 10.2% under (README, "Cluster simulator", says why), so its bound here
-    is 11%: a guard that the miss does not grow, not a claim that the target is met."""
+@pytest.mark.parametrize("sim_name, paper_name", [
+    ("dkfac", "dkfac"),
+    ("mpd", "mpd"),
+    pytest.param("spd-paper", "spd", marks=pytest.mark.xfail(strict=True, reason=(
+        "measured miss, not a widened band: 0.607 s simulated vs the paper's 0.6755 s, 0.898 (10.2% under). "
+        "Per phase (benchmarks/paper_table.py, per-phase table): FactorComm 0.62 (the paper's all-reduces ran "
+        "at 2.15 ns/element against the fit's 1.43, the same 1.5x gap its D-KFAC FactorComm and measured "
+        "GradComm show), InvComp 0.70 (factors n < 1024 are 69% of the count but 13% of the modelled inversion "
+        "time, while the paper's SPD InvComp is 38% of its D-KFAC one)"))),
+])
+def test_resnet50_paper_row_within_ten_percent(sim_name, paper_name):
+    """The fast guard on the paper reproduction (benchmarks/paper_table.py prints all four models): the
+    issue's 10% band on the total, for every algorithm. SPD-KFAC misses it and is marked so (strict: it
+    fails loudly the day it passes)."""
     from lightning_spdkfac.simulate.paper import PAPER_BREAKDOWN, paper_case
 
     case = paper_case("resnet50")
-    for sim_name, paper_name, band in (("dkfac", "dkfac", 0.10), ("mpd", "mpd", 0.10), ("spd-paper", "spd", 0.11)):
-        total = simulate(case.workload, case.cluster, sim_name).total
-        paper = PAPER_BREAKDOWN["resnet50"][paper_name][-1]
-        assert abs(total / paper - 1) <= band, (sim_name, total, paper)
+    total = simulate(case.workload, case.cluster, sim_name).total
+    paper = PAPER_BREAKDOWN["resnet50"][paper_name][-1]
+    assert abs(total / paper - 1) <= 0.10, (sim_name, total, paper)
 
 
 def test_rank_events_and_chrome_trace():

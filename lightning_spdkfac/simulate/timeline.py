@@ -348,12 +348,26 @@ def _ready_times(pieces: list[_Piece]) -> tuple[dict[tuple[int, str], float], fl
 
 
 class _Channel:
-    """The one communication channel: collectives run one at a time, in launch order."""
+    """The one communication channel: collectives run one at a time, in launch order.
 
-    def __init__(self, events: list[Event]) -> None:
+    ``slowdown`` (the cluster's ``overlap_slowdown``, s): compute that runs while a collective is on the
+    channel takes ``1 + s`` times as long (:meth:`compute_end`); 0 leaves compute untouched."""
+
+    def __init__(self, events: list[Event], slowdown: float = 0.0) -> None:
         self.events = events
         self.free = 0.0
+        self.slowdown = slowdown
         self.done: dict[int, float] = {}  # factor position -> its reduction is complete
+
+    def compute_end(self, start: float, seconds: float) -> float:
+        """When compute of ``seconds`` (at full speed) started at ``start`` ends. Every collective launched
+        so far was launched no later than ``start`` and they run back to back, so the channel is busy
+        from ``start`` to :attr:`free`: compute runs at ``1/(1+s)`` speed until then, at full speed after."""
+        busy = max(0.0, self.free - start)
+        if self.slowdown <= 0.0 or busy <= 0.0:
+            return start + seconds
+        slow = seconds * (1.0 + self.slowdown)
+        return start + slow if slow <= busy else start + busy + seconds - busy / (1.0 + self.slowdown)
 
     def run(self, category: str, label: str, launch: float, seconds: float) -> float:
         start = max(self.free, launch)
@@ -391,8 +405,9 @@ def _compute_and_reductions(schedule: SimSchedule, pieces: list[_Piece], order: 
 
     t = 0.0
     for cat, label, sec, key in pieces:
-        channel.events.append(Event("compute", cat, label, t, t + sec))
-        t += sec
+        end = channel.compute_end(t, sec)
+        channel.events.append(Event("compute", cat, label, t, end))
+        t = end
         if key is None or not schedule.pipelining or position[key] not in closing:
             continue
         if schedule.sync_before_launch and channel.free > t:
@@ -556,7 +571,7 @@ def simulate(workload: Workload, cluster: Cluster, schedule: SimSchedule | str, 
             else FusionPlan((), "dtf"))
 
     # -- the run: compute and the channel together, then the gradient all-reduce
-    channel = _Channel(events)
+    channel = _Channel(events, cluster.overlap_slowdown)
     ahead, first = None, None
     if schedule.async_inverses and schedule.async_compute == "before_forward":
         # the previous step's inversions, served before this forward; their broadcasts first on the channel
