@@ -136,3 +136,13 @@ def test_named_schedules_and_option_checks():
         SimSchedule("x", dpkfac="yes")
     with pytest.raises(ValueError, match="placement must be None with schedule 'dpkfac'"):
         simulate(WORK, _cluster(), "dpkfac", placement=Placement((0, 0, 0, 0), "round_robin", (0.0, 0.0)))
+
+
+def test_finish_order_what_if():
+    """By predicted finish, l0 (done 11.05) goes first: 11.05 -> 11.79, then l1 (done 11.42) 11.79 -> 12.61;
+    the runtime's turns give 12.98 (test_exact_timeline_reduce)."""
+    tl = simulate(WORK, _cluster(), with_schedule("dpkfac-finish", name="f", fusion="layerwise"))
+    assert _comm(tl)[-2:] == [("broadcast preconditioned l0", 11.05, 11.79),
+                              ("broadcast preconditioned l1", 11.79, 12.61)]
+    assert tl.breakdown["InvComp"] == pytest.approx(0.72) and tl.breakdown["Precondition"] == pytest.approx(1.19)
+    assert SIM_SCHEDULES["dpkfac"].broadcast_order == "owner_turns"

@@ -15,8 +15,10 @@
   for each of its layers in layer order, inverts A, inverts G and preconditions the gradient
   (``G^-1 dW A^-1``; ``Workload.precondition`` is split over the layers by ``2ag(a+g)`` flops), and the
   preconditioned gradient (``g x a`` fp32 elements) is broadcast from the owner to every rank;
-* the broadcasts are issued by every rank in one order: owners take turns (each owner's first layer, by owner
-  rank, then each one's second, ...), each starting when the channel is free and its layer is preconditioned.
+* the broadcasts are issued by every rank in one order, each starting when the channel is free and its layer
+  is preconditioned: ``broadcast_order="owner_turns"`` (the runtime's, and the named schedules'): owners take
+  turns (each owner's first layer, by owner rank, then each one's second, ...); ``"finish"`` (a what-if, the
+  ``-finish`` schedules): by predicted end of the layer's preconditioning (ties: layer order).
   Non-owners hold no factor or inverse of the layer and do no inversion.
 
 ``"local"`` (the paper's local-factor variant, an approximation: factors from the owner's data only) computes
@@ -169,7 +171,8 @@ def simulate_dpkfac(workload: Workload, cluster: Cluster, schedule: Any, shown: 
             done[i] = t
         rank_end[r] = t
     sends = [cluster.broadcast.time(s.g_side * s.a_side * GRAD_BYTES) if world > 1 else 0.0 for s in layers]
-    bcast_order = _turns(lp) if world > 1 else []
+    by_finish = sorted(range(len(layers)), key=lambda i: (done[i], i))
+    bcast_order = [] if world == 1 else _turns(lp) if schedule.broadcast_order == "owner_turns" else by_finish
     for i in bcast_order:
         channel.run("Precondition", f"broadcast preconditioned {layers[i].name}", done[i], sends[i])
     t_own = max(rank_end, default=t_comm)

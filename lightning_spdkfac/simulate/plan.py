@@ -98,7 +98,7 @@ def _runtime_notes(s: SimSchedule) -> list[str]:
         notes.append("a device synchronize before every factor reduction: the runtime never does this")
     if s.reduce_to_owner:
         notes.append("owned factors reduced to their owner: the runtime all-reduces every factor")
-    if s.broadcast_order == "owner_turns":
+    if s.broadcast_order == "owner_turns" and s.dpkfac == "off":
         notes.append("inverse broadcasts issued with owners taking turns: the runtime issues them by predicted "
                      "finish of the inversions (schedule.broadcast_order)")
     if s.async_inverses and s.async_compute == "idle_time":
@@ -121,6 +121,9 @@ def _issue19_notes(s: SimSchedule) -> list[str]:
     if s.dpkfac == "local":
         notes.append("local factors (each owner's data only, no factor reduction) are an approximation the runtime "
                      "does not run: schedule dpkfac reduces the factors to their owners")
+    if s.dpkfac != "off" and s.broadcast_order == "finish":
+        notes.append("preconditioned gradients broadcast by predicted finish: the runtime's dpkfac issues them "
+                     "with owners taking turns")
     if s.dpkfac != "off" and "dpkfac" not in SCHEDULE_CHOICES:
         notes.append("this version's runtime has no schedule 'dpkfac' yet (SCHEDULE_CHOICES: "
                      f"{', '.join(SCHEDULE_CHOICES)})")

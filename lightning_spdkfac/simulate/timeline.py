@@ -261,12 +261,16 @@ SIM_SCHEDULES: dict[str, SimSchedule] = {
                     "all-gather in the next forward (inversions use factors one step old)"),
         SimSchedule("spd-async-sync-placement", async_inverses=True,
                     description="spd-async with lbp_channel's placement, planned for a synchronous phase"),
-        SimSchedule("dpkfac", dpkfac="reduce",
+        SimSchedule("dpkfac", dpkfac="reduce", broadcast_order="owner_turns",
                     description="DP-KFAC: factors reduced to each layer's owner, which inverts and preconditions "
                     "it and broadcasts the preconditioned gradient"),
-        SimSchedule("dpkfac-local", dpkfac="local",
+        SimSchedule("dpkfac-local", dpkfac="local", broadcast_order="owner_turns",
                     description="DP-KFAC with local factors (the owner's data only: an approximation), "
                     "no factor communication"),
+        SimSchedule("dpkfac-finish", dpkfac="reduce",
+                    description="dpkfac with the preconditioned gradients broadcast by predicted finish"),
+        SimSchedule("dpkfac-local-finish", dpkfac="local",
+                    description="dpkfac-local with the preconditioned gradients broadcast by predicted finish"),
         SimSchedule("spd-bf16-async", bytes_per_element=2, async_inverses=True,
                     description="spd-async with factors and inverses sent in bf16"),
         SimSchedule("mpd-async", placement="round_robin", async_inverses=True, **_PAPER_BASE,
