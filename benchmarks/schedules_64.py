@@ -49,7 +49,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
     args = ap.parse_args(argv)
     worlds = [int(w) for w in args.worlds.split(",")]
-    print(f"{'model':>12s} {'P':>4s} {'schedule':>12s} {'total':>7s} {'bound':>7s} {'/bound':>6s} "
+    print(f"{'model':>12s} {'P':>4s} {'schedule':>19s} {'total':>7s} {'bound':>7s} {'/bound':>6s} "
           f"{'vs paper':>8s} {'GiB/GPU':>7s}")
     summary = []
     for model in args.models.split(","):
@@ -57,15 +57,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             res = run(model, p)
             paper = res["spd-paper"][0]
             for s, (total, bound, gib) in res.items():
-                print(f"{model:>12s} {p:4d} {s:>12s} {total:7.3f} {bound:7.3f} {total / bound:6.3f} "
+                print(f"{model:>12s} {p:4d} {s:>19s} {total:7.3f} {bound:7.3f} {total / bound:6.3f} "
                       f"{paper / total:7.2f}x {gib:7.2f}")
             best = min(EXACT, key=lambda s: res[s][0])
             best_all = min(SCHEDULES, key=lambda s: res[s][0])
             summary.append((model, p, best, res[best], best_all, res[best_all], paper, res["spd"][0] / res["spd-dear"][0]))
-    print(f"\n{'model':>12s} {'P':>4s} {'best':>10s} {'/bound':>6s} {'vs paper':>8s} {'best*':>12s} {'/bound':>6s} "
+    print(f"\n{'model':>12s} {'P':>4s} {'best':>13s} {'/bound':>6s} {'vs paper':>8s} {'best*':>19s} {'/bound':>6s} "
           f"{'vs paper':>8s} {'dear':>6s}")
     for model, p, best, (t, b, _), best_all, (ta, ba, _), paper, dear in summary:
-        print(f"{model:>12s} {p:4d} {best:>10s} {t / b:6.3f} {paper / t:7.2f}x {best_all:>12s} {ta / ba:6.3f} "
+        print(f"{model:>12s} {p:4d} {best:>13s} {t / b:6.3f} {paper / t:7.2f}x {best_all:>19s} {ta / ba:6.3f} "
               f"{paper / ta:7.2f}x {dear:5.3f}x")
     print("targets at 64 GPUs: /bound <= 1.10 and vs paper >= 1.40; dear > 1 means spd-dear is faster than spd")
     return 0
