@@ -312,6 +312,7 @@ def plan(inputs: PlanInputs) -> dict[str, Any]:
         memory = memory_per_gpu(wl, tl)
         rows.append({"name": name, "description": s.description, "bytes_per_element": s.bytes_per_element,
                      "async_inverses": s.async_inverses,
+                     "stale_or_local_factors": s.dpkfac == "local" or s.factor_comm == "dear",
                      "breakdown_s": {c: tl.breakdown[c] for c in CATEGORIES}, "total_s": tl.total,
                      "lower_bound_s": tl.lower_bound,
                      "speedup_vs_dkfac": baseline.total / tl.total if tl.total > 0 else None,

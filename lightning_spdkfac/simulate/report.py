@@ -121,6 +121,9 @@ def _schedules(result: dict[str, Any], ms: _Ms) -> list[str]:
         f = next(r for r in result["schedules"] if r["name"] == result["fastest_fp32"])
         out.append(f"note: {best['name']} sends factors and inverses in bf16, which changes the numerics; the "
                    f"fastest fp32 schedule is {f['name']} ({ms(f['total_s'])} ms, {_x(f['speedup_vs_dkfac'])})")
+    if best.get("stale_or_local_factors"):
+        out.append(f"note: {best['name']} changes the factors (one step old with DeAR, the owner's data only with "
+                   "local factors): the other schedules keep the runtime's numerics")
     if best.get("async_inverses"):
         sync = next((r for r in result["schedules"] if not r.get("async_inverses")), None)
         out.append(f"note: {best['name']} preconditions with inverses one step old (async_inverses: true), which "
