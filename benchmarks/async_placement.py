@@ -6,8 +6,9 @@ phase, where inversions and broadcasts start together after the gradient all-red
 (``spd-async``) the inversions come before the next forward and their broadcasts use the channel while it
 is idle during forward/backward, so that choice is no longer the best one. This script keeps
 ``lbp_channel``'s candidates (the ``k`` largest factors by owner cost owned, assigned by LPT, the rest
-replicated; ``k = 0 .. F``) and picks ``k`` by the simulated async period instead. The runtime has no such
-planner: the figures say what one would be worth, next to ``spd``, ``spd-async`` and the lower bound.
+replicated; ``k = 0 .. F``) and picks ``k`` by the simulated async period instead. Since issue 19 this is
+``spd-async``'s own placement in the simulator (``simulate.async_plan``); the ``spd-async`` column here is
+``spd-async-sync-placement``, the runtime's lbp_channel placement. The runtime has no such planner.
 Prints a table and writes nothing.
 """
 
@@ -73,7 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         case = paper_case(name)
         for p in worlds:
             work, cluster = (case.workload, case.cluster) if p == PAPER_WORLD else case.at_world(p)
-            spd, spd_async = (simulate(work, cluster, s, rank_events=0) for s in ("spd", "spd-async"))
+            spd, spd_async = (simulate(work, cluster, s, rank_events=0) for s in ("spd", "spd-async-sync-placement"))
             period, k = best_async(work, cluster)
             print(f"{name:>13s} {p:5d} {spd.total:7.3f} {spd_async.total:9.3f} {period:7.3f} "
                   f"{f'{k}/{len(spd.order)}':>8s} {spd_async.lower_bound:7.3f}")

@@ -178,8 +178,11 @@ def test_plan_shows_the_bound_and_recommends_async(tmp_path, capsys):
 
 
 def test_runtime_config_of_async_schedules():
-    args, notes = runtime_config(SIM_SCHEDULES["spd-async"])
+    args, notes = runtime_config(SIM_SCHEDULES["spd-async-sync-placement"])
     assert args["async_inverses"] is True and args["schedule"] == "spd" and not notes
+    args, notes = runtime_config(SIM_SCHEDULES["spd-async"])  # placement by the async period (issue 19)
+    assert args["async_inverses"] is True and args["schedule"] == "spd"
+    assert notes == [n for n in notes if "async period" in n] and len(notes) == 1
     assert "async_inverses" not in runtime_config(SIM_SCHEDULES["spd"])[0]
     args, notes = runtime_config(SIM_SCHEDULES["spd-async-idle"])
     assert args["async_inverses"] is True and any("idle time" in n for n in notes)

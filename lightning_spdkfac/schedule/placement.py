@@ -27,6 +27,7 @@ __all__ = [
     "message_bytes",
     "message_elements",
     "owned_by",
+    "owned_prefix_candidates",
     "plan_placement",
     "simulate_placement",
     "task_cost",
@@ -394,3 +395,34 @@ def simulate_placement(
         broadcast_start=tuple(starts),
         broadcast_end=tuple(ends),
     )
+
+
+def owned_prefix_candidates(ns: Sequence[int], world_size: int, inv: InverseCost, bcast: AlphaBeta,
+                            bytes_per_element: int = 4, small_threshold: int | None = None,
+                            inverse_method: InverseMethodName = "cholesky") -> list[Placement]:
+    """The candidates ``"lbp_channel"`` chooses among, all of them, for a caller that judges them by its own
+    model (the simulator's asynchronous period, where the inversion phase overlaps the next iteration and
+    :func:`simulate_placement`'s end is the wrong yardstick): candidate ``k`` (``k = 0 .. F'``, ``F'`` the
+    factors with ``n >= small_threshold``) owns the ``k`` largest by owner cost (inversion + broadcast,
+    ties: lower index), each on the rank LPT gives it when all ``F'`` are assigned, and replicates the rest.
+    Candidate 0 is ``"replicated"``. With ``world_size == 1`` the one candidate replicates every factor."""
+    sizes = val.check_ints("ns", ns, low=1)
+    world = val.check_int("world_size", world_size, low=1)
+    val.check_instance("inv", inv, InverseCost)
+    val.check_instance("bcast", bcast, AlphaBeta)
+    bpe = val.check_int("bytes_per_element", bytes_per_element, low=1)
+    threshold = None if small_threshold is None else val.check_int("small_threshold", small_threshold, low=0)
+    msg = _sizer(bpe, inverse_method)
+    if world == 1:
+        owners = [REPLICATED] * len(sizes)
+        return [Placement(tuple(owners), "lbp_channel", tuple(_loads(owners, sizes, world, inv, bcast, msg)))]
+    tasks = sorted(((inv.time(n) + bcast.time(msg(n)), i) for i, n in enumerate(sizes)
+                    if threshold is None or n >= threshold), key=lambda t: (-t[0], t[1]))
+    full = _lpt(tasks, world, len(sizes))
+    out = []
+    for k in range(len(tasks) + 1):
+        owners = [REPLICATED] * len(sizes)
+        for _, i in tasks[:k]:
+            owners[i] = full[i]
+        out.append(Placement(tuple(owners), "lbp_channel", tuple(_loads(owners, sizes, world, inv, bcast, msg))))
+    return out

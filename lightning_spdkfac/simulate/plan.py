@@ -18,8 +18,9 @@ from typing import Any
 from .. import validation as val
 from ..comm.triangle import triu_size
 from ..schedule import REPLICATED, AlphaBeta
-from ..vocabulary import SCHEDULE_PARTS
+from ..vocabulary import SCHEDULE_CHOICES, SCHEDULE_PARTS
 from .cluster import Cluster
+from .dpkfac import GRAD_BYTES, MEMORY_ASSUMPTIONS, memory_per_gpu
 from .timeline import CATEGORIES, SIM_SCHEDULES, SimSchedule, Timeline, as_sim_schedule, simulate
 from .workload import Workload
 
@@ -27,7 +28,7 @@ __all__ = ["DEEPSPEED_CLASS", "DEFAULT_SCHEDULES", "STRATEGY_CLASS", "PlanInputs
            "runtime_config", "sim_schedule_from_options"]
 
 # The schedules ``spdkfac plan`` compares unless told otherwise (names of SIM_SCHEDULES).
-DEFAULT_SCHEDULES = ("dkfac", "mpd", "spd-paper", "spd", "spd-async", "spd-bf16")
+DEFAULT_SCHEDULES = ("dkfac", "mpd", "spd-paper", "spd", "spd-async", "spd-bf16", "spd-dear", "dpkfac")
 STRATEGY_CLASS = "lightning_spdkfac.SPDKFACStrategy"
 DEEPSPEED_CLASS = "lightning_spdkfac.SPDKFACDeepSpeedStrategy"
 
@@ -61,7 +62,8 @@ def sim_schedule_from_options(options: Any, name: str = "config") -> SimSchedule
         bucket_mb=float(options.bucket_mb), placement=options.placement, small_factor=options.small_factor,
         bytes_per_element=options.bytes_per_element,
         # None (the callback's setting) and "auto" (timed on the job) are simulated synchronous
-        async_inverses=options.async_inverses is True,
+        async_inverses=options.async_inverses is True and options.schedule != "dpkfac",
+        dpkfac="reduce" if options.schedule == "dpkfac" else "off",
         description=f"the config's strategy: schedule {options.schedule}"
                     f"{' (timed on the job; simulated as spd)' if options.schedule == 'auto' else ''}, fusion "
                     f"{options.fusion}, placement {options.placement}, comm_dtype {options.comm_dtype}"
@@ -73,7 +75,7 @@ def _base_schedule(s: SimSchedule) -> str:
     """The runtime schedule (of :data:`~lightning_spdkfac.vocabulary.SCHEDULE_PARTS`) whose pipelining and
     placement ``s`` has; ``spd`` (the only pipelined one, whose parts can all be overridden) otherwise."""
     for name, parts in SCHEDULE_PARTS.items():
-        if name != "spd" and (parts["pipelining"], parts["placement"]) == (s.pipelining, s.placement):
+        if name not in ("spd", "dpkfac") and (parts["pipelining"], parts["placement"]) == (s.pipelining, s.placement):
             return name
     return "spd"
 
@@ -96,7 +98,7 @@ def _runtime_notes(s: SimSchedule) -> list[str]:
         notes.append("a device synchronize before every factor reduction: the runtime never does this")
     if s.reduce_to_owner:
         notes.append("owned factors reduced to their owner: the runtime all-reduces every factor")
-    if s.broadcast_order == "owner_turns":
+    if s.broadcast_order == "owner_turns" and s.dpkfac == "off":
         notes.append("inverse broadcasts issued with owners taking turns: the runtime issues them by predicted "
                      "finish of the inversions (schedule.broadcast_order)")
     if s.async_inverses and s.async_compute == "idle_time":
@@ -106,6 +108,28 @@ def _runtime_notes(s: SimSchedule) -> list[str]:
     if s.early_inverse:
         notes.append("inversions start as soon as a factor is reduced: the runtime inverts in the "
                      "optimizer step")
+    notes.extend(_issue19_notes(s))
+    return notes
+
+
+def _issue19_notes(s: SimSchedule) -> list[str]:
+    """What the runtime does differently from ``s``'s issue-19 options (DeAR, DP-KFAC, async placement)."""
+    notes: list[str] = []
+    if s.factor_comm == "dear":
+        notes.append("DeAR-style factor communication (reduce-scatter in backward, all-gather in the next forward, "
+                     "factors one step old) is simulated only: the runtime all-reduces the factors")
+    if s.dpkfac == "local":
+        notes.append("local factors (each owner's data only, no factor reduction) are an approximation the runtime "
+                     "does not run: schedule dpkfac reduces the factors to their owners")
+    if s.dpkfac != "off" and s.broadcast_order == "finish":
+        notes.append("preconditioned gradients broadcast by predicted finish: the runtime's dpkfac issues them "
+                     "with owners taking turns")
+    if s.dpkfac != "off" and "dpkfac" not in SCHEDULE_CHOICES:
+        notes.append("this version's runtime has no schedule 'dpkfac' yet (SCHEDULE_CHOICES: "
+                     f"{', '.join(SCHEDULE_CHOICES)})")
+    if s.async_placement == "period":
+        notes.append("placement chosen by the simulated async period: the runtime plans lbp_channel for a "
+                     "synchronous inversion phase")
     return notes
 
 
@@ -116,6 +140,8 @@ def runtime_config(schedule: SimSchedule) -> tuple[dict[str, Any], list[str]]:
     from ..comm.scheduler import SPDOptions
 
     s = val.check_instance("schedule", schedule, SimSchedule)
+    if s.dpkfac != "off":
+        return _dpkfac_config(s), _runtime_notes(s)
     base = _base_schedule(s)
     args: dict[str, Any] = {"schedule": base, "pipelining": s.pipelining, "fusion": s.fusion}
     if s.fusion == "bucket":
@@ -128,6 +154,20 @@ def runtime_config(schedule: SimSchedule) -> tuple[dict[str, Any], list[str]]:
         args["async_inverses"] = True
     SPDOptions.from_schedule(base, **{k: v for k, v in args.items() if k != "schedule"})  # validates
     return args, _runtime_notes(s)
+
+
+def _dpkfac_config(s: SimSchedule) -> dict[str, Any]:
+    """``schedule: dpkfac`` with the fusion of its factor reductions (no placement: dpkfac plans layer
+    owners itself); validated by ``SPDOptions.from_schedule`` once the runtime has the schedule."""
+    from ..comm.scheduler import SPDOptions
+
+    args: dict[str, Any] = {"schedule": "dpkfac", "pipelining": s.pipelining, "fusion": s.fusion}
+    if s.fusion == "bucket":
+        args["bucket_mb"] = float(s.bucket_mb)
+    args["comm_dtype"] = "bfloat16" if s.bytes_per_element == 2 else "float32"
+    if "dpkfac" in SCHEDULE_CHOICES:
+        SPDOptions.from_schedule("dpkfac", **{k: v for k, v in args.items() if k != "schedule"})  # validates
+    return args
 
 
 @dataclass
@@ -146,9 +186,12 @@ class PlanInputs:
     input_shape: tuple[int, ...] | None = None
     input_dtype: str = "float32"
     strategy_class: str = STRATEGY_CLASS
+    gpu_memory: float | None = None  # bytes per GPU: recommend the fastest schedule that fits
 
     def __post_init__(self) -> None:
         val.check_instance("workload", self.workload, Workload)
+        if self.gpu_memory is not None:
+            val.check_real("gpu_memory", self.gpu_memory, val.POSITIVE)
         val.check_instance("cluster", self.cluster, Cluster)
         for i, s in enumerate(val.check_sequence("schedules", self.schedules, "SimSchedules")):
             val.check_instance(f"schedules[{i}]", s, SimSchedule)
@@ -172,6 +215,8 @@ def _placement(workload: Workload, cluster: Cluster, tl: Timeline) -> dict[str, 
     sides = tl.extra["sides"]
     bpe = tl.extra["schedule"].bytes_per_element
     inv = cluster.inverse
+    if tl.extra["schedule"].dpkfac != "off":
+        return _layer_placement(workload, cluster, tl)
     repl = [i for i, o in enumerate(tl.owners) if o == REPLICATED]
     repl_s = sum(inv.time(sides[i]) for i in repl)
     ranks = []
@@ -183,8 +228,28 @@ def _placement(workload: Workload, cluster: Cluster, tl: Timeline) -> dict[str, 
             "inverse_s": repl_s + sum(inv.time(sides[i]) for i in own),
             "broadcast_s": sum(cluster.broadcast.time(triu_size(sides[i]) * bpe) for i in own),
         })
-    return {"policy": tl.extra["schedule"].placement if cluster.world_size > 1 else "replicated",
+    sched = tl.extra["schedule"]
+    policy = sched.placement + (" (candidate of shortest async period)" if sched.async_placement == "period" else "")
+    return {"policy": policy if cluster.world_size > 1 else "replicated",
             "replicated": [_label(workload, tl.order[i]) for i in repl], "replicated_inverse_s": repl_s,
+            "ranks": ranks}
+
+
+def _layer_placement(workload: Workload, cluster: Cluster, tl: Timeline) -> dict[str, Any]:
+    """dpkfac's owners: per rank its layers' factors, inversions and preconditioned-gradient broadcasts."""
+    lp = tl.extra["layer_placement"]
+    inv, ranks = cluster.inverse, []
+    for r in range(cluster.world_size):
+        own = lp.owned_by(r)
+        ranks.append({
+            "rank": r,
+            "factors": [f"{workload.layers[i].name}:{w}" for i in own for w in ("A", "G")],
+            "inverse_s": sum(inv.time(workload.layers[i].a_side) + inv.time(workload.layers[i].g_side) for i in own),
+            "broadcast_s": sum(cluster.broadcast.time(workload.layers[i].a_side * workload.layers[i].g_side * GRAD_BYTES)
+                               for i in own) if cluster.world_size > 1 else 0.0,
+            "kfac_bytes": lp.memory[r],
+        })
+    return {"policy": "layers (plan_layer_placement)", "replicated": [], "replicated_inverse_s": 0.0,
             "ranks": ranks}
 
 
@@ -218,6 +283,19 @@ def _workload_summary(inputs: PlanInputs) -> dict[str, Any]:
     }
 
 
+def _recommended(rows: list[dict[str, Any]], limit: float | None, notes: list[str]) -> str:
+    """The fastest row that fits in ``limit`` bytes per GPU (any row without a limit); with none fitting,
+    the one with the least memory, and a note saying so."""
+    fits = [r for r in rows if r["fits"] is not False]
+    if fits:
+        return str(fits[0]["name"])
+    assert limit is not None
+    small = min(rows, key=lambda r: r["memory_bytes"]["total"])
+    notes.append(f"no compared schedule fits in --gpu-memory {limit / 2**30:.2f} GiB per GPU; the smallest is "
+                 f"{small['name']} ({small['memory_bytes']['total'] / 2**30:.2f} GiB), recommended anyway")
+    return str(small["name"])
+
+
 def plan(inputs: PlanInputs) -> dict[str, Any]:
     """Everything ``spdkfac plan`` prints, machine-readable (seconds, bytes)."""
     val.check_instance("inputs", inputs, PlanInputs)
@@ -231,13 +309,19 @@ def plan(inputs: PlanInputs) -> dict[str, Any]:
     rows = []
     for name, tl in ranked:
         s = tl.extra["schedule"]
+        memory = memory_per_gpu(wl, tl)
         rows.append({"name": name, "description": s.description, "bytes_per_element": s.bytes_per_element,
                      "async_inverses": s.async_inverses,
+                     "stale_or_local_factors": s.dpkfac == "local" or s.factor_comm == "dear",
                      "breakdown_s": {c: tl.breakdown[c] for c in CATEGORIES}, "total_s": tl.total,
                      "lower_bound_s": tl.lower_bound,
-                     "speedup_vs_dkfac": baseline.total / tl.total if tl.total > 0 else None})
-    best_name, best = ranked[0]
-    fp32 = next((n for n, t in ranked if t.extra["schedule"].bytes_per_element == 4), None)
+                     "speedup_vs_dkfac": baseline.total / tl.total if tl.total > 0 else None,
+                     "memory_bytes": memory,
+                     "fits": None if inputs.gpu_memory is None else memory["total"] <= inputs.gpu_memory})
+    best_name = _recommended(rows, inputs.gpu_memory, notes)
+    best = by_name[best_name]
+    fitting = [r["name"] for r in rows if r["fits"] is not False]
+    fp32 = next((n for n, t in ranked if t.extra["schedule"].bytes_per_element == 4 and n in fitting), None)
     rt_notes: list[str] = []
     if best_name == "config" and inputs.config_strategy is not None:
         args = dict(inputs.config_strategy)
@@ -259,4 +343,5 @@ def plan(inputs: PlanInputs) -> dict[str, Any]:
         "runtime": {"strategy": {"class_path": inputs.strategy_class, "init_args": args}, "notes": rt_notes,
                     "fastest_fp32_init_args": fp32_args},
         "notes": notes,
+        "memory": {"limit_bytes": inputs.gpu_memory, "assumptions": MEMORY_ASSUMPTIONS},
     }

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -101,6 +102,8 @@ def _parser() -> argparse.ArgumentParser:
     o.add_argument("--schedules", metavar="A,B,...", help=f"schedules to compare (default {','.join(DEFAULT_SCHEDULES)}"
                    f"); valid: {', '.join(SIM_SCHEDULES)}")
     o.add_argument("--json", metavar="PATH", help="also write everything machine-readable to PATH")
+    o.add_argument("--gpu-memory", metavar="SIZE", help="memory per GPU, e.g. 16GB, 15.5GiB, 12000MB (a bare "
+                   "number is GB): recommend the fastest schedule whose modelled memory per GPU fits")
     return p
 
 
@@ -147,6 +150,21 @@ def _schedules(text: str | None) -> list[SimSchedule]:
                             f"valid: {', '.join(SIM_SCHEDULES)}")
         names = list(dict.fromkeys(names))
     return [SIM_SCHEDULES[n] for n in names]
+
+
+_UNITS = {"": 1e9, "b": 1.0, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
+          "kib": 2.0**10, "mib": 2.0**20, "gib": 2.0**30, "tib": 2.0**40}
+
+
+def gpu_memory_bytes(text: str | None) -> float | None:
+    """``--gpu-memory``: a size with an optional unit (GB, GiB, MB, MiB, TB, ...; none: GB) -> bytes."""
+    if text is None:
+        return None
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*", text.lower())
+    if m is None or m.group(2) not in _UNITS or float(m.group(1)) <= 0:
+        raise PlanError("--gpu-memory", f"expected a positive size with a unit, e.g. 16GB, 15.5GiB or 12000MB "
+                        f"(units: GB, GiB, MB, MiB, TB, TiB; none means GB), got {text!r}")
+    return float(m.group(1)) * _UNITS[m.group(2)]
 
 
 def _inverse(text: str) -> InverseCost:
@@ -393,6 +411,7 @@ def _inputs(args: argparse.Namespace) -> tuple[PlanInputs | None, _Teardown]:
     """Everything the plan needs from the arguments; ``None`` on ranks > 0 of ``--measure``. The second
     value tears down what was set up (the process group ``--measure`` created)."""
     _check_args(args)
+    gpu_memory = gpu_memory_bytes(args.gpu_memory)
     schedules = _schedules(args.schedules)
     notes: list[str] = []
     model = model_source(args, notes)
@@ -405,7 +424,7 @@ def _inputs(args: argparse.Namespace) -> tuple[PlanInputs | None, _Teardown]:
     inputs = PlanInputs(workload=workload, cluster=net.cluster, schedules=schedules, workload_source=source,
                         cluster_source=net.source, notes=notes, config_strategy=model.strategy_args,
                         measured=net.measured, input_shape=model.shape, input_dtype=args.input_dtype,
-                        strategy_class=model.strategy_class)
+                        strategy_class=model.strategy_class, gpu_memory=gpu_memory)
     return inputs, teardown
 
 

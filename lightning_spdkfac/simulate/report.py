@@ -102,29 +102,59 @@ def _summary(result: dict[str, Any], ms: _Ms) -> list[str]:
 
 def _schedules(result: dict[str, Any], ms: _Ms) -> list[str]:
     out = ["== Simulated iteration, ms (fastest first) =="]
-    headers = ["", "schedule", *CATEGORIES, "total", "bound", "speedup"]
+    headers = ["", "schedule", "GiB/GPU", *CATEGORIES, "total", "bound", "speedup"]
     rows = []
     for r in result["schedules"]:
         mark = "*" if r["name"] == result["recommended"] else ""
-        rows.append([mark, r["name"], *(ms(r["breakdown_s"][k]) for k in CATEGORIES), ms(r["total_s"]),
+        rows.append([mark, r["name"], _gib(r), *(ms(r["breakdown_s"][k]) for k in CATEGORIES), ms(r["total_s"]),
                      ms(r["lower_bound_s"]), _x(r["speedup_vs_dkfac"])])
-    out.append(_table(headers, rows, [False, False] + [True] * (len(CATEGORIES) + 3)))
-    best = result["schedules"][0]
+    out.append(_table(headers, rows, [False, False] + [True] * (len(CATEGORIES) + 4)))
+    best = _best(result)
     out.extend(f"{r['name']}: {r['description']}" for r in result["schedules"] if r["name"] == "config")
     out.append("bound: the schedule's critical-path lower bound (FF&BP + FactorComp + exposed GradComm + the "
-               "largest inversion, less what overlaps the gradient all-reduce; see simulate.timeline)")
+               "largest inversion, less what overlaps the gradient all-reduce; see simulate.timeline; dpkfac: "
+               "simulate.dpkfac)")
+    out.extend(_memory(result))
     out.append(f"speedup: over dkfac. * recommended: {best['name']} ({ms(best['total_s'])} ms per iteration, "
                f"{_x(best['speedup_vs_dkfac'])}) - {best['description']}")
     if best["bytes_per_element"] != 4 and result["fastest_fp32"]:
         f = next(r for r in result["schedules"] if r["name"] == result["fastest_fp32"])
         out.append(f"note: {best['name']} sends factors and inverses in bf16, which changes the numerics; the "
                    f"fastest fp32 schedule is {f['name']} ({ms(f['total_s'])} ms, {_x(f['speedup_vs_dkfac'])})")
+    if best.get("stale_or_local_factors"):
+        out.append(f"note: {best['name']} changes the factors (one step old with DeAR, the owner's data only with "
+                   "local factors): the other schedules keep the runtime's numerics")
     if best.get("async_inverses"):
         sync = next((r for r in result["schedules"] if not r.get("async_inverses")), None)
         out.append(f"note: {best['name']} preconditions with inverses one step old (async_inverses: true), which "
                    "changes the numerics" + (f"; the fastest synchronous schedule is {sync['name']} "
                                              f"({ms(sync['total_s'])} ms, {_x(sync['speedup_vs_dkfac'])})"
                                              if sync else ""))
+    return out
+
+
+def _best(result: dict[str, Any]) -> dict[str, Any]:
+    """The recommended schedule's row (the fastest, or the fastest that fits in --gpu-memory)."""
+    return next(r for r in result["schedules"] if r["name"] == result["recommended"])
+
+
+def _gib(row: dict[str, Any]) -> str:
+    mem = row.get("memory_bytes")
+    if not mem:
+        return "-"
+    return f"{mem['total'] / 2**30:.2f}" + (" (over)" if row.get("fits") is False else "")
+
+
+def _memory(result: dict[str, Any]) -> list[str]:
+    mem = result.get("memory")
+    if not mem:
+        return []
+    limit = mem["limit_bytes"]
+    out = [f"GiB/GPU: modelled memory per GPU on its fullest rank ({mem['assumptions']})"]
+    if limit is not None:
+        fit = [r["name"] for r in result["schedules"] if r.get("fits")]
+        out.append(f"--gpu-memory {limit / 2**30:.2f} GiB: {len(fit)} of {len(result['schedules'])} schedules fit"
+                   + (f"; recommended: the fastest of them, {result['recommended']}" if fit else ""))
     return out
 
 
@@ -168,8 +198,12 @@ def _placement(result: dict[str, Any], best: str, ms: _Ms) -> list[str]:
                    f"factors ({min(len(r['factors']) for r in rest)}-{max(len(r['factors']) for r in rest)} "
                    f"per rank), invert+bcast {ms(min(load))}-{ms(max(load))} ms "
                    f"(most: rank {rest[top]['rank']}); see --json for all ranks")
-    out.append("invert ms: the rank's owned and the replicated inversions; bcast ms: its owned inverses' "
-               "broadcasts (all ranks share one channel)")
+    if p["policy"].startswith("layers"):
+        out.append("invert ms: the rank's owned layers' inversions; bcast ms: their preconditioned gradients' "
+                   "broadcasts (all ranks share one channel)")
+    else:
+        out.append("invert ms: the rank's owned and the replicated inversions; bcast ms: its owned inverses' "
+                   "broadcasts (all ranks share one channel)")
     return out
 
 
@@ -194,7 +228,7 @@ def render(result: dict[str, Any]) -> str:
     def ms(seconds: float) -> str:
         return f"{seconds * 1e3:.{digits}f}"
 
-    best = result["schedules"][0]
+    best = _best(result)
     out = [*_summary(result, ms), "", *_schedules(result, ms), "", *_fusion_groups(result, best["name"]), "",
            *_placement(result, best["name"], ms), "", *_runtime(result, best)]
     if result["notes"]:

@@ -103,6 +103,14 @@ LbpMetric = Literal["model", "linear"]
 BroadcastOrder = Literal["finish", "owner_turns"]
 # How asynchronous inversions share the GPU with the next forward/backward (module docstring).
 AsyncCompute = Literal["before_forward", "idle_time"]
+# How factors are communicated: all-reduced, or DeAR's reduce-scatter in backward + all-gather in the next
+# forward (:mod:`.dear`).
+FactorComm = Literal["allreduce", "dear"]
+# DP-KFAC (:mod:`.dpkfac`): off, factors reduced to each layer's owner, or factors from the owner's data only.
+DPKFAC = Literal["off", "reduce", "local"]
+# How an async schedule's placement is chosen: by its planner (for a synchronous phase), or by the simulated
+# async period over lbp_channel's candidates (:mod:`.async_plan`).
+AsyncPlacement = Literal["sync", "period"]
 CATEGORIES = ("FF&BP", "GradComm", "FactorComp", "FactorComm", "InvComp", "InvComm", "Precondition")
 
 
@@ -145,6 +153,13 @@ class SimSchedule:
             forward/backward: ``"before_forward"`` (they run first and forward waits for them, as kernels
             queued first on a stream of equal priority) or ``"idle_time"`` (they run only when the compute
             stream is idle, after backward, as a lower-priority stream).
+        factor_comm: ``"allreduce"``, or ``"dear"``: each fusion group reduce-scattered in backward and
+            all-gathered in the next forward, so inversions use factors one step old (:mod:`.dear`).
+        dpkfac: ``"off"``; ``"reduce"`` the runtime's ``schedule="dpkfac"`` (layer owners, factors reduced
+            to them, preconditioned gradients broadcast: :mod:`.dpkfac`; ``placement`` is not used);
+            ``"local"`` the paper's local-factor variant (no factor communication; an approximation).
+        async_placement: with ``async_inverses``: ``"sync"`` the placement planner's owners; ``"period"``
+            the candidate of shortest simulated async period (:mod:`.async_plan`).
     """
 
     name: str
@@ -163,6 +178,9 @@ class SimSchedule:
     broadcast_order: BroadcastOrder = "finish"
     async_inverses: bool = False
     async_compute: AsyncCompute = "before_forward"
+    factor_comm: FactorComm = "allreduce"
+    dpkfac: DPKFAC = "off"
+    async_placement: AsyncPlacement = "sync"
     description: str = ""
 
     def __post_init__(self) -> None:
@@ -182,6 +200,22 @@ class SimSchedule:
         val.check_int("small_factor", self.small_factor, low=0, optional=True)
         val.check_int("bytes_per_element", self.bytes_per_element, low=1)
         val.check_instance("description", self.description, str)
+        self._check_issue19()
+
+    def _check_issue19(self) -> None:
+        """``factor_comm``, ``dpkfac`` and ``async_placement``, alone and with the rest."""
+        val.check_choice("factor_comm", self.factor_comm, typing.get_args(FactorComm))
+        val.check_choice("dpkfac", self.dpkfac, typing.get_args(DPKFAC))
+        val.check_choice("async_placement", self.async_placement, typing.get_args(AsyncPlacement))
+        if self.async_placement == "period" and not self.async_inverses:
+            raise ValueError("async_placement='period' needs async_inverses=True (it plans for the async period)")
+        given = [n for n in ("async_inverses", "early_inverse", "reduce_to_owner") if getattr(self, n)]
+        if self.factor_comm == "dear" and given:
+            raise ValueError(f"factor_comm='dear' excludes {given[0]} (its inversions use the factors gathered "
+                             "in forward, one step old)")
+        if self.dpkfac != "off" and (given or self.factor_comm != "allreduce"):
+            raise ValueError(f"dpkfac={self.dpkfac!r} excludes {(given or ['factor_comm=' + repr(self.factor_comm)])[0]} "
+                             "(factors go to each layer's owner, which inverts and preconditions; nothing else is sent)")
 
 
 _PAPER_BASE: dict[str, Any] = dict(fusion="bucket", bucket_mb=64.0, pipelining=False)
@@ -216,12 +250,27 @@ SIM_SCHEDULES: dict[str, SimSchedule] = {
         SimSchedule("spd-reduce", reduce_to_owner=True, description="spd, owned factors reduced to their owner"),
         SimSchedule("spd-bf16-early", bytes_per_element=2, early_inverse=True,
                     description="spd-bf16 with early inversions"),
-        SimSchedule("spd-async", async_inverses=True,
+        SimSchedule("spd-async", async_inverses=True, async_placement="period",
                     description="spd with asynchronous inverses: inversions and broadcasts of one step "
-                    "overlap the next iteration (one step stale)"),
+                    "overlap the next iteration (one step stale); placement by the async period"),
         SimSchedule("spd-async-idle", async_inverses=True, async_compute="idle_time",
                     description="spd-async with inversions only in the GPU's idle time after backward "
                     "(a low-priority side stream)"),
+        SimSchedule("spd-dear", factor_comm="dear",
+                    description="spd with DeAR-style factor communication: reduce-scatter in backward, "
+                    "all-gather in the next forward (inversions use factors one step old)"),
+        SimSchedule("spd-async-sync-placement", async_inverses=True,
+                    description="spd-async with lbp_channel's placement, planned for a synchronous phase"),
+        SimSchedule("dpkfac", dpkfac="reduce", broadcast_order="owner_turns",
+                    description="DP-KFAC: factors reduced to each layer's owner, which inverts and preconditions "
+                    "it and broadcasts the preconditioned gradient"),
+        SimSchedule("dpkfac-local", dpkfac="local", broadcast_order="owner_turns",
+                    description="DP-KFAC with local factors (the owner's data only: an approximation), "
+                    "no factor communication"),
+        SimSchedule("dpkfac-finish", dpkfac="reduce",
+                    description="dpkfac with the preconditioned gradients broadcast by predicted finish"),
+        SimSchedule("dpkfac-local-finish", dpkfac="local",
+                    description="dpkfac-local with the preconditioned gradients broadcast by predicted finish"),
         SimSchedule("spd-bf16-async", bytes_per_element=2, async_inverses=True,
                     description="spd-async with factors and inverses sent in bf16"),
         SimSchedule("mpd-async", placement="round_robin", async_inverses=True, **_PAPER_BASE,
@@ -554,6 +603,16 @@ def simulate(workload: Workload, cluster: Cluster, schedule: SimSchedule | str, 
     val.check_instance("cluster", cluster, Cluster)
     shown = cluster.world_size if rank_events is None else rank_events
     world = cluster.world_size
+    if schedule.dpkfac != "off":
+        if placement is not None:
+            raise ValueError(f"placement must be None with schedule {schedule.name!r} (dpkfac plans layer owners)")
+        from .dpkfac import simulate_dpkfac
+
+        return simulate_dpkfac(workload, cluster, schedule, shown)
+    if placement is None and schedule.async_placement == "period" and world > 1:
+        from .async_plan import period_placement
+
+        placement = period_placement(workload, cluster, schedule)
     events: list[Event] = []
     layers = workload.layers
 
@@ -567,7 +626,11 @@ def simulate(workload: Workload, cluster: Cluster, schedule: SimSchedule | str, 
     placement = _given_placement(placement, world, len(sides)) if placement is not None else (
         _placement(schedule, cluster, sides) if world > 1 else None)
     owners = placement.owners if placement is not None else tuple([REPLICATED] * len(order))
-    plan = (_fusion(schedule, order, sides, [ready[k] for k in order], cluster.allreduce) if world > 1
+    dear = schedule.factor_comm == "dear" and world > 1
+    if dear:
+        from .dear import dear_models, group_bytes, previous_allgathers
+    plan = (_fusion(schedule, order, sides, [ready[k] for k in order],
+                    dear_models(cluster)[0] if dear else cluster.allreduce) if world > 1
             else FusionPlan((), "dtf"))
 
     # -- the run: compute and the channel together, then the gradient all-reduce
@@ -580,8 +643,15 @@ def simulate(workload: Workload, cluster: Cluster, schedule: SimSchedule | str, 
         channel.free = ahead[1]
         pieces = [("InvComp", "inversions of the previous step (side stream)", max(ahead[0], default=0.0), None),
                   *pieces]
-    t_compute = _compute_and_reductions(schedule, pieces, order, plan.groups,
-                                        lambda g: _group_seconds(schedule, cluster, sides, owners, g), channel)
+    if dear:  # the previous step's all-gathers first on the channel; this step's groups reduce-scattered
+        previous_allgathers(channel, plan.groups, sides, schedule.bytes_per_element, cluster)
+
+        def seconds(g: Sequence[int]) -> float:
+            return dear_models(cluster)[0].time(group_bytes(g, sides, schedule.bytes_per_element))
+    else:
+        def seconds(g: Sequence[int]) -> float:
+            return _group_seconds(schedule, cluster, sides, owners, g)
+    t_compute = _compute_and_reductions(schedule, pieces, order, plan.groups, seconds, channel)
     grad = _grad_comm(workload, cluster)
     if grad > 0:
         channel.run("GradComm", "gradient all-reduce", t_compute, grad)
