@@ -6,9 +6,9 @@ The cluster is the paper's network scaled to P (:meth:`~lightning_spdkfac.simula
 so every schedule, spd-paper included, runs under the same network model. Prints tables and writes nothing.
 
 * ``best`` is over the schedules with the numerics the runtime runs or will run (spd-paper, spd, spd-async
-  with its period placement, dpkfac, and dpkfac-finish: dpkfac with its broadcasts ordered by predicted
-  finish, a what-if); ``best*`` over all, with spd-dear (factors one step old) and dpkfac-local(-finish)
-  (factors from the owner's data only, an approximation).
+  with its period placement, dpkfac, and dpkfac-turns: dpkfac with its broadcasts issued with owners taking
+  turns); ``best*`` over all, with spd-dear (factors one step old) and dpkfac-local (factors from the owner's
+  data only, an approximation).
 * ``vs paper``: spd-paper's total over the schedule's; ``/bound``: total over the schedule's own lower bound.
 * DeAR gains where ``spd-dear`` is below ``spd``: the ``dear`` column is spd's total over spd-dear's.
 """
@@ -27,9 +27,8 @@ from lightning_spdkfac.simulate.dpkfac import memory_per_gpu  # noqa: E402
 from lightning_spdkfac.simulate.paper import PAPER_WORLD, paper_case  # noqa: E402
 
 MODELS = ("resnet50", "resnet152", "densenet201", "inception_v4")
-SCHEDULES = ("spd-paper", "spd", "spd-async", "spd-dear", "dpkfac", "dpkfac-finish", "dpkfac-local",
-             "dpkfac-local-finish")
-EXACT = ("spd-paper", "spd", "spd-async", "dpkfac", "dpkfac-finish")
+SCHEDULES = ("spd-paper", "spd", "spd-async", "spd-dear", "dpkfac", "dpkfac-turns", "dpkfac-local")
+EXACT = ("spd-paper", "spd", "spd-async", "dpkfac", "dpkfac-turns")
 
 
 def run(model: str, world: int) -> dict[str, tuple[float, float, float]]:

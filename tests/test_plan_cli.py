@@ -333,14 +333,13 @@ def test_gpu_memory_recommends_the_fastest_that_fits(tmp_path, capsys):
 def test_runtime_config_of_dpkfac_and_dear():
     args, notes = runtime_config(SIM_SCHEDULES["dpkfac"])
     assert args == {"schedule": "dpkfac", "pipelining": True, "fusion": "dtf", "comm_dtype": "float32"}
-    assert all("dpkfac" in n for n in notes)  # at most: the runtime does not have it yet
+    assert notes == []  # the runtime runs it exactly
     args, notes = runtime_config(SIM_SCHEDULES["dpkfac-local"])
     assert args["schedule"] == "dpkfac" and any("approximation" in n for n in notes)
     args, notes = runtime_config(SIM_SCHEDULES["spd-dear"])
     assert args["schedule"] == "spd" and any("DeAR" in n for n in notes)
 
 
-@pytest.mark.xfail(strict=False, reason="runtime dpkfac lands with the lead's branch")
 def test_dpkfac_config_validates_against_spdoptions():
     args = dict(runtime_config(SIM_SCHEDULES["dpkfac"])[0])
     options = SPDOptions.from_schedule(args.pop("schedule"), **args)

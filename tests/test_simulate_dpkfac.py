@@ -42,7 +42,7 @@ def _cluster(world: int = 2) -> Cluster:
     return dataclasses.replace(c, **half) if half else c
 
 
-LAYERWISE = with_schedule("dpkfac", name="dpkfac-layerwise", fusion="layerwise")
+LAYERWISE = with_schedule("dpkfac-turns", name="dpkfac-layerwise", fusion="layerwise")
 
 
 def _comm(tl) -> list[tuple[str, float, float]]:
@@ -94,12 +94,13 @@ def test_preconditioning_split_by_flops():
 
 def test_local_factors():
     """Rank 0 (tie on factor time, lower rank) computes only l1's factors: compute ends at 7; nothing is
-    reduced; gradient 7 -> 8; l1 inverted to 8.72 and broadcast to 9.54, l0 (done 8.35) to 10.28."""
+    reduced; gradient 7 -> 8; by predicted finish l0 (done 8.35) is broadcast first, to 9.09, then l1 (done 8.72)
+    to 9.91."""
     tl = simulate(WORK, _cluster(), "dpkfac-local")
-    assert _comm(tl) == [("gradient all-reduce", 7.0, 8.0), ("broadcast preconditioned l1", 8.72, 9.54),
-                         ("broadcast preconditioned l0", 9.54, 10.28)]
+    assert _comm(tl) == [("gradient all-reduce", 7.0, 8.0), ("broadcast preconditioned l0", 8.35, 9.09),
+                         ("broadcast preconditioned l1", 9.09, 9.91)]
     assert tl.breakdown == pytest.approx({"FF&BP": 6.0, "GradComm": 1.0, "FactorComp": 1.0, "FactorComm": 0.0,
-                                          "InvComp": 0.72, "InvComm": 0.0, "Precondition": 1.56})
+                                          "InvComp": 0.72, "InvComm": 0.0, "Precondition": 1.19})
     assert tl.groups == ()
 
 
@@ -138,11 +139,12 @@ def test_named_schedules_and_option_checks():
         simulate(WORK, _cluster(), "dpkfac", placement=Placement((0, 0, 0, 0), "round_robin", (0.0, 0.0)))
 
 
-def test_finish_order_what_if():
-    """By predicted finish, l0 (done 11.05) goes first: 11.05 -> 11.79, then l1 (done 11.42) 11.79 -> 12.61;
-    the runtime's turns give 12.98 (test_exact_timeline_reduce)."""
-    tl = simulate(WORK, _cluster(), with_schedule("dpkfac-finish", name="f", fusion="layerwise"))
+def test_finish_order():
+    """By predicted finish (the runtime's order), l0 (done 11.05) goes first: 11.05 -> 11.79, then l1 (done 11.42)
+    11.79 -> 12.61; owners taking turns give 12.98 (test_exact_timeline_reduce)."""
+    tl = simulate(WORK, _cluster(), with_schedule("dpkfac", name="f", fusion="layerwise"))
     assert _comm(tl)[-2:] == [("broadcast preconditioned l0", 11.05, 11.79),
                               ("broadcast preconditioned l1", 11.79, 12.61)]
     assert tl.breakdown["InvComp"] == pytest.approx(0.72) and tl.breakdown["Precondition"] == pytest.approx(1.19)
-    assert SIM_SCHEDULES["dpkfac"].broadcast_order == "owner_turns"
+    assert SIM_SCHEDULES["dpkfac"].broadcast_order == "finish"
+    assert SIM_SCHEDULES["dpkfac-turns"].broadcast_order == "owner_turns"

@@ -10,7 +10,8 @@ unit of work and has one owner (:func:`~lightning_spdkfac.schedule.plan_layer_pl
   ``async_inverses`` on a worker thread, also without communication);
 * **preconditioning**: the owner preconditions its layers' gradients and broadcasts each result to every
   rank (:class:`GradientBroadcaster`): each broadcast is launched as soon as its result is computed, in one
-  global order that takes the owners in turn, while the owner goes on with its next layer. Every rank then
+  global order, that of predicted finish (:func:`~lightning_spdkfac.schedule.preconditioned_order`), while
+  the owner goes on with its next layer. Every rank then
   holds the same preconditioned gradients (the owner's tensors, bit for bit) and computes the same KL clip.
 
 So a rank holds about ``1/P`` of the K-FAC state: that is what makes K-FAC fit beside ZeRO 1/2. Per step it
@@ -36,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from ..kfac.distributor import Distributor, FactorKey, PendingInverses, Task
-from ..schedule import plan_fusion, plan_layer_placement
+from ..schedule import plan_fusion, plan_layer_placement, preconditioned_order
 from ..schedule.layer_placement import LayerPlacement
 from ._common import NAN, default_device, global_rank
 from .executor import CollectiveExecutor
@@ -70,7 +71,8 @@ class GradientBroadcaster(CollectiveExecutor):
 
     def __init__(self, owners: Sequence[int], shapes: Sequence[tuple[int, int]],
                  process_group: dist.ProcessGroup | None = None, device: torch.device | str | None = None,
-                 timeout: float = 600.0, names: Sequence[str] | None = None) -> None:
+                 timeout: float = 600.0, names: Sequence[str] | None = None,
+                 order: Sequence[int] | None = None) -> None:
         self.shapes = [(int(r), int(c)) for r, c in shapes]
         super().__init__([max(1, r * c) for r, c in self.shapes], timeout, names)
         self.owners = tuple(int(o) for o in owners)
@@ -78,12 +80,17 @@ class GradientBroadcaster(CollectiveExecutor):
             raise ValueError(f"owners and shapes must have the same length, got {len(self.owners)} and {len(self.shapes)}")
         self._join(process_group)
         self.device = torch.device(device) if device is not None else default_device(process_group)
-        # The global order: owners in turn, each owner's layers in layer order (each offers them in that order).
-        per_owner: dict[int, list[int]] = {}
-        for i, o in enumerate(self.owners):
-            per_owner.setdefault(o, []).append(i)
-        turns = [(k, o, i) for o, layers in per_owner.items() for k, i in enumerate(layers)]
-        self.order = tuple(i for _, _, i in sorted(turns))
+        # The global order (default: owners in turn, each owner's layers in layer order, which is the order each
+        # offers them in; DPKFACDistributor gives the order of predicted finish).
+        if order is None:
+            per_owner: dict[int, list[int]] = {}
+            for i, o in enumerate(self.owners):
+                per_owner.setdefault(o, []).append(i)
+            turns = [(k, o, i) for o, layers in per_owner.items() for k, i in enumerate(layers)]
+            order = [i for _, _, i in sorted(turns)]
+        self.order = tuple(int(i) for i in order)
+        if sorted(self.order) != list(range(len(self.owners))):
+            raise ValueError(f"order must list every layer once, got {list(self.order)}")
         self._clear()
 
     def _clear(self) -> None:
@@ -202,9 +209,12 @@ class DPKFACDistributor(SPDDistributor):
     def setup(self, sides: Sequence[tuple[int, int]]) -> None:
         super().setup(sides)
         shapes = [(g, a) for a, g in self.sides]
+        assert self.models is not None  # measured by super().setup()
         self._grads = GradientBroadcaster(self.layer_owners, shapes, process_group=self.process_group,
                                           device=self.device, timeout=self.options.comm_timeout_s,
-                                          names=[f"layer {i}" for i in range(len(self.sides))])
+                                          names=[f"layer {i}" for i in range(len(self.sides))],
+                                          order=preconditioned_order(self.sides, self.layer_owners,
+                                                                     self.models.inverse))
         self._grads._dtype = self.inv_dtype
 
     def _plan_placement(self) -> tuple[int, ...]:

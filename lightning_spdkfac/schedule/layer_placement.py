@@ -23,7 +23,7 @@ from .. import validation as val
 from ..vocabulary import INVERSE_METHODS, InverseMethodName
 from .cost import InverseCost
 
-__all__ = ["LayerBalance", "LayerPlacement", "layer_state_bytes", "plan_layer_placement"]
+__all__ = ["LayerBalance", "LayerPlacement", "layer_state_bytes", "plan_layer_placement", "preconditioned_order"]
 
 LayerBalance = Literal["time", "memory"]
 _BALANCES = ("time", "memory")
@@ -106,3 +106,20 @@ def plan_layer_placement(
     for i, o in enumerate(owners):
         seconds_load[o] += seconds[i]
     return LayerPlacement(owners=tuple(owners), load=tuple(seconds_load), memory=tuple(memory))
+
+
+def preconditioned_order(sides: Sequence[tuple[int, int]], owners: Sequence[int], inverse: InverseCost) -> tuple[int, ...]:
+    """The order in which every rank issues the broadcasts of the preconditioned gradients (``dpkfac``): by the
+    predicted end of each layer's preconditioning on its owner (ties: layer order). An owner works through its
+    layers in layer order, inverting A and G (on an inverse step) and preconditioning; so a layer's end is the sum
+    of those times over its owner's layers up to it. Owners taking turns instead makes every rank's first
+    broadcast wait for the first owner's first layer, however large (the simulator's ``dpkfac-turns``)."""
+    val.check_instance("inverse", inverse, InverseCost, "an InverseCost")
+    if len(sides) != len(owners):
+        raise ValueError(f"sides and owners must have the same length, got {len(sides)} and {len(owners)}")
+    busy: dict[int, float] = {}
+    done = []
+    for (a, g), o in zip(sides, owners):
+        busy[o] = busy.get(o, 0.0) + inverse.time(a) + inverse.time(g) + _precondition_seconds(a, g, inverse)
+        done.append(busy[o])
+    return tuple(sorted(range(len(done)), key=lambda i: (done[i], i)))

@@ -16,9 +16,10 @@
   (``G^-1 dW A^-1``; ``Workload.precondition`` is split over the layers by ``2ag(a+g)`` flops), and the
   preconditioned gradient (``g x a`` fp32 elements) is broadcast from the owner to every rank;
 * the broadcasts are issued by every rank in one order, each starting when the channel is free and its layer
-  is preconditioned: ``broadcast_order="owner_turns"`` (the runtime's, and the named schedules'): owners take
-  turns (each owner's first layer, by owner rank, then each one's second, ...); ``"finish"`` (a what-if, the
-  ``-finish`` schedules): by predicted end of the layer's preconditioning (ties: layer order).
+  is preconditioned: ``"finish"`` (the runtime's, :func:`~lightning_spdkfac.schedule.preconditioned_order`,
+  and ``dpkfac``'s): by predicted end of the layer's preconditioning (ties: layer order);
+  ``broadcast_order="owner_turns"`` (``dpkfac-turns``): owners take turns (each owner's first layer, by owner
+  rank, then each one's second, ...), which makes the first broadcast wait for the first owner's first layer.
   Non-owners hold no factor or inverse of the layer and do no inversion.
 
 ``"local"`` (the paper's local-factor variant, an approximation: factors from the owner's data only) computes

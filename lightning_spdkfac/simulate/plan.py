@@ -18,7 +18,7 @@ from typing import Any
 from .. import validation as val
 from ..comm.triangle import triu_size
 from ..schedule import REPLICATED, AlphaBeta
-from ..vocabulary import SCHEDULE_CHOICES, SCHEDULE_PARTS
+from ..vocabulary import SCHEDULE_PARTS
 from .cluster import Cluster
 from .dpkfac import GRAD_BYTES, MEMORY_ASSUMPTIONS, memory_per_gpu
 from .timeline import CATEGORIES, SIM_SCHEDULES, SimSchedule, Timeline, as_sim_schedule, simulate
@@ -121,12 +121,9 @@ def _issue19_notes(s: SimSchedule) -> list[str]:
     if s.dpkfac == "local":
         notes.append("local factors (each owner's data only, no factor reduction) are an approximation the runtime "
                      "does not run: schedule dpkfac reduces the factors to their owners")
-    if s.dpkfac != "off" and s.broadcast_order == "finish":
-        notes.append("preconditioned gradients broadcast by predicted finish: the runtime's dpkfac issues them "
-                     "with owners taking turns")
-    if s.dpkfac != "off" and "dpkfac" not in SCHEDULE_CHOICES:
-        notes.append("this version's runtime has no schedule 'dpkfac' yet (SCHEDULE_CHOICES: "
-                     f"{', '.join(SCHEDULE_CHOICES)})")
+    if s.dpkfac != "off" and s.broadcast_order == "owner_turns":
+        notes.append("preconditioned gradients broadcast with owners taking turns: the runtime's dpkfac issues "
+                     "them by predicted finish (schedule.preconditioned_order)")
     if s.async_placement == "period":
         notes.append("placement chosen by the simulated async period: the runtime plans lbp_channel for a "
                      "synchronous inversion phase")
@@ -158,15 +155,14 @@ def runtime_config(schedule: SimSchedule) -> tuple[dict[str, Any], list[str]]:
 
 def _dpkfac_config(s: SimSchedule) -> dict[str, Any]:
     """``schedule: dpkfac`` with the fusion of its factor reductions (no placement: dpkfac plans layer
-    owners itself); validated by ``SPDOptions.from_schedule`` once the runtime has the schedule."""
+    owners itself); validated by ``SPDOptions.from_schedule``."""
     from ..comm.scheduler import SPDOptions
 
     args: dict[str, Any] = {"schedule": "dpkfac", "pipelining": s.pipelining, "fusion": s.fusion}
     if s.fusion == "bucket":
         args["bucket_mb"] = float(s.bucket_mb)
     args["comm_dtype"] = "bfloat16" if s.bytes_per_element == 2 else "float32"
-    if "dpkfac" in SCHEDULE_CHOICES:
-        SPDOptions.from_schedule("dpkfac", **{k: v for k, v in args.items() if k != "schedule"})  # validates
+    SPDOptions.from_schedule("dpkfac", **{k: v for k, v in args.items() if k != "schedule"})  # validates
     return args
 
 

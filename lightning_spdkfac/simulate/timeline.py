@@ -261,16 +261,15 @@ SIM_SCHEDULES: dict[str, SimSchedule] = {
                     "all-gather in the next forward (inversions use factors one step old)"),
         SimSchedule("spd-async-sync-placement", async_inverses=True,
                     description="spd-async with lbp_channel's placement, planned for a synchronous phase"),
-        SimSchedule("dpkfac", dpkfac="reduce", broadcast_order="owner_turns",
+        SimSchedule("dpkfac", dpkfac="reduce",
                     description="DP-KFAC: factors reduced to each layer's owner, which inverts and preconditions "
-                    "it and broadcasts the preconditioned gradient"),
-        SimSchedule("dpkfac-local", dpkfac="local", broadcast_order="owner_turns",
+                    "it and broadcasts the preconditioned gradient (by predicted finish, as the runtime)"),
+        SimSchedule("dpkfac-local", dpkfac="local",
                     description="DP-KFAC with local factors (the owner's data only: an approximation), "
                     "no factor communication"),
-        SimSchedule("dpkfac-finish", dpkfac="reduce",
-                    description="dpkfac with the preconditioned gradients broadcast by predicted finish"),
-        SimSchedule("dpkfac-local-finish", dpkfac="local",
-                    description="dpkfac-local with the preconditioned gradients broadcast by predicted finish"),
+        SimSchedule("dpkfac-turns", dpkfac="reduce", broadcast_order="owner_turns",
+                    description="dpkfac with the preconditioned gradients broadcast with owners taking turns "
+                    "(the runtime's first order)"),
         SimSchedule("spd-bf16-async", bytes_per_element=2, async_inverses=True,
                     description="spd-async with factors and inverses sent in bf16"),
         SimSchedule("mpd-async", placement="round_robin", async_inverses=True, **_PAPER_BASE,
