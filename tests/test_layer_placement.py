@@ -44,3 +44,18 @@ def test_one_rank_owns_everything_and_errors_name_the_argument():
         plan_layer_placement([(3, 2)], 0, InverseCost())
     with pytest.raises(ValueError, match="balance"):
         plan_layer_placement([(3, 2)], 2, InverseCost(), balance="speed")
+
+
+def test_preconditioned_order_by_predicted_finish():
+    from lightning_spdkfac.schedule import preconditioned_order
+
+    inv = InverseCost(c3=1.0)
+    sides = [(4, 1), (1, 1), (2, 1), (1, 1)]
+    owners = [0, 1, 1, 0]
+    t = [a**3 + g**3 + 2 * a * g * (a + g) for a, g in sides]  # 105, 6, 21, 6
+    done = [t[0], t[1], t[1] + t[2], t[0] + t[3]]  # each owner in layer order: 105, 6, 27, 111
+    assert done == [105, 6, 27, 111]
+    assert preconditioned_order(sides, owners, inv) == (1, 2, 0, 3)
+    assert preconditioned_order(sides, owners, InverseCost()) == (0, 1, 2, 3)  # no model: layer order
+    with pytest.raises(ValueError, match="same length"):
+        preconditioned_order(sides, owners[:2], inv)
