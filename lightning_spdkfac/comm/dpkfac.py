@@ -164,11 +164,12 @@ class GradientBroadcaster(CollectiveExecutor):
                     buf = torch.empty(rows * cols + 1, dtype=self._dtype, device=self.device)
                 work = None
                 if self._distributed:
-                    src = global_rank(self.process_group, self.owners[i])
-                    work = self._issue(i, lambda b=buf, s=src: dist.broadcast(b, src=s, group=self.process_group,
-                                                                              async_op=True))
+                    work = self._issue(i, self._launcher(buf, global_rank(self.process_group, self.owners[i])))
                 self._posted[i] = (buf, work)
                 self._pos += 1
+
+    def _launcher(self, buf: torch.Tensor, src: int) -> Callable[[], Work]:
+        return lambda: dist.broadcast(buf, src=src, group=self.process_group, async_op=True)
 
     _dtype = torch.float32  # the dtype of the preconditioned gradients (the preconditioner's inv_dtype)
 
@@ -204,16 +205,17 @@ class DPKFACDistributor(SPDDistributor):
         super().__init__(options, process_group, device)
         self.layer_placement: LayerPlacement | None = None
         self._grads: GradientBroadcaster | None = None
+        self._owner: tuple[int, ...] = ()  # = layer_owners, typed as set (setup)
 
     # ------------------------------------------------------------------ planning
     def setup(self, sides: Sequence[tuple[int, int]]) -> None:
         super().setup(sides)
         shapes = [(g, a) for a, g in self.sides]
         assert self.models is not None  # measured by super().setup()
-        self._grads = GradientBroadcaster(self.layer_owners, shapes, process_group=self.process_group,
+        self._grads = GradientBroadcaster(self._owner, shapes, process_group=self.process_group,
                                           device=self.device, timeout=self.options.comm_timeout_s,
                                           names=[f"layer {i}" for i in range(len(self.sides))],
-                                          order=preconditioned_order(self.sides, self.layer_owners,
+                                          order=preconditioned_order(self.sides, self._owner,
                                                                      self.models.inverse))
         self._grads._dtype = self.inv_dtype
 
@@ -222,8 +224,8 @@ class DPKFACDistributor(SPDDistributor):
         assert self.models is not None  # measured in setup()
         self.layer_placement = plan_layer_placement(self.sides, self.world_size, self.models.inverse,
                                                     inverse_method=self.inverse_method)
-        self.layer_owners = self.layer_placement.owners
-        return tuple(self.layer_owners[i] for i, _ in self.keys)
+        self.layer_owners = self._owner = self.layer_placement.owners
+        return tuple(self._owner[i] for i, _ in self.keys)
 
     def _new_async_group(self) -> None:
         """Nothing to create: asynchronous inversions communicate nothing under dpkfac."""
@@ -237,8 +239,8 @@ class DPKFACDistributor(SPDDistributor):
             return super()._plan_groups(order, ready)
         alone = set() if opts.fuse_g else {pos for pos, key in enumerate(order) if key[1] == "G"}
         groups: list[tuple[int, ...]] = []
-        for owner in sorted(set(self.layer_owners)):
-            mine = [pos for pos, key in enumerate(order) if self.layer_owners[key[0]] == owner]
+        for owner in sorted(set(self._owner)):
+            mine = [pos for pos, key in enumerate(order) if self._owner[key[0]] == owner]
             plan = plan_fusion([triu_size(self._side(order[p])) for p in mine], [ready[p] for p in mine],
                                self.models.allreduce, policy=opts.fusion, bucket_bytes=int(opts.bucket_mb * 2**20),
                                bytes_per_element=opts.bytes_per_element,
@@ -247,7 +249,7 @@ class DPKFACDistributor(SPDDistributor):
         return sorted(groups, key=lambda g: (max(g), g))
 
     def _destinations(self, order: Sequence[FactorKey], groups: Sequence[Sequence[int]]) -> list[int] | None:
-        owners = [{self.layer_owners[order[p][0]] for p in g} for g in groups]
+        owners = [{self._owner[order[p][0]] for p in g} for g in groups]
         if self.world_size == 1 or any(len(o) != 1 for o in owners):
             return None  # (the measuring plan: one all-reduce of everything; non-owners drop what they get)
         return [o.pop() for o in owners]
@@ -258,10 +260,10 @@ class DPKFACDistributor(SPDDistributor):
     # ------------------------------------------------------------------ per step
     def reduce_factors(self, local: dict[FactorKey, torch.Tensor | None]) -> dict[FactorKey, torch.Tensor | None]:
         reduced = super().reduce_factors(local)
-        return {k: (v if self.layer_owners[k[0]] == self.rank else None) for k, v in reduced.items()}
+        return {k: (v if self._owner[k[0]] == self.rank else None) for k, v in reduced.items()}
 
     def _check_owned(self, tasks: Sequence[Task]) -> None:
-        stray = sorted({t[0] for t in tasks if self.layer_owners[t[0]] != self.rank})
+        stray = sorted({t[0] for t in tasks if self._owner[t[0]] != self.rank})
         if stray:
             raise RuntimeError(f"dpkfac: rank {self.rank} was asked to invert layers {stray}, which it does not own")
 
@@ -319,7 +321,7 @@ class DPKFACDistributor(SPDDistributor):
             header[i, 2] = -1.0 if damping is None else float(damping)
         self._wait_state(dist.all_reduce(header, group=self.process_group, async_op=True), "the layer headers")
         for i, (has_factors, has_inverses, damping) in enumerate(header.tolist()):
-            owner = self.layer_owners[i]
+            owner = self._owner[i]
             if not has_factors:
                 continue
             mine = held.get(i) if owner == self.rank else None
@@ -330,7 +332,7 @@ class DPKFACDistributor(SPDDistributor):
                     continue
                 if mine is not None:
                     own = mine[k]
-                    assert own is not None  # the header says it is there
+                    assert isinstance(own, torch.Tensor)  # the header says it is there
                     buf = own.contiguous()
                 else:
                     buf = torch.empty(shape, dtype=dtype, device=self.device)
@@ -348,6 +350,6 @@ class DPKFACDistributor(SPDDistributor):
 
     def describe(self) -> dict[str, Any]:
         out = super().describe()
-        out["layer_owners"] = list(self.layer_owners)
+        out["layer_owners"] = list(self._owner)
         out["destinations"] = list(self._fused.destinations or ())
         return out

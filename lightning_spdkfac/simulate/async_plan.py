@@ -17,21 +17,25 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from ..schedule import Placement
 from ..schedule.placement import owned_prefix_candidates
 from .cluster import Cluster
 from .workload import Workload
 
+if TYPE_CHECKING:
+    from .timeline import SimSchedule
+
 __all__ = ["period_placement"]
 
 
 @functools.lru_cache(maxsize=64)
-def period_placement(workload: Workload, cluster: Cluster, schedule: object) -> Placement:
+def period_placement(workload: Workload, cluster: Cluster, schedule: SimSchedule) -> Placement:
     """The placement of shortest simulated period for ``schedule`` (``async_placement="period"``)."""
     from .timeline import _placement, simulate
 
-    base = replace(schedule, async_placement="sync")  # type: ignore[type-var]
+    base = replace(schedule, async_placement="sync")
     planned = simulate(workload, cluster, base, rank_events=0)
     sides = planned.extra["sides"]
     own = _placement(base, cluster, sides)

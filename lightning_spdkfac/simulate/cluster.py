@@ -194,15 +194,13 @@ class Cluster:
         val.check_instance("fit", fit, AlphaBeta, "an AlphaBeta")
         p0 = val.check_int("fit_world_size", fit_world_size, low=2)
         val.check_choice("algorithm", algorithm, typing.get_args(AllreduceAlgorithm))
-        kw = dict(gpus_per_node=gpus_per_node, name=name, algorithm=algorithm, broadcast=broadcast,
-                  overlap_slowdown=overlap_slowdown)
         g = val.check_int("gpus_per_node", gpus_per_node, low=1)
         two_level = intra_alpha is not None and g > 1 and p0 % g == 0 and world_size % g == 0
         if not two_level:
             unit = _ALLREDUCE[algorithm](p0, 1.0, 1.0)
-            return cls.ring(world_size, fit.alpha / unit.alpha, fit.beta / unit.beta, inverse,
-                            **{**kw, "gpus_per_node": g})
-        assert intra_beta is not None
+            return cls.ring(world_size, fit.alpha / unit.alpha, fit.beta / unit.beta, inverse, gpus_per_node=g,
+                            name=name, algorithm=algorithm, broadcast=broadcast, overlap_slowdown=overlap_slowdown)
+        assert intra_alpha is not None and intra_beta is not None
         intra = ring_reduce_scatter(g, intra_alpha, intra_beta)
         nodes0 = p0 // g
         if nodes0 < 2:
@@ -214,7 +212,8 @@ class Cluster:
             raise ValueError("the intra-node numbers alone exceed the fitted all-reduce: intra_alpha/intra_beta "
                              "too large for this fit")
         return cls.ring(world_size, link_alpha, link_beta, inverse, intra_alpha=intra_alpha, intra_beta=intra_beta,
-                        shared_nic=shared_nic, **kw)
+                        shared_nic=shared_nic, gpus_per_node=gpus_per_node, name=name, algorithm=algorithm,
+                        broadcast=broadcast, overlap_slowdown=overlap_slowdown)
 
     def with_inverse(self, inverse: InverseCost) -> Cluster:
         return replace(self, inverse=inverse)
