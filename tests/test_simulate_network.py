@@ -169,7 +169,9 @@ def free_cluster() -> Cluster:
     return Cluster(2, AlphaBeta(1.0, 0.0), AlphaBeta(0.5, 0.0), AlphaBeta(0.5, 0.0), INV)
 
 
-@pytest.mark.parametrize("model", ["resnet50", "resnet152", "densenet201", "inception_v4"])
+# ResNet-50 in the fast suite; the three larger models (about 40 s together) with the slow tests.
+@pytest.mark.parametrize("model", ["resnet50", *(pytest.param(m, marks=pytest.mark.slow)
+                                               for m in ("resnet152", "densenet201", "inception_v4"))])
 def test_lower_bound_is_below_every_schedule(model):
     """Timeline.lower_bound is a true lower bound for every named schedule on the paper's four models,
     under the default network and under the other network models (compute slowdown, textbook broadcast,
