@@ -51,7 +51,7 @@ class Record(pl.Callback):
         self.plan = plan
 
 
-def fit(rank, world, max_steps, ckpt_dir=None, resume=None, placement=None):
+def fit(rank, world, max_steps, ckpt_dir=None, resume=None, placement=None, schedule="spd"):
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world))
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
@@ -61,7 +61,8 @@ def fit(rank, world, max_steps, ckpt_dir=None, resume=None, placement=None):
     callbacks = [cb, rec]
     if ckpt_dir:
         callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=4, save_top_k=-1))
-    t = trainer(max_steps=max_steps, devices=world, strategy=SPDKFACStrategy(profile_steps=(1, 3), placement=placement),
+    t = trainer(max_steps=max_steps, devices=world, strategy=SPDKFACStrategy(schedule=schedule, profile_steps=(1, 3),
+                                                                                  placement=placement),
                 callbacks=callbacks, use_distributed_sampler=False, enable_checkpointing=bool(ckpt_dir))
     t.fit(model, ckpt_path=resume)
     state = cb.state_dict()
@@ -75,8 +76,8 @@ def fit(rank, world, max_steps, ckpt_dir=None, resume=None, placement=None):
     )
 
 
-def _uninterrupted(tmp_path):
-    full = run_distributed(fit, 2, 8, ckpt_dir=str(tmp_path), timeout=180)
+def _uninterrupted(tmp_path, schedule="spd"):
+    full = run_distributed(fit, 2, 8, ckpt_dir=str(tmp_path), schedule=schedule, timeout=180)
     ckpt = tmp_path / "epoch=0-step=4.ckpt"
     assert ckpt.is_file(), sorted(p.name for p in tmp_path.iterdir())
     return full, ckpt
@@ -125,3 +126,25 @@ def test_elastic_restart_on_one_and_three_processes(tmp_path):
     three = run_distributed(fit, 3, 8, resume=str(ckpt), placement="round_robin", timeout=240)
     _check_elastic(three, 3, saved)
     assert {o for o in three[0]["plan"]["owners"]} == {0, 1, 2}  # 4 factors over 3 ranks
+
+
+@pytest.mark.slow
+def test_dpkfac_checkpoint_is_complete_and_resumes_bitwise(tmp_path):
+    """schedule="dpkfac": each rank holds its own layers only, yet the checkpoint Lightning writes (rank 0's)
+    holds every layer (gathered from the owners on every rank), and a 2-process resume from it continues
+    bitwise, each rank keeping its own layers again."""
+    full, ckpt = _uninterrupted(tmp_path, schedule="dpkfac")
+    saved = torch.load(ckpt, weights_only=False)["callbacks"]["KFAC"]
+    owners = full[0]["plan"]["layer_owners"]
+    assert sorted(set(owners)) == [0, 1]  # the two layers on two owners
+    assert len(saved["layers"]) == len(owners)  # both layers, though each rank holds one
+    resumed = run_distributed(fit, 2, 8, resume=str(ckpt), schedule="dpkfac", timeout=180)
+    for rank in range(2):
+        after = [loss for step, loss in full[rank]["losses"] if step > 4]
+        assert [loss for _, loss in resumed[rank]["losses"]] == after, f"rank {rank}"
+        for a, b in zip(resumed[rank]["params"], full[rank]["params"]):
+            assert torch.equal(a, b)
+        assert resumed[rank]["state"].keys() == full[rank]["state"].keys() == saved["layers"].keys()
+        for name, (A, G) in full[rank]["state"].items():
+            assert torch.equal(resumed[rank]["state"][name][0], A) and torch.equal(resumed[rank]["state"][name][1], G)
+        assert len(resumed[rank]["start"]["layers"]) == 1  # after loading, a rank keeps its own layer

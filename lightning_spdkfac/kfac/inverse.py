@@ -224,7 +224,10 @@ def robust_inverses(
         # arithmetic in every later preconditioning matmul is many times slower on CPUs
         # (benchmarks/soak.py; the running factors are flushed the same way).
         inv.masked_fill_(inv.abs() < torch.finfo(inv.dtype).tiny, 0.0)
-    return inverses, fallbacks
+    # Row-major, as received inverses and loaded checkpoints are (cholesky_inverse returns the transpose of
+    # one): the preconditioning matmuls then take the same path, and round the same, whichever rank computed
+    # an inverse and whether it was computed, received or loaded (a dpkfac resume is bitwise because of it).
+    return [inv.contiguous() for inv in inverses], fallbacks
 
 
 # ---------------------------------------------------------------------------------------------- eigen
