@@ -29,7 +29,7 @@ CONFIGS = {
 }
 
 
-def _train(rank, world, options, kfac=None, poison=None):
+def _train(rank, world, options, kfac=None, poison=None, bad_grad_at=None):
     model = make_model()
     d = DPKFACDistributor(SPDOptions.from_schedule("dpkfac", **options), process_group=dist.new_group())
     pre = KFACPreconditioner(model, distributor=d, **{**KFAC_KW, **(kfac or {})})
@@ -43,12 +43,15 @@ def _train(rank, world, options, kfac=None, poison=None):
             return out
 
         d.reduce_factors = poisoned
+    if bad_grad_at is not None:  # that step's output, so every gradient, turns non-finite on every rank
+        model[-1].register_forward_hook(lambda m, i, out: out * float("inf") if pre.steps == bad_grad_at else out)
     sgd_kfac_steps(DDP(model), pre, data, STEPS, world, rank, BATCH)
     state = pre.state_dict()
     plan = d.describe()
     plan.pop("models")
     return dict(params=[p.detach().clone() for p in model.parameters()], bytes=pre.state_bytes(), state=state,
-                plan=plan, skipped=pre.skipped_factor_steps, phases=dict(pre.timer.last))
+                plan=plan, skipped=pre.skipped_factor_steps, phases=dict(pre.timer.last),
+                unpreconditioned=pre.skipped_precondition_steps)
 
 
 def _all_configs(rank, world):
@@ -56,6 +59,9 @@ def _all_configs(rank, world):
     out = {name: _train(rank, world, **cfg) for name, cfg in CONFIGS.items()}
     if world == 2:
         out["poisoned"] = _train(rank, world, CONFIGS["pipelined"]["options"], poison=(3, 2))
+        # float64 preconditioned gradients, and a last step every owner leaves unpreconditioned (offers None)
+        out["float64_bad_grad"] = _train(rank, world, CONFIGS["pipelined"]["options"],
+                                         kfac=dict(inv_dtype=torch.float64), bad_grad_at=STEPS - 1)
     return out
 
 
@@ -254,3 +260,32 @@ def test_lightning_ddp_and_zero2_with_dpkfac_equal_one_process():
         assert torch.equal(a, b)
     for a, b in zip(results[0]["params"], ref, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_unpreconditioned_layers_travel_in_the_preconditioned_dtype(job):
+    """inv_dtype=float64 and a step whose gradients are non-finite on every rank: each owner offers None, and
+    its broadcast buffer must still be float64, the size and dtype every receiver posted."""
+    world, results = job
+    if world != 2:
+        pytest.skip("run on 2 ranks only")
+    assert [r["float64_bad_grad"]["unpreconditioned"] for r in results] == [1, 1]
+    before = [r["float64_bad_grad"]["params"] for r in results]
+    for a, b in zip(*before, strict=True):
+        assert torch.equal(a.nan_to_num(), b.nan_to_num())
+
+
+def test_every_broadcast_buffer_has_the_preconditioned_dtype_and_size():
+    """What every rank posts for one layer must match: an owner offering None (or a tensor of another dtype)
+    still sends a buffer of the round's dtype and size, P and its flag (one process: nothing is sent)."""
+    from lightning_spdkfac.comm.dpkfac import GradientBroadcaster
+
+    bc = GradientBroadcaster([0, 0], [(2, 3), (4, 1)], dtype=torch.float64, order=[1, 0])
+    bc.begin_round([0, 1])
+    bc.offer(0, torch.ones(2, 3, dtype=torch.float32))  # waits: layer 1 comes first in the order
+    assert bc._posted == {}
+    bc.offer(1, None)
+    bufs = {i: buf for i, (buf, _) in bc._posted.items()}
+    assert {i: (b.dtype, b.numel()) for i, b in bufs.items()} == {0: (torch.float64, 7), 1: (torch.float64, 5)}
+    assert bufs[0][-1] == 1.0 and bufs[1][-1] == 0.0
+    out = bc.finish()
+    assert out[1] is None and out[0].dtype == torch.float32  # the owner keeps its own tensor

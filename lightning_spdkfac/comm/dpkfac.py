@@ -41,7 +41,7 @@ from ..schedule import plan_fusion, plan_layer_placement, preconditioned_order
 from ..schedule.layer_placement import LayerPlacement
 from ._common import NAN, default_device, global_rank
 from .executor import CollectiveExecutor
-from .faults import PRECONDITIONED_BROADCAST, STATE_GATHER, Work, wait_work
+from .faults import FINITE_AGREEMENT, PRECONDITIONED_BROADCAST, STATE_GATHER, Work, wait_work
 from .scheduler import SPDDistributor, SPDOptions
 from .triangle import triu_size
 
@@ -58,6 +58,9 @@ class GradientBroadcaster(CollectiveExecutor):
         owners: owner rank (in ``process_group``) of each layer.
         shapes: the (rows, columns) of each layer's gradient matrix.
         process_group, device, timeout, names: as for the other executors.
+        dtype: of the preconditioned gradients on the wire and as received (the preconditioner's inv_dtype).
+        order: the global order of the layers' broadcasts (every layer once), identical on every rank; each
+            owner's layers must come in the order it offers them for its sends not to wait on each other.
 
     A round exchanges the layers :meth:`begin_round` names (the same on every rank). The owner hands each of
     them to :meth:`offer` (its preconditioned gradient, or None: left as it is), in any order; broadcasts are
@@ -71,8 +74,8 @@ class GradientBroadcaster(CollectiveExecutor):
 
     def __init__(self, owners: Sequence[int], shapes: Sequence[tuple[int, int]],
                  process_group: dist.ProcessGroup | None = None, device: torch.device | str | None = None,
-                 timeout: float = 600.0, names: Sequence[str] | None = None,
-                 order: Sequence[int] | None = None) -> None:
+                 timeout: float = 600.0, names: Sequence[str] | None = None, *,
+                 dtype: torch.dtype = torch.float32, order: Sequence[int]) -> None:
         self.shapes = [(int(r), int(c)) for r, c in shapes]
         super().__init__([max(1, r * c) for r, c in self.shapes], timeout, names)
         self.owners = tuple(int(o) for o in owners)
@@ -80,14 +83,7 @@ class GradientBroadcaster(CollectiveExecutor):
             raise ValueError(f"owners and shapes must have the same length, got {len(self.owners)} and {len(self.shapes)}")
         self._join(process_group)
         self.device = torch.device(device) if device is not None else default_device(process_group)
-        # The global order (default: owners in turn, each owner's layers in layer order, which is the order each
-        # offers them in; DPKFACDistributor gives the order of predicted finish).
-        if order is None:
-            per_owner: dict[int, list[int]] = {}
-            for i, o in enumerate(self.owners):
-                per_owner.setdefault(o, []).append(i)
-            turns = [(k, o, i) for o, layers in per_owner.items() for k, i in enumerate(layers)]
-            order = [i for _, _, i in sorted(turns)]
+        self.dtype = dtype
         self.order = tuple(int(i) for i in order)
         if sorted(self.order) != list(range(len(self.owners))):
             raise ValueError(f"order must list every layer once, got {list(self.order)}")
@@ -122,10 +118,6 @@ class GradientBroadcaster(CollectiveExecutor):
             self._t_begin = time.perf_counter()
         self._pump()
 
-    @property
-    def active(self) -> bool:
-        return self._active
-
     def in_round(self, index: int) -> bool:
         return self._active and index in self._round and index not in self._offered
 
@@ -153,15 +145,16 @@ class GradientBroadcaster(CollectiveExecutor):
                 if self.owners[i] == self.rank:
                     if i not in self._offered:
                         return
+                    # Every rank's buffer of one broadcast has the same size and dtype, whatever the owner offers
+                    # (None included): receivers cannot know which.
                     value = self._offered[i]
-                    dtype = value.dtype if value is not None else torch.float32
-                    buf = torch.zeros(rows * cols + 1, dtype=dtype,
+                    buf = torch.zeros(rows * cols + 1, dtype=self.dtype,
                                       device=value.device if value is not None else self.device)
                     if value is not None:
                         buf[:-1].copy_(value.reshape(-1))
                         buf[-1] = 1.0
                 else:
-                    buf = torch.empty(rows * cols + 1, dtype=self._dtype, device=self.device)
+                    buf = torch.empty(rows * cols + 1, dtype=self.dtype, device=self.device)
                 work = None
                 if self._distributed:
                     work = self._issue(i, self._launcher(buf, global_rank(self.process_group, self.owners[i])))
@@ -170,8 +163,6 @@ class GradientBroadcaster(CollectiveExecutor):
 
     def _launcher(self, buf: torch.Tensor, src: int) -> Callable[[], Work]:
         return lambda: dist.broadcast(buf, src=src, group=self.process_group, async_op=True)
-
-    _dtype = torch.float32  # the dtype of the preconditioned gradients (the preconditioner's inv_dtype)
 
     def finish(self) -> dict[int, torch.Tensor | None]:
         """Offer None for every owned layer not offered, wait for the round; every layer's result by index
@@ -215,9 +206,9 @@ class DPKFACDistributor(SPDDistributor):
         self._grads = GradientBroadcaster(self._owner, shapes, process_group=self.process_group,
                                           device=self.device, timeout=self.options.comm_timeout_s,
                                           names=[f"layer {i}" for i in range(len(self.sides))],
+                                          dtype=self.inv_dtype,
                                           order=preconditioned_order(self.sides, self._owner,
                                                                      self.models.inverse))
-        self._grads._dtype = self.inv_dtype
 
     def _plan_placement(self) -> tuple[int, ...]:
         """The layer placement, and each factor's owner (that of its layer) in canonical factor order."""
@@ -302,7 +293,7 @@ class DPKFACDistributor(SPDDistributor):
             return ok
         flag = torch.tensor([1.0 if ok else 0.0], device=self.device)
         work = dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.process_group, async_op=True)
-        wait_work(work, self.options.comm_timeout_s, collective="all_reduce", phase=STATE_GATHER,
+        wait_work(work, self.options.comm_timeout_s, collective="all_reduce", phase=FINITE_AGREEMENT,
                   what="the finite-factor flag of this step", rank=self.rank, world_size=self.world_size)
         return bool(flag.item() == 1.0)
 
@@ -312,7 +303,7 @@ class DPKFACDistributor(SPDDistributor):
         layers' own; ``shapes[i]``: layer i's four shapes; ``dtypes``: of the factors and of the inverses).
         Received tensors are moved to the host as they arrive (device memory grows by one layer at a time)."""
         n = len(shapes)
-        out: dict[int, LayerTensors] = {i: v for i, v in held.items()}
+        out = dict(held)
         if not self._dist or self.world_size == 1:
             return out
         header = torch.zeros(n, 3, dtype=torch.float64, device=self.device)  # has factors, has inverses, damping

@@ -25,9 +25,11 @@ INVERSE_BROADCAST = "K-FAC inverse broadcast"
 PLAN_CHECK = "K-FAC plan check"
 PRECONDITIONED_BROADCAST = "K-FAC preconditioned-gradient broadcast"
 STATE_GATHER = "K-FAC state gather"
+FINITE_AGREEMENT = "K-FAC finite-factor agreement"
 
 __all__ = [
     "FACTOR_ALLREDUCE",
+    "FINITE_AGREEMENT",
     "INVERSE_BROADCAST",
     "PLAN_CHECK",
     "PRECONDITIONED_BROADCAST",

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from .. import validation as val
-from ._common import NAN, check_wire_dtype, default_device
+from ._common import NAN, check_wire_dtype, default_device, global_rank
 from .executor import CollectiveExecutor
 from .faults import FACTOR_ALLREDUCE, Work
 from .triangle import pack_triu, triu_size, unpack_triu
@@ -303,9 +303,7 @@ class FusedAllReduce(CollectiveExecutor):
             buf[self._numel[g] - len(members):].copy_(flags)
         work: Work
         if self._distributed and self.destinations is not None:
-            dst = self.destinations[g]
-            if self.process_group is not None:
-                dst = dist.get_global_rank(self.process_group, dst)
+            dst = global_rank(self.process_group, self.destinations[g])
             work = self._issue(g, lambda: dist.reduce(buf, dst, op=dist.ReduceOp.SUM, group=self.process_group,
                                                       async_op=True))
         elif self._distributed:

@@ -195,6 +195,8 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
         self.distributor.setup([(ly.helper.a_dim, ly.helper.g_dim) for ly in self.layers.values()])
         # Distributed preconditioning (schedule="dpkfac"): the owner rank of each layer; None: every rank holds all.
         self._owners: tuple[int, ...] | None = self.distributor.layer_owners
+        # ... and, while a step exchanges the preconditioned gradients, each exchanged layer and its gradient.
+        self._shared_grads: dict[int, tuple[KFACLayer, torch.Tensor]] = {}
         self._begin_step()
 
     # ------------------------------------------------------------------ registration
@@ -720,11 +722,7 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
         # rank preconditioning the same layers, and the KL clip the same sum.
         if layer.index in self._preconditioned or layer.A_inv is None or not self._grads_finite:
             return
-        if self._stepping is not None and layer.index not in self._stepping:
-            return  # another optimizer (or none) steps this layer
-        if not layer.trainable():  # frozen after its forward: its (stale or absent) gradient is left as is
-            return
-        g = layer.helper.grad_matrix(self._grads)
+        g = self._step_grad(layer)
         if g is None:
             return
         assert layer.G_inv is not None  # the inverses are set together (both arrive before this is called)
@@ -741,30 +739,33 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
         if self._owners is not None:  # its broadcast starts now, while the next layer is worked on
             self.distributor.offer(layer.index, p)  # type: ignore[attr-defined]
 
-    def _shared_layers(self) -> list[int]:
-        """Distributed preconditioning: the layers whose preconditioned gradient this step exchanges, decided on
-        what every rank sees alike (the optimizer's groups, requires_grad, the reduced gradients)."""
-        out = []
+    def _step_grad(self, layer: KFACLayer) -> torch.Tensor | None:
+        """The layer's gradient matrix if this step may precondition it, else None; decided on what every rank
+        sees alike (the optimizer's groups, requires_grad, the reduced gradient)."""
+        if self._stepping is not None and layer.index not in self._stepping:
+            return None  # another optimizer (or none) steps this layer
+        if not layer.trainable():  # frozen after its forward: its (stale or absent) gradient is left as is
+            return None
+        return layer.helper.grad_matrix(self._grads)
+
+    def _begin_share(self) -> None:
+        """Distributed preconditioning: name the layers whose P this step exchanges (those _step_grad admits, so
+        every P an owner computes is in the round), keeping their gradients for _gather_preconditioned."""
+        self._shared_grads = {}
         for layer in self.layers.values():
-            if self._stepping is not None and layer.index not in self._stepping:
-                continue
-            if layer.trainable() and layer.helper.grad_matrix(self._grads) is not None:
-                out.append(layer.index)
-        return out
+            g = self._step_grad(layer)
+            if g is not None:
+                self._shared_grads[layer.index] = (layer, g)
+        self.distributor.begin_share(list(self._shared_grads))  # type: ignore[attr-defined]
 
     def _gather_preconditioned(self) -> None:
         """Distributed preconditioning: every exchanged layer's P from its owner (the owner's own tensor here)."""
         shared = self.distributor.finish_share()  # type: ignore[attr-defined]
-        by_index = {ly.index: ly for ly in self.layers.values()}
         for index, p in shared.items():
-            if p is None or index in self._preconditioned:
-                continue
-            layer = by_index[index]
-            g = layer.helper.grad_matrix(self._grads)
-            assert g is not None  # exchanged only when every rank has it
-            self._preconditioned[index] = (layer, p, g.to(self.inv_dtype))
-        for index in [i for i in self._preconditioned if shared.get(i) is None]:
-            del self._preconditioned[index]  # (the owner's, had it offered None: never)
+            if p is not None and index not in self._preconditioned:
+                layer, g = self._shared_grads[index]
+                self._preconditioned[index] = (layer, p, g.to(self.inv_dtype))
+        self._shared_grads = {}
 
     def _precondition(self, k: int) -> None:
         for layer in self.layers.values():
@@ -863,7 +864,7 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
                 if layer.a_calls and layer.mb_a_calls == layer.mb_g_calls:
                     layer.calls_per_micro_batch = layer.mb_a_calls
         if self._owners is not None:
-            self.distributor.begin_share(self._shared_layers())  # type: ignore[attr-defined]
+            self._begin_share()
         self._update_inverses(k)
         with self.timer.phase("precondition"):
             self._precondition(k)
