@@ -45,6 +45,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..factor_shapes import ShapeLike
 from ..kfac.distributor import Distributor, FactorKey, PendingInverses, Task
 from ._common import default_device
 from .faults import Work, wait_work
@@ -135,7 +136,7 @@ class AutoDistributor(Distributor):
         """Steps in which factors were reduced, by whichever candidate."""
         return sum(c.factor_steps for c in self.candidates)
 
-    def setup(self, sides: Sequence[tuple[int, int]]) -> None:
+    def setup(self, sides: Sequence[tuple[ShapeLike, ShapeLike]]) -> None:
         self._slot_periods = -(-MIN_SLOT_STEPS // self.inv_update_steps)
         for c in self.candidates:
             c.inv_dtype, c.inverse_method, c.kfac_settings = self.inv_dtype, self.inverse_method, self.kfac_settings

@@ -1,9 +1,12 @@
 """Asynchronous broadcast of inverses from their owners (the placement of LBP / round-robin).
 
 Each non-replicated factor has an owner rank (in the process group) that inverts it and broadcasts the
-upper triangle of the inverse (``inverse_method="cholesky"``: symmetric n x n inverses) or the whole
-(n+1) x n eigen payload, flattened (``"eigen"``: eigenvectors and eigenvalues, kfac/inverse.py); every
-other rank posts the matching receive. The payload kind is the method's, given to every rank, never
+inverse packed (``inverse_method="cholesky"``: an inverse has its factor's shape, and travels like the factor
+does, :mod:`.triangle`: the upper triangle of a symmetric n x n inverse, the n entries of a diagonal one,
+the b upper triangles of a grouped one) or the whole eigen payload, flattened (``"eigen"``: eigenvectors and
+eigenvalues, kfac/inverse.py; its shape is
+:func:`~lightning_spdkfac.factor_shapes.inverse_shape`, (n+1) x n per dense block, the n eigenvalues alone
+for a diagonal factor); every other rank posts the matching receive. The payload kind is the method's, given to every rank, never
 inferred from the data. Replicated factors (owner -1) are inverted on every rank and never sent.
 
 Ordering contract: collectives on a process group are matched by issue order, so **every rank calls
@@ -46,12 +49,12 @@ import torch
 import torch.distributed as dist
 
 from .. import validation as val
-from ..schedule.placement import message_elements
+from ..factor_shapes import FactorShape, ShapeLike, describe, inverse_numel, inverse_shape
 from ..vocabulary import INVERSE_METHODS, InverseMethodName
 from ._common import NAN, check_wire_dtype, default_device, global_rank
 from .executor import CollectiveExecutor
 from .faults import INVERSE_BROADCAST, Work
-from .triangle import pack_triu, unpack_triu
+from .triangle import pack_factors, unpack_factors
 
 __all__ = ["InverseBroadcaster", "RoundTimings"]
 
@@ -84,19 +87,21 @@ class InverseBroadcaster(CollectiveExecutor):
     Args:
         owners: owner rank (in ``process_group``) of each factor's inverse; -1: replicated (every rank
             inverts it; no communication).
-        sides: ``n`` of each (n x n) factor.
+        sides: the shape of each factor: an int n (n x n dense) or a FactorShape, ``(n,)`` diagonal, ``(n, n)``
+            dense, ``(b, n, n)`` grouped (:mod:`lightning_spdkfac.factor_shapes`).
         process_group: None: the default group. Without torch.distributed initialized (and no group): one
             process, every owner must be 0 or -1.
-        dtype: communication dtype (upper triangle only).
+        dtype: communication dtype.
         result_dtype: dtype of every returned inverse (the same on every rank).
         device: where received inverses live (default: the current GPU with NCCL, else CPU).
         order: the global order of the non-replicated factors (default: ascending index).
         timeout: seconds any one wait on a broadcast may block before it raises
             :class:`~lightning_spdkfac.comm.faults.KFACCommError` (see the module docstring).
         names: a label per factor index for error messages (e.g. ``"layer 3 G"``); default: the index.
-        inverse_method: what every factor's inverse is: ``"cholesky"`` an n x n symmetric matrix (its
-            upper triangle travels, n(n+1)/2 elements), ``"eigen"`` an (n+1) x n eigen payload (all
-            n(n+1) elements travel).
+        inverse_method: what every factor's inverse is: ``"cholesky"`` a tensor of its factor's shape,
+            symmetric per dense block (packed like a factor: n(n+1)/2 elements per block, n for a diagonal),
+            ``"eigen"`` an eigen payload of :func:`~lightning_spdkfac.factor_shapes.inverse_shape` ((n+1) x n
+            per block, (n,) for a diagonal factor), all of which travels.
     """
 
     unit = "round"
@@ -106,7 +111,7 @@ class InverseBroadcaster(CollectiveExecutor):
     def __init__(
         self,
         owners: Sequence[int],
-        sides: Sequence[int],
+        sides: Sequence[ShapeLike],
         process_group: dist.ProcessGroup | None = None,
         dtype: torch.dtype = torch.float32,
         result_dtype: torch.dtype = torch.float32,
@@ -169,25 +174,26 @@ class InverseBroadcaster(CollectiveExecutor):
         return RoundTimings(self._t_begin, tuple(self._t_post), tuple(self._t_wait_start),
                             tuple(self._t_wait_end))
 
-    def shape(self, index: int) -> tuple[int, int]:
-        """The shape of factor ``index``'s inverse: (n, n), or (n+1, n) with ``inverse_method="eigen"``."""
-        n = self.sides[index]
-        return (n + 1, n) if self._eigen else (n, n)
+    def shape(self, index: int) -> FactorShape:
+        """The shape of factor ``index``'s inverse: its factor's shape, or with ``inverse_method="eigen"`` the
+        eigen payload's (:func:`~lightning_spdkfac.factor_shapes.inverse_shape`: (n+1, n), (b, n+1, n), (n,))."""
+        return inverse_shape(self.shapes[index], self.inverse_method)
 
     def message_size(self, index: int) -> int:
-        """Elements of factor ``index``'s broadcast: n(n+1)/2 (upper triangle) or n(n+1) (eigen payload)."""
-        return message_elements(self.sides[index], self.inverse_method)
+        """Elements of factor ``index``'s broadcast (:func:`~lightning_spdkfac.factor_shapes.inverse_numel`):
+        the packed inverse (n(n+1)/2 per dense block, n for a diagonal) or the whole eigen payload."""
+        return inverse_numel(self.shapes[index], self.inverse_method)
 
     def _pack(self, inverse: torch.Tensor, index: int) -> torch.Tensor:
         buf = torch.empty(self.message_size(index), dtype=self.dtype, device=inverse.device)
         if self._eigen:
             return buf.copy_(inverse.reshape(-1))
-        return pack_triu([inverse], out=buf)
+        return pack_factors([inverse], out=buf)
 
     def _unpack(self, buf: torch.Tensor, index: int) -> torch.Tensor:
         if self._eigen:
             return buf.to(self.result_dtype, copy=True).reshape(self.shape(index))
-        return unpack_triu(buf, [self.sides[index]], dtype=self.result_dtype)[0]
+        return unpack_factors(buf, [self.shapes[index]], dtype=self.result_dtype)[0]
 
     def _describe(self, key: int) -> str:
         owner = self.owners[key]
@@ -234,14 +240,15 @@ class InverseBroadcaster(CollectiveExecutor):
     def publish(self, index: int, inverse: torch.Tensor) -> None:
         """On the owner (or any rank, for a replicated factor): hand over the inverse of factor ``index``.
 
-        A non-replicated inverse is packed (upper triangle, or the whole eigen payload; comm dtype) and
+        A non-replicated inverse is packed (like its factor, or the whole eigen payload; comm dtype) and
         its broadcast launched at once; ``inverse`` itself is not kept. A replicated one is kept as given (no communication).
         """
         index = val.check_index("index", index, len(self.sides))
         val.check_instance("inverse", inverse, torch.Tensor)
         want = self.shape(index)
         if tuple(inverse.shape) != want:
-            raise ValueError(f"inverse {index} must have shape {want} (inverse_method={self.inverse_method!r}), "
+            raise ValueError(f"inverse {index} ({self.names[index]}) must have shape {want} (factor "
+                             f"{describe(self.shapes[index])}, inverse_method={self.inverse_method!r}), "
                              f"got {tuple(inverse.shape)}")
         owner = self.owners[index]
         with self._lock:
@@ -301,7 +308,7 @@ class InverseBroadcaster(CollectiveExecutor):
                 self.publish(index, invert(index))
 
     def wait(self, index: int) -> torch.Tensor:
-        """Factor ``index``'s full symmetric inverse, or eigen payload (blocks on a receive; an owner returns at once).
+        """Factor ``index``'s inverse (dense blocks rebuilt exactly symmetric), or eigen payload (blocks on a receive; an owner returns at once).
 
         Each factor is returned once per round; the broadcaster keeps no reference to it afterwards.
         """

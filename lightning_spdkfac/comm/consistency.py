@@ -8,7 +8,7 @@ it must fail loudly at the re-plan, not as a hang or silently wrong factors late
 that pair their collectives correctly but damp or clip differently would drift apart without a word.
 
 :func:`check_plan_consistency` runs once per (re-)plan, on every rank at the same point: it hashes each
-part of the plan (factor order, fusion groups, placement owners, factor sides, K-FAC settings, inverse
+part of the plan (factor order, fusion groups, placement owners, factor shapes, K-FAC settings, inverse
 broadcast order) to 63 bits and all-gathers the six numbers (one collective of 48 bytes per rank, bounded
 by the K-FAC timeout). Only when some rank
 differs does it gather the plans themselves (every rank sees the same fingerprints, so every rank takes
@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..factor_shapes import ShapeLike, check_shapes
 from ._common import default_device, distributed_ready
 from .faults import PLAN_CHECK, Work, wait_work
 
@@ -33,7 +34,7 @@ __all__ = ["PLAN_PARTS", "PlanMismatchError", "check_plan_consistency", "plan_fi
 
 PLAN_PARTS = ("order", "groups", "owners", "sides", "settings", "broadcast")
 _LABELS = {"order": "factor order", "groups": "fusion groups", "owners": "placement owners",
-           "sides": "factor sides", "settings": "K-FAC settings", "broadcast": "inverse broadcast order"}
+           "sides": "factor shapes", "settings": "K-FAC settings", "broadcast": "inverse broadcast order"}
 _SHOW = 400  # characters of a plan part shown in the error message
 
 
@@ -52,19 +53,21 @@ def _key(k: object) -> object:
 
 
 def _plan_parts(order: Sequence[object], groups: Sequence[Sequence[int]], owners: Sequence[int],
-                sides: Sequence[int], settings: str = "", broadcast: Sequence[object] = ()) -> dict[str, Any]:
+                sides: Sequence[ShapeLike], settings: str = "", broadcast: Sequence[object] = ()) -> dict[str, Any]:
     return {
         "order": [_key(k) for k in order],
         "groups": [[int(i) for i in g] for g in groups],
         "owners": [int(o) for o in owners],
-        "sides": [int(n) for n in sides],
+        # Shapes, not sides: a diagonal (n,) and a dense (n, n) factor of one side are different plans; an int n
+        # is (n, n), so a plan given by sides fingerprints as the same plan given by shapes.
+        "sides": [list(s) for s in check_shapes("sides", sides, low=0)],
         "settings": str(settings),
         "broadcast": [_key(k) for k in broadcast],
     }
 
 
 def plan_fingerprint(order: Sequence[object], groups: Sequence[Sequence[int]], owners: Sequence[int],
-                     sides: Sequence[int], settings: str = "", broadcast: Sequence[object] = ()) -> dict[str, int]:
+                     sides: Sequence[ShapeLike], settings: str = "", broadcast: Sequence[object] = ()) -> dict[str, int]:
     """A 63-bit hash of each plan part (a non-negative int64), identical for equal plans on any rank,
     Python process or platform (the hash of the part's ``repr``, not Python's salted ``hash``).
     ``settings``: the preconditioner's description of its K-FAC settings (``settings_text``);
@@ -114,7 +117,7 @@ def check_plan_consistency(
     order: Sequence[object],
     groups: Sequence[Sequence[int]],
     owners: Sequence[int],
-    sides: Sequence[int],
+    sides: Sequence[ShapeLike],
     process_group: dist.ProcessGroup | None = None,
     timeout_s: float = 600.0,
     settings: str = "",
@@ -124,7 +127,8 @@ def check_plan_consistency(
 
     Collective: call on every rank at the same point (once per plan). No-op in one process. ``order``:
     the factor keys in plan order; ``groups``: fusion groups (positions in ``order``); ``owners``: the
-    placement's owner rank per factor (-1: replicated); ``sides``: each factor's side, in plan order;
+    placement's owner rank per factor (-1: replicated); ``sides``: each factor's shape (an int n: n x n, or a
+    FactorShape: diagonal, dense, grouped), in plan order;
     ``settings``: the K-FAC settings, as text; ``broadcast``: the owned factors' keys in the order every
     rank issues their inverse broadcasts (derived from the owners, the sides and rank 0's inversion model).
     A rank that does not join within ``timeout_s`` makes the others raise KFACCommError (phase
@@ -142,7 +146,7 @@ def check_plan_consistency(
     gathered = [torch.empty_like(local) for _ in range(world_size)]
     work = dist.all_gather(gathered, local, group=process_group, async_op=True)
     wait_work(work, timeout_s, collective="all_gather", phase=PLAN_CHECK,
-              what="the plan fingerprints (factor order, fusion groups, placement owners, sides, K-FAC settings, "
+              what="the plan fingerprints (factor order, fusion groups, placement owners, shapes, K-FAC settings, "
                    "inverse broadcast order)",
               rank=rank, world_size=world_size)
     table = torch.stack(gathered).cpu()

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..factor_shapes import FactorShape, ShapeLike, numel, packed_numel, preconditioned_shape
 from ..kfac.distributor import Distributor, FactorKey, PendingInverses, Task
 from ..schedule import plan_fusion, plan_layer_placement, preconditioned_order
 from ..schedule.layer_placement import LayerPlacement
@@ -43,7 +44,6 @@ from ._common import NAN, default_device, global_rank
 from .executor import CollectiveExecutor
 from .faults import FINITE_AGREEMENT, PRECONDITIONED_BROADCAST, STATE_GATHER, Work, wait_work
 from .scheduler import SPDDistributor, SPDOptions
-from .triangle import triu_size
 
 __all__ = ["DPKFACDistributor", "GradientBroadcaster"]
 
@@ -51,12 +51,25 @@ LayerTensors = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | No
 """A layer's (A, G, A_inv, G_inv, inverse damping) as :meth:`DPKFACDistributor.gather_layers` moves them."""
 
 
+def _gradient_shape(name: str, shape: object) -> FactorShape:
+    """A preconditioned gradient's shape: ``(rows, columns)`` or ``(b, rows, columns)``, positive ints."""
+    if (not isinstance(shape, Sequence) or isinstance(shape, str) or len(shape) not in (2, 3)
+            or not all(isinstance(d, int) and not isinstance(d, bool) for d in shape)):
+        raise TypeError(f"{name} must be a gradient shape, (rows, columns) or (b, rows, columns) ints (see "
+                        f"factor_shapes.preconditioned_shape), got {shape!r}")
+    if any(d < 1 for d in shape):
+        raise ValueError(f"{name} must have every dimension >= 1, got {shape!r}")
+    return tuple(shape)
+
+
 class GradientBroadcaster(CollectiveExecutor):
     """One round per step: each layer's preconditioned gradient broadcast by its owner, in one global order.
 
     Args:
         owners: owner rank (in ``process_group``) of each layer.
-        shapes: the (rows, columns) of each layer's gradient matrix.
+        shapes: the shape of each layer's gradient matrix and so of its preconditioned gradient: ``(rows,
+            columns)``, or ``(b, rows, columns)`` for a layer with a grouped factor
+            (:func:`~lightning_spdkfac.factor_shapes.preconditioned_shape`).
         process_group, device, timeout, names: as for the other executors.
         dtype: of the preconditioned gradients on the wire and as received (the preconditioner's inv_dtype).
         order: the global order of the layers' broadcasts (every layer once), identical on every rank; each
@@ -72,12 +85,13 @@ class GradientBroadcaster(CollectiveExecutor):
     collective = "broadcast"
     phase = PRECONDITIONED_BROADCAST
 
-    def __init__(self, owners: Sequence[int], shapes: Sequence[tuple[int, int]],
+    def __init__(self, owners: Sequence[int], shapes: Sequence[Sequence[int]],
                  process_group: dist.ProcessGroup | None = None, device: torch.device | str | None = None,
                  timeout: float = 600.0, names: Sequence[str] | None = None, *,
                  dtype: torch.dtype = torch.float32, order: Sequence[int]) -> None:
-        self.shapes = [(int(r), int(c)) for r, c in shapes]
-        super().__init__([max(1, r * c) for r, c in self.shapes], timeout, names)
+        checked = [_gradient_shape(f"shapes[{i}]", s) for i, s in enumerate(shapes)]
+        super().__init__([(max(1, numel(s)),) for s in checked], timeout, names)  # (labels and checks only)
+        self.shapes = tuple(checked)  # gradient shapes here, not factor shapes
         self.owners = tuple(int(o) for o in owners)
         if len(self.owners) != len(self.shapes):
             raise ValueError(f"owners and shapes must have the same length, got {len(self.owners)} and {len(self.shapes)}")
@@ -141,20 +155,20 @@ class GradientBroadcaster(CollectiveExecutor):
         with self._lock:
             while self._pos < len(self._round):
                 i = self._round[self._pos]
-                rows, cols = self.shapes[i]
+                size = numel(self.shapes[i])
                 if self.owners[i] == self.rank:
                     if i not in self._offered:
                         return
                     # Every rank's buffer of one broadcast has the same size and dtype, whatever the owner offers
                     # (None included): receivers cannot know which.
                     value = self._offered[i]
-                    buf = torch.zeros(rows * cols + 1, dtype=self.dtype,
+                    buf = torch.zeros(size + 1, dtype=self.dtype,
                                       device=value.device if value is not None else self.device)
                     if value is not None:
                         buf[:-1].copy_(value.reshape(-1))
                         buf[-1] = 1.0
                 else:
-                    buf = torch.empty(rows * cols + 1, dtype=self.dtype, device=self.device)
+                    buf = torch.empty(size + 1, dtype=self.dtype, device=self.device)
                 work = None
                 if self._distributed:
                     work = self._issue(i, self._launcher(buf, global_rank(self.process_group, self.owners[i])))
@@ -199,9 +213,9 @@ class DPKFACDistributor(SPDDistributor):
         self._owner: tuple[int, ...] = ()  # = layer_owners, typed as set (setup)
 
     # ------------------------------------------------------------------ planning
-    def setup(self, sides: Sequence[tuple[int, int]]) -> None:
+    def setup(self, sides: Sequence[tuple[ShapeLike, ShapeLike]]) -> None:
         super().setup(sides)
-        shapes = [(g, a) for a, g in self.sides]
+        shapes = [preconditioned_shape(a, g) for a, g in self.sides]
         assert self.models is not None  # measured by super().setup()
         self._grads = GradientBroadcaster(self._owner, shapes, process_group=self.process_group,
                                           device=self.device, timeout=self.options.comm_timeout_s,
@@ -232,7 +246,7 @@ class DPKFACDistributor(SPDDistributor):
         groups: list[tuple[int, ...]] = []
         for owner in sorted(set(self._owner)):
             mine = [pos for pos, key in enumerate(order) if self._owner[key[0]] == owner]
-            plan = plan_fusion([triu_size(self._side(order[p])) for p in mine], [ready[p] for p in mine],
+            plan = plan_fusion([packed_numel(self._shape(order[p])) for p in mine], [ready[p] for p in mine],
                                self.models.allreduce, policy=opts.fusion, bucket_bytes=int(opts.bucket_mb * 2**20),
                                bytes_per_element=opts.bytes_per_element,
                                alone=[k for k, p in enumerate(mine) if p in alone])

@@ -33,6 +33,7 @@ from typing import ClassVar
 import torch.distributed as dist
 
 from .. import validation as val
+from ..factor_shapes import FactorShape, ShapeLike, check_shapes, side
 from ._common import distributed_ready
 from .faults import TIMEOUT_ACCEPTED, KFACCommError, Work, comm_error, wait_work
 
@@ -43,7 +44,9 @@ class CollectiveExecutor(ABC):
     """Base of the comm executors: factor labels, the process group, and the failure protocol.
 
     Args:
-        sides: ``n`` of each (n x n) factor, by factor index.
+        sides: the shape of each factor, by factor index: an int n (an n x n dense factor) or a
+            :data:`~lightning_spdkfac.factor_shapes.FactorShape`, ``(n,)`` diagonal, ``(n, n)`` dense or
+            ``(b, n, n)`` grouped. Kept as :attr:`shapes` (tuples) and :attr:`sides` (each one's n).
         timeout: seconds any one wait on a collective may block before it raises
             :class:`~lightning_spdkfac.comm.faults.KFACCommError`.
         names: a label per factor index for error messages (e.g. ``"layer 3 G"``); default: the index.
@@ -59,9 +62,10 @@ class CollectiveExecutor(ABC):
     world_size: int
     rank: int
 
-    def __init__(self, sides: Sequence[int], timeout: float, names: Sequence[str] | None) -> None:
-        self.sides = val.check_ints("sides", sides, low=1)
-        n = len(self.sides)
+    def __init__(self, sides: Sequence[ShapeLike], timeout: float, names: Sequence[str] | None) -> None:
+        self.shapes: tuple[FactorShape, ...] = tuple(check_shapes("sides", sides, low=1))
+        self.sides = [side(s) for s in self.shapes]
+        n = len(self.shapes)
         self.timeout = val.check_seconds("timeout", timeout, TIMEOUT_ACCEPTED)
         if names is not None and len(val.check_sequence("names", names, f"labels, one per factor ({n})")) != n:
             raise ValueError(f"names must give one label per factor ({n}), got {names!r}")

@@ -16,8 +16,8 @@ must also come at the same point on every rank; DDP all-reduces gradient buckets
 given (default: WORLD) from its own autograd hooks, so give K-FAC a dedicated group
 (``dist.new_group()``, called on every rank) rather than relying on identical hook interleaving.
 
-Each member is packed into its group's buffer at ``submit`` (only the upper triangle, in the
-communication ``dtype``); the caller's matrix is neither kept nor modified. Averaging is a SUM followed by
+Each member is packed into its group's buffer at ``submit`` (a dense factor's upper triangle, a diagonal
+factor's entries, a grouped factor's b upper triangles: :mod:`.triangle`; in the communication ``dtype``); the caller's matrix is neither kept nor modified. Averaging is a SUM followed by
 a division after the wait (gloo has no AVG op). Timestamps (``time.perf_counter``) are taken per factor
 at submit and per group at launch, wait start and wait end; :attr:`last_timings` holds those of the last
 completed step, so a profiling window can feed the fusion planner.
@@ -43,10 +43,11 @@ import torch
 import torch.distributed as dist
 
 from .. import validation as val
+from ..factor_shapes import ShapeLike, describe, packed_numel
 from ._common import NAN, check_wire_dtype, default_device, global_rank
 from .executor import CollectiveExecutor
 from .faults import FACTOR_ALLREDUCE, Work
-from .triangle import pack_triu, triu_size, unpack_triu
+from .triangle import pack_factors, unpack_factors
 
 __all__ = ["FusedAllReduce", "StepTimings"]
 
@@ -80,11 +81,13 @@ class _LocalWork:
 
 
 class FusedAllReduce(CollectiveExecutor):
-    """Executes a fusion plan: each group of factors is one asynchronous all-reduce of upper triangles.
+    """Executes a fusion plan: each group of factors is one asynchronous all-reduce of packed factors.
 
     Args:
         groups: the fusion plan, a partition of ``range(len(sides))`` into groups of factor indices.
-        sides: ``n`` of each (n x n) factor, by factor index.
+        sides: the shape of each factor, by factor index: an int n (n x n dense) or a FactorShape, ``(n,)``
+            diagonal, ``(n, n)`` dense, ``(b, n, n)`` grouped (:mod:`lightning_spdkfac.factor_shapes`); a group
+            may mix them. What is submitted for a factor must have its shape, and so has its result.
         process_group: the group to reduce over (None: the default group). With torch.distributed not
             initialized and no group given: one local process, nothing is sent, results are the inputs
             passed through the same packing and dtype.
@@ -113,7 +116,7 @@ class FusedAllReduce(CollectiveExecutor):
     def __init__(
         self,
         groups: Sequence[Sequence[int]],
-        sides: Sequence[int],
+        sides: Sequence[ShapeLike],
         process_group: dist.ProcessGroup | None = None,
         dtype: torch.dtype = torch.float32,
         op: Literal["average", "sum"] = "average",
@@ -157,14 +160,14 @@ class FusedAllReduce(CollectiveExecutor):
             raise ValueError("allow_missing with dtype=bfloat16 needs a world size <= 256 (exact counts)")
         self.device = torch.device(device) if device is not None else default_device(process_group)
 
-        # Each group's buffer: member triangles in group order, then (allow_missing) one count per member.
+        # Each group's buffer: packed members in group order, then (allow_missing) one count per member.
         self._offset = [0] * n
         self._numel: list[int] = []
         for members in self.groups:
             off = 0
             for i in members:
                 self._offset[i] = off
-                off += triu_size(self.sides[i])
+                off += packed_numel(self.shapes[i])
             self._numel.append(off + (len(members) if self.allow_missing else 0))
 
         self.last_timings: StepTimings | None = None
@@ -254,15 +257,16 @@ class FusedAllReduce(CollectiveExecutor):
                     f"factor {index} was already submitted in this step (its group {g} is "
                     f"{'launched' if self._launched[g] else 'pending'}); call wait() and begin_step() "
                     "before submitting the next step's factors")
-            n = self.sides[index]
+            shape = self.shapes[index]
             if matrix is None:
                 if not self.allow_missing:
                     raise ValueError(f"submit({index}, None) needs allow_missing=True")
                 out_dtype = self.result_dtype or torch.float32
             else:
                 val.check_instance("matrix", matrix, torch.Tensor)
-                if tuple(matrix.shape) != (n, n):
-                    raise ValueError(f"factor {index} must have shape ({n}, {n}), got {tuple(matrix.shape)}")
+                if tuple(matrix.shape) != shape:
+                    raise ValueError(f"factor {index} ({self.names[index]}) must have shape {shape} "
+                                     f"({describe(shape)}, as given in sides), got {tuple(matrix.shape)}")
                 if not matrix.is_floating_point():
                     raise ValueError(f"factor {index} must be a floating-point tensor, got {matrix.dtype}")
                 out_dtype = self.result_dtype or matrix.dtype
@@ -273,7 +277,7 @@ class FusedAllReduce(CollectiveExecutor):
                 elif buf.device != matrix.device:
                     raise ValueError(f"factor {index} is on {matrix.device} but group {g} is on {buf.device}")
                 off = self._offset[index]
-                pack_triu([matrix], out=buf[off:off + triu_size(n)])
+                pack_factors([matrix], out=buf[off:off + packed_numel(shape)])
                 self._present[index] = True
             self._submitted[index] = True
             self._out_dtype[index] = out_dtype
@@ -297,7 +301,7 @@ class FusedAllReduce(CollectiveExecutor):
             for i in members:
                 if not self._present[i]:
                     off = self._offset[i]
-                    buf[off:off + triu_size(self.sides[i])].zero_()
+                    buf[off:off + packed_numel(self.shapes[i])].zero_()
         if self.allow_missing:
             flags = torch.tensor([1.0 if self._present[i] else 0.0 for i in members], dtype=self.dtype)
             buf[self._numel[g] - len(members):].copy_(flags)
@@ -361,17 +365,17 @@ class FusedAllReduce(CollectiveExecutor):
             tri.div_(self.world_size)  # ours to modify: a view of the group buffer or a fresh copy
         results: list[torch.Tensor | None] = []
         for k, i in enumerate(members):
-            n = self.sides[i]
+            shape = self.shapes[i]
             off = self._offset[i]
-            seg = tri[off:off + triu_size(n)]
+            seg = tri[off:off + packed_numel(shape)]
             if counts is not None:
                 if counts[k] == 0:
                     results.append(None)
                     continue
                 if self.op == "average" and counts[k] != 1:
                     seg = seg.div_(counts[k])
-            out = torch.empty(n, n, dtype=self._out_dtype[i], device=buf.device)
-            results.append(unpack_triu(seg, [n], out=[out])[0])
+            out = torch.empty(shape, dtype=self._out_dtype[i], device=buf.device)
+            results.append(unpack_factors(seg, [shape], out=[out])[0])
         return self._done(g, results)
 
     def _done(self, g: int, results: list[torch.Tensor | None]) -> list[torch.Tensor | None]:

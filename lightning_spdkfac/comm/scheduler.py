@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from .. import validation as val
+from ..factor_shapes import FactorShape, ShapeLike, check_shapes, is_diagonal, packed_numel, side
 from ..kfac.distributor import Distributor, FactorKey, Inverse, PendingInverses, Task
 from ..schedule import (
     AlphaBeta,
@@ -65,7 +66,6 @@ from .broadcast import InverseBroadcaster
 from .consistency import check_plan_consistency
 from .fused import FusedAllReduce, StepTimings
 from .profile import broadcast_object, measure_allreduce, measure_broadcast, probe_sizes
-from .triangle import triu_size
 
 _DEFAULT_BUCKET_MB = 4.0
 _DEFAULT_PROFILE_STEPS = (3, 8)
@@ -234,6 +234,20 @@ def _profile_steps(value: object) -> tuple[int, int]:
     return int(value[0]), int(value[1])
 
 
+def _layer_shapes(sides: object) -> list[tuple[FactorShape, FactorShape]]:
+    """``setup``'s argument checked: per layer, ``(A shape, G shape)``, each an int n (n x n) or a FactorShape."""
+    if isinstance(sides, (str, bytes)) or not isinstance(sides, Sequence):
+        raise TypeError(f"sides must be a sequence of (A shape, G shape) pairs, one per layer, got a "
+                        f"{type(sides).__name__}")
+    out = []
+    for i, pair in enumerate(sides):
+        if not isinstance(pair, Sequence) or isinstance(pair, str) or len(pair) != 2:
+            raise ValueError(f"sides[{i}] must be the pair (A shape, G shape) of layer {i}, got {pair!r}")
+        a, g = check_shapes(f"sides[{i}]", pair)
+        out.append((a, g))
+    return out
+
+
 @dataclass(frozen=True)
 class Models:
     """The measured cost models every rank plans from (identical on every rank)."""
@@ -274,8 +288,8 @@ class SPDDistributor(Distributor):
         self._async_group: dist.ProcessGroup | None = None
 
     # ------------------------------------------------------------------ setup and planning
-    def setup(self, sides: Sequence[tuple[int, int]]) -> None:
-        self.sides = list(sides)
+    def setup(self, sides: Sequence[tuple[ShapeLike, ShapeLike]]) -> None:
+        self.sides = _layer_shapes(sides)
         if self.use_async_inverses():
             self._new_async_group()
         n_layers = len(self.sides)
@@ -315,7 +329,8 @@ class SPDDistributor(Distributor):
         self._profile_window = window
         self._set_plan(self.keys, [tuple(range(len(self.keys)))], pipelined=False)
 
-    def _side(self, key: FactorKey) -> int:
+    def _shape(self, key: FactorKey) -> FactorShape:
+        """The shape of factor ``key`` (as given to :meth:`setup`; an int n there is ``(n, n)`` here)."""
         a, g = self.sides[key[0]]
         return a if key[1] == "A" else g
 
@@ -327,9 +342,9 @@ class SPDDistributor(Distributor):
         need_placement = opts.placement in LOAD_BALANCED_PLACEMENTS and opts.schedule != "dpkfac"
         need_inverse = need_placement or opts.schedule == "dpkfac"  # (dpkfac: the layer placement's model)
         zero = AlphaBeta(0.0, 0.0)
-        # Probe up to the largest message: a factor's triangle (all-reduce) or its inverse (broadcast).
-        tri_bytes = [triu_size(self._side(k)) * opts.bytes_per_element for k in self.keys]
-        inv_bytes = [message_bytes(self._side(k), opts.bytes_per_element, self.inverse_method) for k in self.keys]
+        # Probe up to the largest message: a packed factor (all-reduce) or its inverse (broadcast).
+        tri_bytes = [packed_numel(self._shape(k)) * opts.bytes_per_element for k in self.keys]
+        inv_bytes = [message_bytes(self._shape(k), opts.bytes_per_element, self.inverse_method) for k in self.keys]
         allreduce = broadcast = zero
         inverse = InverseCost()
         if self._dist and tri_bytes and (need_allreduce or need_placement):
@@ -338,8 +353,10 @@ class SPDDistributor(Distributor):
                 allreduce = fit_alpha_beta(sizes, measure_allreduce(sizes, self.process_group, repeats=5))
             if need_placement:
                 broadcast = fit_alpha_beta(sizes, measure_broadcast(sizes, self.process_group, repeats=5))
-        if need_inverse and self.sides:
-            ns = sorted({self._side(k) for k in self.keys})
+        # The inversion model is fitted on dense blocks (a grouped factor's blocks have its side); a diagonal
+        # factor's elementwise inversion is charged c0 + c1 n by it (InverseCost.time_of), nothing to probe.
+        ns = sorted({side(s) for s in map(self._shape, self.keys) if not is_diagonal(s)})
+        if need_inverse and ns:
             probe = sorted({ns[0], ns[len(ns) // 2], ns[-1], max(8, ns[-1] // 2)})
             inverse = broadcast_object(
                 measure_inverse_cost(probe, device=self.device, method=self.inverse_method) if self.rank == 0 else None,
@@ -349,7 +366,7 @@ class SPDDistributor(Distributor):
 
     def _plan_groups(self, order: list[FactorKey], ready: list[float]) -> list[tuple[int, ...]]:
         opts = self.options
-        elements = [triu_size(self._side(k)) for k in order]
+        elements = [packed_numel(self._shape(k)) for k in order]
         # fuse_g=False: the original SPD-KFAC code, G factors each on their own, runs of A factors fused.
         alone = () if opts.fuse_g else [pos for pos, key in enumerate(order) if key[1] == "G"]
         assert self.models is not None  # measured in setup()
@@ -360,7 +377,7 @@ class SPDDistributor(Distributor):
 
     def _plan_placement(self) -> tuple[int, ...]:
         opts = self.options
-        ns = [self._side(k) for k in self.keys]
+        ns = [self._shape(k) for k in self.keys]
         if not ns:
             return ()
         assert self.models is not None  # measured in setup()
@@ -375,12 +392,12 @@ class SPDDistributor(Distributor):
         self.plan_groups = tuple(tuple(g) for g in groups)
         self.pipelined = pipelined
         self._fused = FusedAllReduce(
-            self.plan_groups, [self._side(k) for k in self.order], process_group=self.process_group,
+            self.plan_groups, [self._shape(k) for k in self.order], process_group=self.process_group,
             dtype=self.options.torch_comm_dtype, allow_missing=True, result_dtype=torch.float32,
             device=self.device, timeout=self.options.comm_timeout_s, names=[f"layer {i} {w}" for i, w in self.order],
             destinations=self._destinations(self.order, self.plan_groups),
         )
-        check_plan_consistency(self.order, self.plan_groups, self.placement_owners, self._fused.sides,
+        check_plan_consistency(self.order, self.plan_groups, self.placement_owners, self._fused.shapes,
                                self.process_group, self.options.comm_timeout_s, settings=self.kfac_settings,
                                broadcast=self._planned_broadcast_order())
 
@@ -465,10 +482,10 @@ class SPDDistributor(Distributor):
     def _broadcaster(self, tasks: Sequence[Task], owners: list[int], group: dist.ProcessGroup | None
                      ) -> tuple[InverseBroadcaster, list[int]]:
         """A broadcast round of ``tasks`` on ``group``, in the order every rank issues them."""
-        sides = [t[2].shape[0] for t in tasks]
-        order = self._broadcast_order(tasks, owners, sides)
+        shapes = [self._shape((t[0], t[1])) for t in tasks]
+        order = self._broadcast_order(tasks, owners, shapes)
         self.last_broadcast_order = [(tasks[i][0], tasks[i][1]) for i in order]
-        bc = InverseBroadcaster(owners, sides, process_group=group,
+        bc = InverseBroadcaster(owners, shapes, process_group=group,
                                 dtype=self.options.torch_comm_dtype, result_dtype=self.inv_dtype,
                                 device=self.device, order=order, timeout=self.options.comm_timeout_s,
                                 names=[f"layer {t[0]} {t[1]}" for t in tasks], inverse_method=self.inverse_method)
@@ -519,7 +536,8 @@ class SPDDistributor(Distributor):
         return PendingInverses(run, self.device, timeout=self.options.comm_timeout_s,
                                what=f"K-FAC asynchronous inversions and inverse broadcasts (rank {self.rank})")
 
-    def _broadcast_order(self, tasks: Sequence[Task], owners: Sequence[int], sides: Sequence[int]) -> list[int]:
+    def _broadcast_order(self, tasks: Sequence[Task], owners: Sequence[int], sides: Sequence[FactorShape]
+                         ) -> list[int]:
         """Positions in ``tasks`` of the owned factors, in the order every rank issues their broadcasts:
         :func:`~lightning_spdkfac.schedule.placement.broadcast_order` over the tasks in canonical factor
         order (the placement's), with the inversion model every rank holds (rank 0's). Each owner inverts
@@ -534,7 +552,7 @@ class SPDDistributor(Distributor):
         if self.world_size == 1 or not self.placement_owners:
             return []
         assert self.models is not None  # measured in setup()
-        ns = [self._side(k) for k in self.keys]
+        ns = [self._shape(k) for k in self.keys]
         return [self.keys[i] for i in broadcast_order(self.placement_owners, ns, self.models.inverse)]
 
     def describe(self) -> dict[str, Any]:

@@ -8,6 +8,14 @@ package never touches torch.distributed.
 
 Contract, per optimizer step (every rank calls the same methods in the same order):
 
+0. ``setup(sides)`` once, before the first step: per layer, in index order, ``(A shape, G shape)``. Each is an
+   ``int`` n (legacy: an n x n dense factor) or a :data:`~lightning_spdkfac.factor_shapes.FactorShape`:
+   ``(n, n)`` dense, ``(n,)`` diagonal (only the diagonal is kept), ``(b, n, n)`` grouped (b dense blocks).
+   Every factor handed to ``factor_final`` / ``reduce_factors`` and returned by them has its layer's shape
+   for it, and so does every inverse ``invert_fn`` returns with ``inverse_method == "cholesky"`` (symmetric
+   per dense block; a diagonal factor's inverse is the (n,) vector of reciprocals); with ``"eigen"`` an
+   inverse has :func:`~lightning_spdkfac.factor_shapes.inverse_shape`: (n+1, n) for a dense factor,
+   (b, n+1, n) for a grouped one, (n,) (the eigenvalues alone) for a diagonal one.
 1. ``begin_step()`` before the first forward of the step (called by the preconditioner).
 2. With ``pipelined`` true, the preconditioner calls ``factor_final(index, which, matrix)``
    from its hooks as soon as a layer's A (forward) or G (backward) of this step is final,
@@ -21,7 +29,7 @@ Contract, per optimizer step (every rank calls the same methods in the same orde
    factor)`` in the same order on every rank; ``invert_fn(sub_list_of_tasks) -> inverses`` does
    the math; ``on_ready(index, which, inverse)`` must be called for every task on every rank,
    in any order, as soon as that inverse is available there. An inverse is what ``invert_fn``
-   returned: with ``inverse_method == "eigen"`` an (n+1) x n eigen payload, else an n x n matrix.
+   returned, of the shape item 0 gives (an eigen payload with ``inverse_method == "eigen"``).
 5. ``invert_async(tasks, invert_fn)`` on inverse steps with asynchronous inverses: the same work
    as ``invert``, started off the caller's thread; returns a :class:`PendingInverses` whose
    ``wait()`` gives ``(index, which, inverse)`` for every task, identical on every rank. Until that
@@ -32,7 +40,10 @@ Contract, per optimizer step (every rank calls the same methods in the same orde
    its owner only (None elsewhere), ``invert`` is given owned layers only, and the preconditioned gradients
    are exchanged every step: ``begin_share(layers)`` (the layers to exchange, identical on every rank) before
    the inversions, ``offer(index, P or None)`` on the owner as soon as a layer is preconditioned, and
-   ``finish_share()`` returns every exchanged layer's P (None: left as it is), identical on every rank.
+   ``finish_share()`` returns every exchanged layer's P (None: left as it is), identical on every rank. P has
+   the shape :func:`~lightning_spdkfac.factor_shapes.preconditioned_shape` gives: ``(side(G), side(A))`` when
+   neither factor is grouped, ``(b, side(G), side(A))`` when either is (b the grouped one's blocks; both have
+   the same b when both are grouped).
    ``agree(ok)`` (every factor step, on every rank) is the AND of ``ok`` over ranks, and
    ``gather_layers(...)`` gives every rank every layer's state (for checkpoints).
 """
@@ -46,6 +57,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from ..factor_shapes import ShapeLike
 from ..telemetry import StepTimer
 from ..vocabulary import InverseMethodName
 
@@ -157,8 +169,9 @@ class Distributor:
         if "is_local" not in cls.__dict__:
             cls.is_local = False
 
-    def setup(self, sides: Sequence[tuple[int, int]]) -> None:
-        """Called once with the (A side, G side) of every layer, in layer-index order."""
+    def setup(self, sides: Sequence[tuple[ShapeLike, ShapeLike]]) -> None:
+        """Called once with the (A shape, G shape) of every layer, in layer-index order (contract item 0: an
+        int n is an n x n factor)."""
 
     def begin_step(self) -> None:
         """A new optimizer step starts (before its first forward)."""

@@ -18,7 +18,13 @@ from .cost import (
     measure_inverse_seconds,
 )
 from .fusion import FusionPlan, FusionPolicy, FusionTimeline, plan_fusion, simulate_fusion
-from .layer_placement import LayerPlacement, layer_state_bytes, plan_layer_placement, preconditioned_order
+from .layer_placement import (
+    LayerPlacement,
+    layer_state_bytes,
+    plan_layer_placement,
+    precondition_flops,
+    preconditioned_order,
+)
 from .placement import (
     REPLICATED,
     Placement,
@@ -54,6 +60,7 @@ __all__ = [
     "plan_layer_placement",
     "plan_fusion",
     "plan_placement",
+    "precondition_flops",
     "preconditioned_order",
     "simulate_placement",
     "simulate_fusion",

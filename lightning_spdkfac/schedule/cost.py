@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import validation as val
+from ..factor_shapes import ShapeLike, as_shape, blocks
 from ..vocabulary import INVERSE_METHODS
 
 __all__ = [
@@ -119,6 +120,21 @@ class InverseCost:
         """Modelled seconds to invert one ``n x n`` damped factor (Cholesky + inverse)."""
         v = float(val.check_int("n", n, low=0))
         return self.c0 + self.c1 * v + self.c2 * v * v + self.c3 * v * v * v
+
+    def time_of(self, shape: ShapeLike) -> float:
+        """Modelled seconds to invert one factor of ``shape`` (:mod:`lightning_spdkfac.factor_shapes`; an int n
+        is ``(n, n)``): :meth:`time` for a dense factor; ``c0 + c1 * n`` for a diagonal ``(n,)`` one (an
+        elementwise reciprocal: one call, linear in n); ``c0 + b * (c1 n + c2 n^2 + c3 n^3)`` for a grouped
+        ``(b, n, n)`` one (its b blocks inverted in one batched call: one call's overhead, b blocks' work)."""
+        if isinstance(shape, int) and not isinstance(shape, bool):
+            return self.time(shape)
+        dims = as_shape(shape, "shape")
+        v = float(dims[-1])
+        if len(dims) == 1:
+            return self.c0 + self.c1 * v
+        if len(dims) == 2:
+            return self.time(dims[-1])
+        return self.c0 + blocks(dims) * (self.c1 * v + self.c2 * v * v + self.c3 * v * v * v)
 
 
 def _solve(mat: list[list[float]], rhs: list[float]) -> list[float] | None:

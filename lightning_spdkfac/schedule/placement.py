@@ -4,6 +4,11 @@ Each factor (the A and the G factor of every layer are separate tasks) is either
 which inverts it and broadcasts the inverse to the others, or :data:`REPLICATED`: every rank inverts it
 itself and nothing is sent. The planners are pure and deterministic: the same sizes and cost models give
 the same placement on every rank.
+
+A factor is given by its shape (:mod:`lightning_spdkfac.factor_shapes`): an int n is an ``n x n`` dense
+factor, ``(n,)`` a diagonal one (inverted elementwise: :meth:`InverseCost.time_of` charges it ``c0 + c1 n``;
+its inverse travels as n elements), ``(b, n, n)`` a grouped one (b blocks inverted in one batched call, b
+triangles sent). Every ``ns`` below takes such shapes, ints included.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from dataclasses import dataclass
 from typing import Literal, get_args
 
 from .. import validation as val
+from ..factor_shapes import FactorShape, ShapeLike, check_shape, check_shapes, inverse_numel, side
 from ..vocabulary import INVERSE_METHODS, InverseMethodName
 from .cost import AlphaBeta, InverseCost
 
@@ -118,12 +124,12 @@ def _by_finish(finish: dict[int, float]) -> tuple[int, ...]:
     return tuple(sorted(finish, key=lambda i: (finish[i], i)))
 
 
-def broadcast_order(owners: Sequence[int], ns: Sequence[int], inv: InverseCost) -> tuple[int, ...]:
+def broadcast_order(owners: Sequence[int], ns: Sequence[ShapeLike], inv: InverseCost) -> tuple[int, ...]:
     """The order in which every rank issues the inverse broadcasts: the owned (non-replicated) factors
     by predicted finish of their inversion, ties by lower index.
 
     Each owner inverts its owned factors in ascending index, one after the other from the start of the
-    phase, so factor ``i`` is predicted to finish at the sum of ``inv.time(n)`` over its owner's factors
+    phase, so factor ``i`` is predicted to finish at the sum of ``inv.time_of(shape)`` over its owner's factors
     up to and including ``i``. Sorting by that finish lets a small inverse that is ready early go on
     the wire before the slow inversion of another rank, instead of queueing behind it. Within one owner
     the order stays ascending (finish times only grow), so an owner can invert in exactly this order.
@@ -136,52 +142,57 @@ def broadcast_order(owners: Sequence[int], ns: Sequence[int], inv: InverseCost) 
 
     Args:
         owners: owner rank of every factor, or :data:`REPLICATED` (never broadcast, not listed).
-        ns: side ``n`` of every factor, aligned with ``owners``.
+        ns: shape of every factor (an int n: n x n), aligned with ``owners``.
         inv: inversion time model.
 
     Returns:
         The indices of the owned factors, in issue order.
     """
     own = val.check_ints("owners", owners, low=REPLICATED)
-    sizes = val.check_ints("ns", ns, low=0)
+    sizes = check_shapes("ns", ns, low=0)
     if len(own) != len(sizes):
         raise ValueError(f"owners and ns must have the same length, got {len(own)} and {len(sizes)}")
     val.check_instance("inv", inv, InverseCost)
-    return _by_finish(_finish_times(own, [inv.time(n) for n in sizes]))
+    return _by_finish(_finish_times(own, [inv.time_of(n) for n in sizes]))
 
 
-def message_elements(n: int, inverse_method: InverseMethodName = "cholesky") -> int:
-    """Elements of the broadcast inverse of a factor of side ``n``: its upper triangle, n(n+1)/2
-    (``"cholesky"``), or its (n+1) x n eigen payload, n(n+1) (``"eigen"``)."""
-    return n * (n + 1) if inverse_method == "eigen" else n * (n + 1) // 2
+def message_elements(n: ShapeLike, inverse_method: InverseMethodName = "cholesky") -> int:
+    """Elements of the broadcast inverse of a factor of shape ``n`` (an int n: n x n;
+    :func:`~lightning_spdkfac.factor_shapes.inverse_numel`): a dense factor's upper triangle, n(n+1)/2
+    (``"cholesky"``), or its (n+1) x n eigen payload, n(n+1) (``"eigen"``); b times that for a grouped
+    ``(b, n, n)`` factor; n for a diagonal ``(n,)`` one either way."""
+    return inverse_numel(check_shape("n", n, low=0), inverse_method)
 
 
-def message_bytes(n: int, bytes_per_element: int = 4, inverse_method: InverseMethodName = "cholesky") -> int:
-    """Bytes of the broadcast inverse of a factor of side ``n`` (:func:`message_elements`)."""
+def message_bytes(n: ShapeLike, bytes_per_element: int = 4, inverse_method: InverseMethodName = "cholesky") -> int:
+    """Bytes of the broadcast inverse of a factor of shape ``n`` (:func:`message_elements`)."""
     return message_elements(n, inverse_method) * bytes_per_element
 
 
-def _sizer(bytes_per_element: int, inverse_method: object) -> Callable[[int], int]:
-    """Validated ``inverse_method``, as the message size in bytes of a factor side."""
+def _sizer(bytes_per_element: int, inverse_method: object) -> Callable[[FactorShape], int]:
+    """Validated ``inverse_method``, as the message size in bytes of a factor shape."""
     method = val.check_choice("inverse_method", inverse_method, INVERSE_METHODS)
-    return lambda n: message_bytes(n, bytes_per_element, method)
+    return lambda n: inverse_numel(n, method) * bytes_per_element
 
 
-def task_cost(n: int, inv: InverseCost, bcast: AlphaBeta, bytes_per_element: int = 4, world_size: int = 2,
+def task_cost(n: ShapeLike, inv: InverseCost, bcast: AlphaBeta, bytes_per_element: int = 4, world_size: int = 2,
               inverse_method: InverseMethodName = "cholesky") -> float:
-    """Modelled seconds an owner spends on factor side ``n``: its inversion plus the broadcast of the
-    inverse (:func:`message_bytes`). A broadcast costs nothing when ``world_size == 1`` (there is no peer)."""
-    return _owner_seconds(n, inv, bcast, lambda m: message_bytes(m, bytes_per_element, inverse_method), world_size)
+    """Modelled seconds an owner spends on a factor of shape ``n`` (an int n: n x n): its inversion
+    (:meth:`InverseCost.time_of`) plus the broadcast of the inverse (:func:`message_bytes`). A broadcast costs
+    nothing when ``world_size == 1`` (there is no peer)."""
+    shape = check_shape("n", n, low=0)
+    return _owner_seconds(shape, inv, bcast, _sizer(bytes_per_element, inverse_method), world_size)
 
 
-def _owner_seconds(n: int, inv: InverseCost, bcast: AlphaBeta, msg: Callable[[int], int], world: int) -> float:
-    """:func:`task_cost` with the message size as a function of the side (``msg``)."""
-    return inv.time(n) + (bcast.time(msg(n)) if world > 1 else 0.0)
+def _owner_seconds(n: FactorShape, inv: InverseCost, bcast: AlphaBeta, msg: Callable[[FactorShape], int],
+                   world: int) -> float:
+    """:func:`task_cost` with the message size as a function of the shape (``msg``)."""
+    return inv.time_of(n) + (bcast.time(msg(n)) if world > 1 else 0.0)
 
 
-def _loads(owners: list[int], ns: list[int], world: int, inv: InverseCost, bcast: AlphaBeta,
-           msg: Callable[[int], int]) -> list[float]:
-    replicated = sum(inv.time(n) for n, o in zip(ns, owners) if o == REPLICATED)
+def _loads(owners: list[int], ns: list[FactorShape], world: int, inv: InverseCost, bcast: AlphaBeta,
+           msg: Callable[[FactorShape], int]) -> list[float]:
+    replicated = sum(inv.time_of(n) for n, o in zip(ns, owners) if o == REPLICATED)
     load = [replicated] * world
     for n, o in zip(ns, owners):
         if o != REPLICATED:
@@ -190,7 +201,7 @@ def _loads(owners: list[int], ns: list[int], world: int, inv: InverseCost, bcast
 
 
 def plan_placement(
-    ns: Sequence[int],
+    ns: Sequence[ShapeLike],
     world_size: int,
     inv: InverseCost,
     bcast: AlphaBeta,
@@ -202,7 +213,8 @@ def plan_placement(
     """Decide which rank inverts each factor.
 
     Args:
-        ns: side ``n`` of every factor (A and G factors listed separately), in a fixed order.
+        ns: shape of every factor (A and G factors listed separately), in a fixed order: an int n (n x n),
+            or ``(n,)`` diagonal, ``(n, n)`` dense, ``(b, n, n)`` grouped.
         world_size: number of ranks.
         inv: inversion time model.
         bcast: alpha-beta model of one broadcast, per byte.
@@ -210,8 +222,9 @@ def plan_placement(
             the shared broadcast channel (below); ``"round_robin"`` factor ``i`` on rank ``i % world_size``
             in the given order (MPD-KFAC); ``"replicated"`` every rank inverts every factor (D-KFAC).
         bytes_per_element: bytes of one element of a broadcast inverse (4 for fp32).
-        small_threshold: ``"lbp"`` only: factors with ``n < small_threshold`` are replicated regardless
-            of the cost models (the paper's code used 1024).
+        small_threshold: factors whose side n (of each block for a grouped factor, the length of a
+            diagonal one) is ``< small_threshold`` are replicated regardless of the cost models (the paper's
+            code used 1024).
         inverse_method: what a broadcast carries (:func:`message_bytes`): ``"cholesky"`` the upper
             triangle of the inverse, ``"eigen"`` the eigen payload (twice the bytes). ``inv`` should be
             the model of that method's inversion (``measure_inverse_cost(..., method=...)``).
@@ -231,7 +244,7 @@ def plan_placement(
     :func:`simulate_placement` models it. So it is never worse than ``"lbp"`` in that model. Cost:
     ``O(F^2 log F)`` for ``F`` factors, once per plan.
     """
-    sizes = val.check_ints("ns", ns, low=1)
+    sizes = check_shapes("ns", ns, low=1)
     world = val.check_int("world_size", world_size, low=1)
     val.check_instance("inv", inv, InverseCost)
     val.check_instance("bcast", bcast, AlphaBeta)
@@ -267,19 +280,19 @@ def _lpt(tasks: list[tuple[float, int]], world: int, n: int) -> list[int]:
     return owners
 
 
-def _lbp(sizes: list[int], world: int, inv: InverseCost, bcast: AlphaBeta, msg: Callable[[int], int],
-         threshold: int | None) -> list[int]:
+def _lbp(sizes: list[FactorShape], world: int, inv: InverseCost, bcast: AlphaBeta,
+         msg: Callable[[FactorShape], int], threshold: int | None) -> list[int]:
     tasks = []
     for i, n in enumerate(sizes):
         send = bcast.time(msg(n))
-        if inv.time(n) <= send or (threshold is not None and n < threshold):
+        if inv.time_of(n) <= send or (threshold is not None and side(n) < threshold):
             continue
-        tasks.append((inv.time(n) + send, i))
+        tasks.append((inv.time_of(n) + send, i))
     tasks.sort(key=lambda t: (-t[0], t[1]))
     return _lpt(tasks, world, len(sizes))
 
 
-def _phase_end(owners: list[int], sizes: list[int], inv_times: list[float], send_times: list[float]) -> float:
+def _phase_end(owners: list[int], sizes: list[FactorShape], inv_times: list[float], send_times: list[float]) -> float:
     """:func:`simulate_placement`'s ``end`` for ``owners``, in ``O(F log F)`` (no per-rank lists)."""
     replicated = sum(t for t, o in zip(inv_times, owners) if o == REPLICATED)
     finish = _finish_times(owners, inv_times)
@@ -293,12 +306,12 @@ def _phase_end(owners: list[int], sizes: list[int], inv_times: list[float], send
     return max(compute, free)
 
 
-def _lbp_channel(sizes: list[int], world: int, inv: InverseCost, bcast: AlphaBeta, msg: Callable[[int], int],
-                 threshold: int | None) -> list[int]:
-    inv_times = [inv.time(n) for n in sizes]
+def _lbp_channel(sizes: list[FactorShape], world: int, inv: InverseCost, bcast: AlphaBeta,
+                 msg: Callable[[FactorShape], int], threshold: int | None) -> list[int]:
+    inv_times = [inv.time_of(n) for n in sizes]
     send_times = [bcast.time(msg(n)) for n in sizes]
     tasks = sorted(((inv_times[i] + send_times[i], i) for i, n in enumerate(sizes)
-                    if threshold is None or n >= threshold), key=lambda t: (-t[0], t[1]))
+                    if threshold is None or side(n) >= threshold), key=lambda t: (-t[0], t[1]))
     best = _lbp(sizes, world, inv, bcast, msg, threshold)
     best_end = _phase_end(best, sizes, inv_times, send_times)
     # LPT is greedy in a fixed order, so owning the k largest is a prefix of owning all of them.
@@ -340,7 +353,7 @@ class PlacementTimeline:
 
 
 def simulate_placement(
-    placement: Placement, ns: Sequence[int], inv: InverseCost, bcast: AlphaBeta, bytes_per_element: int = 4,
+    placement: Placement, ns: Sequence[ShapeLike], inv: InverseCost, bcast: AlphaBeta, bytes_per_element: int = 4,
     inverse_method: InverseMethodName = "cholesky", order: Sequence[int] | None = None,
 ) -> PlacementTimeline:
     """Timeline of ``placement`` when every broadcast uses one channel shared by all ranks (every rank
@@ -355,7 +368,7 @@ def simulate_placement(
     at all) pays off even though it adds compute to every rank. Pure.
     """
     val.check_instance("placement", placement, Placement)
-    sizes = val.check_ints("ns", ns, low=1)
+    sizes = check_shapes("ns", ns, low=1)
     if len(sizes) != len(placement.owners):
         raise ValueError(f"ns has {len(sizes)} factors but the placement has {len(placement.owners)}")
     val.check_instance("inv", inv, InverseCost)
@@ -374,12 +387,12 @@ def simulate_placement(
     ready: dict[int, float] = {}
     clock = [0.0] * world
     for i in issue:
-        clock[owners[i]] += inv.time(sizes[i])
+        clock[owners[i]] += inv.time_of(sizes[i])
         ready[i] = clock[owners[i]]
     compute_end = []
     for t in clock:  # then every replicated factor, one after the other
         for i in placement.replicated:
-            t += inv.time(sizes[i])
+            t += inv.time_of(sizes[i])
         compute_end.append(t)
     sent = issue if world > 1 else ()
     starts, ends = [], []
@@ -397,7 +410,7 @@ def simulate_placement(
     )
 
 
-def owned_prefix_candidates(ns: Sequence[int], world_size: int, inv: InverseCost, bcast: AlphaBeta,
+def owned_prefix_candidates(ns: Sequence[ShapeLike], world_size: int, inv: InverseCost, bcast: AlphaBeta,
                             bytes_per_element: int = 4, small_threshold: int | None = None,
                             inverse_method: InverseMethodName = "cholesky") -> list[Placement]:
     """The candidates ``"lbp_channel"`` chooses among, all of them, for a caller that judges them by its own
@@ -406,7 +419,7 @@ def owned_prefix_candidates(ns: Sequence[int], world_size: int, inv: InverseCost
     factors with ``n >= small_threshold``) owns the ``k`` largest by owner cost (inversion + broadcast,
     ties: lower index), each on the rank LPT gives it when all ``F'`` are assigned, and replicates the rest.
     Candidate 0 is ``"replicated"``. With ``world_size == 1`` the one candidate replicates every factor."""
-    sizes = val.check_ints("ns", ns, low=1)
+    sizes = check_shapes("ns", ns, low=1)
     world = val.check_int("world_size", world_size, low=1)
     val.check_instance("inv", inv, InverseCost)
     val.check_instance("bcast", bcast, AlphaBeta)
@@ -416,8 +429,8 @@ def owned_prefix_candidates(ns: Sequence[int], world_size: int, inv: InverseCost
     if world == 1:
         owners = [REPLICATED] * len(sizes)
         return [Placement(tuple(owners), "lbp_channel", tuple(_loads(owners, sizes, world, inv, bcast, msg)))]
-    tasks = sorted(((inv.time(n) + bcast.time(msg(n)), i) for i, n in enumerate(sizes)
-                    if threshold is None or n >= threshold), key=lambda t: (-t[0], t[1]))
+    tasks = sorted(((inv.time_of(n) + bcast.time(msg(n)), i) for i, n in enumerate(sizes)
+                    if threshold is None or side(n) >= threshold), key=lambda t: (-t[0], t[1]))
     full = _lpt(tasks, world, len(sizes))
     out = []
     for k in range(len(tasks) + 1):
