@@ -36,6 +36,7 @@ COVERED = {
 EXAMPLE_TESTS = {
     "resnet_cifar": "test_example_resnet.py",
     "transformer_lm": "test_example_lm.py",
+    "hf_gpt2": "test_example_hf_gpt2.py",
 }
 
 
@@ -61,7 +62,8 @@ def test_every_config_is_run_by_a_test():
 
 
 @pytest.mark.parametrize("name", all_configs())
-def test_config_parses(name, isolated, capsys):
+def test_config_parses(name, isolated, capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO))  # configs/hf_gpt2*.yaml: class_path examples.hf_gpt2.GPT2LM
     path = CONFIGS / name
     args = ["--config", str(BASE), "--config", str(path)] if name.startswith("schedules/") else ["--config", str(path)]
     with pytest.raises(SystemExit) as e:
