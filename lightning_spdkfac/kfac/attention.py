@@ -83,7 +83,7 @@ class ProjectionHelper(LinearHelper):
     module: Projection  # type: ignore[assignment]
 
     def __init__(self, module: Projection) -> None:
-        super().__init__(module)  # type: ignore[arg-type]
+        super().__init__(module)
 
     @property
     def in_features(self) -> int:

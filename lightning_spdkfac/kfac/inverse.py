@@ -44,6 +44,8 @@ from dataclasses import dataclass
 
 import torch
 
+from . import factors as fx
+
 LEVELS = ("cholesky", "eigh", "damping", "identity")
 DAMPING_RETRIES = 3  # damping x 10, x 100, x 1000
 DAMPING_GROWTH = 10.0
@@ -81,10 +83,11 @@ def pi_split(A: torch.Tensor, G: torch.Tensor, damping: float) -> tuple[torch.Te
     the cross terms (Martens & Grosse 2015, sec. 6.3); where it is not a positive finite number (a
     zero factor, e.g. a layer whose output got no gradient) pi is 1.
 
-    Returned as two float64 scalars on the factors' device, without a host sync.
+    Returned as two float64 scalars on the factors' device, without a host sync (one per block when the
+    factors are grouped: each group's block is balanced on its own).
     """
-    mean_a = A.diagonal().sum(dtype=torch.float64) / A.shape[0]
-    mean_g = G.diagonal().sum(dtype=torch.float64) / G.shape[0]
+    mean_a = fx.mean_eigenvalue(A)
+    mean_g = fx.mean_eigenvalue(G)
     pi = (mean_a / mean_g).sqrt()
     pi = torch.where(torch.isfinite(pi) & (pi > 0.0), pi, torch.ones_like(pi))
     root = math.sqrt(damping)
@@ -92,9 +95,17 @@ def pi_split(A: torch.Tensor, G: torch.Tensor, damping: float) -> tuple[torch.Te
 
 
 def _damped_copy(factor: torch.Tensor, damping: float | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    m = factor.to(dtype=dtype, copy=True)
-    m.diagonal().add_(damping)
-    return m
+    return fx.add_damping(factor.to(dtype=dtype, copy=True), damping)
+
+
+def diagonal_inverse(factor: torch.Tensor, damping: float | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(diag(f) + damping I)^-1 of a diagonal factor, as its diagonal: negative entries (round-off) clamped to
+    zero, and entries below 1e-10 of the largest raised to it as :func:`eigh_inverse` does (a zero factor without
+    damping gives ones). Non-finite where the factor is: :func:`robust_inverse` takes that case."""
+    vals = factor.to(dtype).clamp(min=0.0) + (damping.to(dtype) if isinstance(damping, torch.Tensor) else damping)
+    floor = vals.amax() * EIGH_FLOOR
+    vals = torch.where(vals > floor, vals, floor)
+    return torch.where(vals > 0.0, vals.reciprocal(), torch.ones_like(vals))
 
 
 def _finite(t: torch.Tensor) -> bool:
@@ -152,6 +163,12 @@ def robust_inverse(factor: torch.Tensor, damping: float, dtype: torch.dtype,
     ``reason`` says why Cholesky was rejected; it is extended with why each later level failed.
     """
     reasons = [reason]
+    if factor.dim() == 1:  # diagonal: only a non-finite entry makes diagonal_inverse fail
+        mean = float(factor.to(torch.float64).nan_to_num(0.0, 0.0, 0.0).clamp(min=0.0).mean()) if factor.numel() else 0.0
+        denom = mean + damping
+        denom = denom if 0.0 < denom < float("inf") else (damping if damping > 0.0 else 1.0)
+        reasons.append("the factor holds non-finite values")
+        return torch.full_like(factor, 1.0 / denom, dtype=dtype), "identity", damping, "; ".join(reasons)
     if not _finite(factor):
         reasons.append("the factor holds non-finite values")
         return scaled_identity(factor, damping, dtype), "identity", damping, "; ".join(reasons)
@@ -180,6 +197,24 @@ def robust_inverse(factor: torch.Tensor, damping: float, dtype: torch.dtype,
     return scaled_identity(factor, damping, dtype), "identity", damping, "; ".join(reasons)
 
 
+def _robust_any(factor: torch.Tensor, damping: float | torch.Tensor, dtype: torch.dtype,
+                reason: str) -> tuple[torch.Tensor, str, float, str]:
+    """:func:`robust_inverse` of a factor in any layout: a grouped one block by block (each block with its own
+    damping, the healthy ones by Cholesky), reporting the lowest level a block needed."""
+    if factor.dim() != 3:
+        return robust_inverse(factor, float(damping), dtype, reason)
+    d = damping if isinstance(damping, torch.Tensor) and damping.dim() == 1 else None
+    blocks = []
+    worst, used, why = "cholesky", float(damping if d is None else d.max()), reason
+    for j in range(factor.shape[0]):
+        single, fallbacks = robust_inverses([factor[j]], [float(d[j]) if d is not None else float(damping)], dtype)
+        blocks.append(single[0])
+        for fb in fallbacks:
+            if LEVELS.index(fb.level) > LEVELS.index(worst):
+                worst, used, why = fb.level, fb.damping, f"block {j}: {fb.reason}"
+    return torch.stack(blocks), ("eigh" if worst == "cholesky" else worst), used, why
+
+
 def robust_inverses(
     factors: list[torch.Tensor], damping: float | Sequence[float | torch.Tensor], dtype: torch.dtype
 ) -> tuple[list[torch.Tensor], list[Fallback]]:
@@ -197,19 +232,25 @@ def robust_inverses(
     limit = COND_LIMIT / torch.finfo(dtype).eps
     inverses, flags = [], []
     for f, damping_f in zip(factors, dampings):
+        if f.dim() == 1:
+            inv = diagonal_inverse(f, damping_f, dtype)
+            inverses.append(inv)
+            flags.append(torch.where(torch.isfinite(inv.sum()), 0, 2))
+            continue
         m = _damped_copy(f, damping_f, dtype)
         L, info = torch.linalg.cholesky_ex(m)
         failed_here = info.ne(0)
         # A failed factorization may hold zeros on its diagonal, on which cholesky_inverse
         # raises; put ones there without a host sync (that result is discarded below).
-        L.diagonal().masked_fill_(failed_here, 1.0)
+        fx.diagonal(L).masked_fill_(failed_here.unsqueeze(-1), 1.0)
         inv = torch.cholesky_inverse(L)
         inverses.append(inv)
         # Codes: 0 ok, 1 failed, 2 inverse not finite (one pass: a non-finite entry makes the sum
         # non-finite; Cholesky can "succeed" on a near-singular matrix whose inverse overflows),
-        # 3 too ill-conditioned for dtype (see the module docstring).
-        ill = (m.diagonal() * inv.diagonal()).max() > limit
-        flags.append(torch.where(failed_here, 1, torch.where(~torch.isfinite(inv.sum()), 2, torch.where(ill, 3, 0))))
+        # 3 too ill-conditioned for dtype (see the module docstring). A grouped factor: the worst block's.
+        ill = (fx.diagonal(m) * fx.diagonal(inv)).max() > limit
+        flags.append(torch.where(failed_here.any(), 1, torch.where(~torch.isfinite(inv.sum()), 2,
+                                                                   torch.where(ill, 3, 0))))
     codes = torch.stack(flags).tolist()  # the one sync
     why = {1: "it is not positive definite after damping (indefinite or singular)", 2: "the Cholesky inverse is not finite",
            3: f"the damped factor is too ill-conditioned for a {dtype} Cholesky (condition number above "
@@ -217,7 +258,7 @@ def robust_inverses(
     fallbacks = []
     for i, code in enumerate(codes):
         if code:
-            inverses[i], level, used, reason = robust_inverse(factors[i], float(dampings[i]), dtype, why[code])
+            inverses[i], level, used, reason = _robust_any(factors[i], dampings[i], dtype, why[code])
             fallbacks.append(Fallback(i, level, used, reason))
     for inv in inverses:
         # Entries below the smallest normal float: zero to the inverse's precision, and subnormal
@@ -253,14 +294,17 @@ EIGEN_FALLBACK_ACTION = {
 
 
 def eigen_payload(evecs: torch.Tensor, evals: torch.Tensor) -> torch.Tensor:
-    """One (n+1, n) tensor: rows 0..n-1 the eigenvectors (as columns), row n the eigenvalues."""
-    return torch.cat([evecs, evals.unsqueeze(0)], dim=0)
+    """One (n+1, n) tensor: rows 0..n-1 the eigenvectors (as columns), row n the eigenvalues (per block:
+    ``b x (n+1) x n``). A diagonal factor's payload is its eigenvalues alone (the eigenvectors are I)."""
+    return torch.cat([evecs, evals.unsqueeze(-2)], dim=-2)
 
 
 def _eigh(factor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
     """The payload of sym(F) by eigh in ``dtype`` (eigenvalues clamped at 0), or None where it fails."""
     f = factor.to(dtype)
-    f = 0.5 * (f + f.T)
+    if f.dim() == 1:
+        return f.clamp(min=0.0)
+    f = 0.5 * (f + f.transpose(-1, -2))
     evals: torch.Tensor
     evecs: torch.Tensor
     try:
@@ -272,12 +316,15 @@ def _eigh(factor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
 
 def identity_payload(factor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Q = I, every eigenvalue trace(F)/n (0 where that is not finite and non-negative): the last resort."""
-    n = factor.shape[0]
-    mean = float(factor.to(torch.float64).diagonal().sum()) / max(n, 1)
+    n = factor.shape[-1]
+    mean = float(fx.diagonal(factor.to(torch.float64)).sum()) / max(fx.diagonal(factor).numel(), 1)
     if not (mean >= 0.0 and mean < torch.finfo(dtype).max):
         mean = 0.0
-    evals = torch.full((n,), mean, dtype=dtype, device=factor.device)
-    return eigen_payload(torch.eye(n, dtype=dtype, device=factor.device), evals)
+    evals = torch.full(fx.diagonal(factor).shape, mean, dtype=dtype, device=factor.device)
+    if factor.dim() == 1:
+        return evals
+    eye = torch.eye(n, dtype=dtype, device=factor.device).expand(*factor.shape[:-2], n, n)
+    return eigen_payload(eye, evals)
 
 
 def robust_eigens(factors: list[torch.Tensor], dtype: torch.dtype) -> tuple[list[torch.Tensor], list[Fallback]]:
@@ -318,10 +365,20 @@ def eigen_precondition(grad: torch.Tensor, A_eig: torch.Tensor, G_eig: torch.Ten
     With ``damping`` 0, denominators below 1e-10 of the largest are raised to it (and a zero block
     leaves the rotated gradient as it is), so the result stays finite.
     """
-    QA, eA = A_eig[:-1], A_eig[-1]
-    QG, eG = G_eig[:-1], G_eig[-1]
-    denom = torch.outer(eG, eA) + damping
+    QA, eA = _split_payload(A_eig)
+    QG, eG = _split_payload(G_eig)
+    denom = eG.unsqueeze(-1) * eA.unsqueeze(-2) + damping
     if damping <= 0.0:
         denom = torch.maximum(denom, denom.amax() * EIGH_FLOOR)
         denom = torch.where(denom > 0.0, denom, torch.ones_like(denom))
-    return QG @ ((QG.T @ grad @ QA) / denom) @ QA.T
+    r = grad if QG is None else QG.transpose(-1, -2) @ grad
+    r = (r if QA is None else r @ QA) / denom
+    r = r if QG is None else QG @ r
+    return r if QA is None else r @ QA.transpose(-1, -2)
+
+
+def _split_payload(p: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(eigenvectors or None for a diagonal factor, eigenvalues) of an eigen payload in any layout."""
+    if p.dim() == 1:
+        return None, p
+    return p[..., :-1, :], p[..., -1, :]

@@ -7,7 +7,9 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from .layers import LayerHelper
+from ..factor_shapes import FactorShape
+from . import factors
+from .layer_base import LayerHelper
 
 
 @dataclass(eq=False)
@@ -18,12 +20,15 @@ class KFACLayer:
     helper: LayerHelper
     index: int = 0  # registration order: the order every rank uses for collectives
     reduce: bool = False  # K-FAC-reduce rows for this layer (factor_approx, resolved per layer type)
+    # The layouts of A and G (factor_shapes: dense, diagonal or grouped), fixed at registration.
+    a_shape: FactorShape = ()
+    g_shape: FactorShape = ()
     # Accumulators of the current optimizer step (sums over micro-batches and calls).
     # Rows are positions (factor_approx="expand") or examples, their positions aggregated ("reduce").
-    xx: torch.Tensor | None = None  # sum_r x_r x_r^T (without the bias column)
-    x_sum: torch.Tensor | None = None  # sum_r x_r (the bias row/column of A)
+    xx: torch.Tensor | None = None  # sum_r x_r x_r^T (without the bias column), in A's layout
+    x_sum: torch.Tensor | None = None  # sum_r x_r (the bias row/column of A; per group for a grouped A)
     rows: int = 0  # R, rows seen by A
-    dd: torch.Tensor | None = None  # sum_r d_r d_r^T
+    dd: torch.Tensor | None = None  # sum_r d_r d_r^T, in G's layout
     examples: int = 0  # N, examples seen (counted once per micro-batch, not per call)
     a_calls: int = 0
     g_calls: int = 0
@@ -55,25 +60,44 @@ class KFACLayer:
         """Whether all the layer's parameters require grad now (a frozen layer is left alone)."""
         return all(p.requires_grad for p in self.helper.params())
 
+    def xx_shape(self) -> tuple[int, ...]:
+        """The shape of the A accumulator: A's layout without the bias row and column."""
+        n = self.helper.in_features
+        if len(self.a_shape) == 1:
+            return (self.a_shape[0] - int(self.helper.has_bias),)
+        return (*self.a_shape[:-2], n, n)
+
     def step_a(self) -> torch.Tensor:
-        """This step's A_new as a new matrix (the distributed path sends it).
+        """This step's A_new as a new tensor in A's layout (the distributed path sends it).
 
         Called once this step's A was accumulated (``a_calls > 0``), so ``xx`` (and ``x_sum`` with a
         bias) hold this step's sums.
         """
-        n = self.helper.in_features
         xx = self.xx
         assert xx is not None
         if not self.helper.has_bias:
             return xx / self.rows
-        A = torch.empty(n + 1, n + 1, dtype=xx.dtype, device=xx.device)
-        torch.div(xx, self.rows, out=A[:n, :n])
+        A = torch.empty(self.a_shape, dtype=xx.dtype, device=xx.device)
         assert self.x_sum is not None
-        x_mean = self.x_sum / self.rows
-        A[:n, n] = x_mean
-        A[n, :n] = x_mean
-        A[n, n] = 1.0
+        self._fill_a(A, xx.div(self.rows), self.x_sum / self.rows, 1.0)
         return A
+
+    def _fill_a(self, A: torch.Tensor, xx: torch.Tensor, x_mean: torch.Tensor, weight: float) -> None:
+        """A <- A + weight (A_new - A) (weight 1: A_new) for A_new = [[xx, x_mean], [x_mean^T, 1]] in A's layout (a
+        diagonal A keeps the diagonal: xx's and the bias entry 1)."""
+        n = xx.shape[-1]
+        parts: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+        if A.dim() == 1:
+            parts = ((A[:n], xx),)
+            A[n] = 1.0
+        else:
+            parts = ((A[..., :n, :n], xx), (A[..., :n, n], x_mean), (A[..., n, :n], x_mean))
+            A[..., n, n] = 1.0  # the mean of the constant 1s, in every step's factor
+        for running, new in parts:
+            if weight == 1.0:
+                running.copy_(new)
+            else:
+                running.lerp_(new, weight)  # decay*F + (1-decay)*F_new in one pass
 
     def step_g(self, g_scale: float) -> torch.Tensor:
         """This step's G_new as a new matrix (once this step's G was accumulated: ``g_calls > 0``)."""
@@ -111,7 +135,7 @@ class KFACLayer:
         and by Cauchy-Schwarz a finite diagonal bounds every off-diagonal entry and the bias sum.
         """
         assert self.xx is not None and self.dd is not None  # a collected layer: a_calls == g_calls > 0
-        return [self.xx.diagonal().sum(), self.dd.diagonal().sum()]
+        return [factors.trace_sum(self.xx), factors.trace_sum(self.dd)]
 
     def update_factors(self, decay: float, g_scale: float) -> None:
         """Fold this step's factors into the running averages, in place (see docs/math.md).
@@ -119,33 +143,29 @@ class KFACLayer:
         A_new = [[xx, x_sum], [x_sum^T, R]] / R and G_new = N * g_scale * dd. The accumulators
         are scaled in place (they are refilled next step), so no factor-sized temporary is made.
         """
-        n = self.helper.in_features
-        side = self.helper.a_dim
         # A collected layer (a_calls == g_calls > 0): this step's sums are there.
         assert self.xx is not None and self.dd is not None
         A, G = self.A, self.G  # set together: both None before the first update
-        if A is None or G is None or A.shape[0] != side or G.shape != self.dd.shape:
+        if A is None or G is None or A.shape != self.a_shape or G.shape != self.dd.shape:
             first = True
-            A = self.A = torch.empty(side, side, dtype=self.xx.dtype, device=self.xx.device)
+            A = self.A = torch.empty(self.a_shape, dtype=self.xx.dtype, device=self.xx.device)
             G = self.G = torch.empty_like(self.dd)
         else:
             first = False
         weight = 1.0 if first else 1.0 - decay
         xx = self.xx.mul_(1.0 / self.rows)
         dd = self.dd.mul_(self.examples * g_scale)
-        parts: tuple[tuple[torch.Tensor, torch.Tensor], ...]
         if self.helper.has_bias:
             assert self.x_sum is not None
-            x_mean = self.x_sum.mul_(1.0 / self.rows)
-            parts = ((A[:n, :n], xx), (A[:n, n], x_mean), (A[n, :n], x_mean), (G, dd))
-            A[n, n] = 1.0  # the mean of the constant 1s, in every step's factor
+            self._fill_a(A, xx, self.x_sum.mul_(1.0 / self.rows), weight)
+        elif weight == 1.0:
+            A.copy_(xx)
         else:
-            parts = ((A, xx), (G, dd))
-        for running, new in parts:
-            if weight == 1.0:
-                running.copy_(new)
-            else:
-                running.lerp_(new, weight)  # decay*F + (1-decay)*F_new in one pass
+            A.lerp_(xx, weight)
+        if weight == 1.0:
+            G.copy_(dd)
+        else:
+            G.lerp_(dd, weight)
         self.flush_subnormals()
 
 

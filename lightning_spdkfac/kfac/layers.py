@@ -1,175 +1,36 @@
-"""Per-layer-type math: how a module's input and output gradient become Kronecker-factor rows.
+"""The layer types K-FAC handles, and the registry through which a user adds their own.
 
-Each helper knows, for one module type, how to turn the layer input into the rows ``a_r`` of
-the A factor and the output gradient into the rows ``d_r`` of the G factor (one per position:
-K-FAC-expand; or one per example, aggregated over its positions: K-FAC-reduce), how to read the
-gradient of the weight (and bias) as one ``out x in`` matrix, and how to write a
-preconditioned matrix back. Nothing here keeps state across steps or touches torch.distributed.
-See docs/math.md for the definitions.
+Built in: ``nn.Linear``; ``transformers``' ``Conv1D`` (a linear layer whose weight is stored ``in x out``, the body
+of GPT-2), matched by its qualified name so that ``transformers`` is never imported here; ``nn.Embedding``; and
+``nn.Conv1d/2d/3d`` of any groups (:mod:`.conv`). Each is registered with :func:`register_layer_type`, the public
+extension point: a user's own module type gets K-FAC by registering a :class:`~.layer_base.LayerHelper` subclass
+(how to read its input rows, its output-gradient rows, and its weight's layout) the same way. docs/extending.md
+shows one. Multi-head attention's packed projections are in :mod:`.attention`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from typing import Any, cast
+from collections.abc import Callable
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from ..factor_shapes import FactorShape
+from .conv import ConvHelper, conv_helper
+from .layer_base import LayerHelper
 
-class LayerHelper:
-    """Math of one supported module. Subclasses fill in the row extraction."""
-
-    def __init__(self, module: nn.Module) -> None:
-        self.module = module
-        self.has_bias = getattr(module, "bias", None) is not None
-
-    # The parameters, read from the module at each use. torch's stubs type ``weight`` as a Tensor and
-    # leave ``nn.Linear.bias`` to ``Module.__getattr__``; both are the module's Parameters.
-    def _weight(self) -> nn.Parameter:
-        return cast(nn.Parameter, self.module.weight)
-
-    def _bias(self) -> nn.Parameter:
-        """The bias (only where ``has_bias``)."""
-        return cast(nn.Parameter, self.module.bias)
-
-    # -- shapes -----------------------------------------------------------------------
-    @property
-    def a_dim(self) -> int:
-        """Side of the A factor (inputs per output, plus one for the bias)."""
-        return self.in_features + int(self.has_bias)
-
-    @property
-    def g_dim(self) -> int:
-        """Side of the G factor (outputs)."""
-        return self.out_features
-
-    @property
-    def in_features(self) -> int:  # pragma: no cover - abstract
-        raise NotImplementedError
-
-    @property
-    def out_features(self) -> int:  # pragma: no cover - abstract
-        raise NotImplementedError
-
-    # -- factor rows ------------------------------------------------------------------
-    def batch_size(self, x: torch.Tensor) -> int:
-        """B: the first dimension of the layer input (1 for an unbatched input)."""
-        return 1 if x.dim() == self.unbatched_dim else x.shape[0]
-
-    def examples(self, x: torch.Tensor, reduce: bool) -> int:
-        """N in G = N sum d d^T: the number of loss terms the output gradients average over.
-
-        An example per batch entry (KFC's convention for images: one loss per image); see
-        :meth:`LinearHelper.examples` for sequences.
-        """
-        return self.batch_size(x)
-
-    unbatched_dim = -1
-    # What factor_approx="auto" uses for this layer type (docs/math.md, "K-FAC-expand and K-FAC-reduce").
-    auto_reduce = False
-    # Whether K-FAC-reduce rows exist for this type (an embedding's stay expand: its A is diagonal only there).
-    reducible = True
-
-    def a_rows(self, x: torch.Tensor) -> torch.Tensor:
-        """The input rows ``R x in`` without the bias column (the 1s are added in closed form)."""
-        raise NotImplementedError  # pragma: no cover
-
-    def g_rows(self, grad_output: torch.Tensor) -> torch.Tensor:
-        """The output-gradient rows ``R x out``."""
-        raise NotImplementedError  # pragma: no cover
-
-    def a_reduced(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """K-FAC-reduce input rows ``B x in`` in ``dtype``: per example, the mean of its rows ``a_r``
-        (without the bias column, whose mean is 1)."""
-        raise NotImplementedError  # pragma: no cover
-
-    def g_reduced(self, grad_output: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """K-FAC-reduce output-gradient rows ``B x out`` in ``dtype``: per example, the sum of its rows ``d_r``."""
-        raise NotImplementedError  # pragma: no cover
-
-    def factor_rows(self, x: torch.Tensor, reduce: bool, dtype: torch.dtype) -> torch.Tensor:
-        """The rows of one call's input that :meth:`add_gram` takes (``R x in`` in ``dtype``)."""
-        return self.a_reduced(x, dtype) if reduce else self.a_rows(x).to(dtype)
-
-    def add_gram(self, xx: torch.Tensor, a: torch.Tensor, first: bool) -> None:
-        """``xx = a^T a`` (``first``) or ``xx += a^T a``, in place: the A sum of one call."""
-        if first:
-            torch.mm(a.T, a, out=xx)
-        else:
-            xx.addmm_(a.T, a)
-
-    # -- gradient as a matrix ---------------------------------------------------------
-    def params(self) -> list[torch.nn.Parameter]:
-        """The parameters whose gradients form :meth:`grad_matrix`: the weight, then the bias."""
-        return [self._weight()] + ([self._bias()] if self.has_bias else [])
-
-    def param_keys(self) -> list[tuple[int, Any]]:
-        """What the block occupies, for :func:`shared_parameter_groups`: (parameter id, which part of it;
-        None: the whole parameter), the weight first."""
-        return [(id(p), None) for p in self.params()]
-
-    def owner(self) -> nn.Module:
-        """The module that holds the parameters (``self.module``, except for a projection of an attention)."""
-        return self.module
-
-    # The part of the weight's (bias's) gradient this block covers, as a tensor to read and write in place,
-    # and how it is laid out as the ``out x in`` matrix; a block of rows of a packed weight overrides these.
-    def _weight_part(self, wg: torch.Tensor) -> torch.Tensor:
-        return wg
-
-    def _bias_part(self, bg: torch.Tensor) -> torch.Tensor:
-        return bg
-
-    def _as_matrix(self, part: torch.Tensor) -> torch.Tensor:
-        return part.reshape(part.shape[0], -1)
-
-    def _from_matrix(self, block: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
-        return block.reshape(part.shape)
-
-    def grad_matrix(self, grads: Mapping[nn.Parameter, torch.Tensor | None]) -> torch.Tensor | None:
-        """``[dW, db]`` as one ``out x a_dim`` matrix, from ``grads`` (parameter -> gradient
-        tensor, see :mod:`lightning_spdkfac.kfac.gradients`); None when one of them has none."""
-        wg = grads.get(self._weight())
-        if wg is None:
-            return None
-        g = self._as_matrix(self._weight_part(wg))
-        if self.has_bias:
-            bg = grads.get(self._bias())
-            if bg is None:
-                return None
-            g = torch.cat([g, self._bias_part(bg).reshape(-1, 1)], dim=1)
-        return g
-
-    def write_grad(self, matrix: torch.Tensor, scale: torch.Tensor | None,
-                   grads: Mapping[nn.Parameter, torch.Tensor | None]) -> None:
-        """Write ``scale * matrix`` back into the gradient tensors of ``grads``, in place.
-
-        ``matrix`` came from :meth:`grad_matrix` of the same ``grads``, so every gradient is there.
-        The source is shaped like each gradient, not the gradient like the matrix: a gradient in any memory
-        format (a ``channels_last`` convolution weight's is not contiguous) is written through its own strides.
-        """
-        n_in = self.in_features
-        wg = grads[self._weight()]
-        assert wg is not None  # grad_matrix returned a matrix: the weight has a gradient
-        part = self._weight_part(wg)
-        _scaled_copy(part, self._from_matrix(matrix[:, :n_in], part), scale)
-        if self.has_bias:
-            bg = grads[self._bias()]
-            assert bg is not None  # likewise for the bias
-            part = self._bias_part(bg)
-            _scaled_copy(part, matrix[:, n_in].reshape(part.shape), scale)
-
-
-def _scaled_copy(dst: torch.Tensor, src: torch.Tensor, scale: torch.Tensor | None) -> None:
-    if scale is None:
-        dst.copy_(src)
-    elif src.dtype == dst.dtype:
-        torch.mul(src, scale, out=dst)
-    else:
-        dst.copy_(src * scale)
+__all__ = [
+    "ConvHelper",
+    "EmbeddingHelper",
+    "LayerHelper",
+    "LinearHelper",
+    "TransposedLinearHelper",
+    "make_helper",
+    "register_layer_type",
+    "registered_layer_types",
+]
 
 
 class LinearHelper(LayerHelper):
@@ -177,9 +38,6 @@ class LinearHelper(LayerHelper):
 
     unbatched_dim = 1
     module: nn.Linear
-
-    def __init__(self, module: nn.Linear) -> None:
-        super().__init__(module)
 
     @property
     def in_features(self) -> int:
@@ -207,104 +65,35 @@ class LinearHelper(LayerHelper):
     def a_reduced(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if x.dim() <= 2:
             return self.a_rows(x).to(dtype)
-        return x.reshape(x.shape[0], -1, x.shape[-1]).mean(1, dtype=dtype)
+        # Explicit sizes: an empty batch has no elements to infer a -1 from.
+        return x.reshape(x.shape[0], math.prod(x.shape[1:-1]), x.shape[-1]).mean(1, dtype=dtype)
 
     def g_reduced(self, grad_output: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if grad_output.dim() <= 2:
             return self.g_rows(grad_output).to(dtype)
-        return grad_output.reshape(grad_output.shape[0], -1, grad_output.shape[-1]).sum(1, dtype=dtype)
+        g = grad_output
+        return g.reshape(g.shape[0], math.prod(g.shape[1:-1]), g.shape[-1]).sum(1, dtype=dtype)
 
 
-class ConvHelper(LayerHelper):
-    """``nn.Conv1d``, ``nn.Conv2d`` and ``nn.Conv3d`` (groups=1) with any stride, padding, dilation and padding
-    mode (KFC rows: one per output position, the patch of the input it reads)."""
+class TransposedLinearHelper(LinearHelper):
+    """A linear layer whose weight is stored ``in x out`` (``y = x W + b``): ``transformers``' ``Conv1D`` (GPT-2's
+    attention and MLP projections), or any module with that layout and a ``weight`` / ``bias`` of its own."""
 
-    # reduce: expand's A costs (C k...)^2 * positions per example, many times the convolution itself, and a
-    # vision loss is per image (K-FAC-reduce's setting); measured faster to target (README).
-    auto_reduce = True
-    module: nn.Conv1d | nn.Conv2d | nn.Conv3d
-
-    def __init__(self, module: nn.Conv1d | nn.Conv2d | nn.Conv3d) -> None:
-        super().__init__(module)
-        self.spatial = len(module.kernel_size)
-        self.unbatched_dim = self.spatial + 1
+    module: Any
 
     @property
     def in_features(self) -> int:
-        return self.module.in_channels * math.prod(self.module.kernel_size)
+        return int(self.module.weight.shape[0])
 
     @property
     def out_features(self) -> int:
-        return self.module.out_channels
+        return int(self.module.weight.shape[1])
 
-    def _padded(self, x: torch.Tensor) -> torch.Tensor:
-        """The batched input, padded exactly as the module's forward pads it, in whatever memory format.
+    def _as_matrix(self, part: torch.Tensor) -> torch.Tensor:
+        return part.T
 
-        Not copied to a contiguous tensor: the row extraction below reads through the input's own strides,
-        so a ``channels_last`` (or any strided) input is read in place. ``_reversed_padding_repeated_twice`` is
-        the module's own padding of every side (string padding 'same' / 'valid' resolved, asymmetric included).
-        """
-        m = self.module
-        if x.dim() == self.unbatched_dim:
-            x = x.unsqueeze(0)
-        pad = m._reversed_padding_repeated_twice
-        if any(pad):
-            x = F.pad(x, pad, mode="constant" if m.padding_mode == "zeros" else m.padding_mode)
-        return x
-
-    def _geometry(self, x: torch.Tensor) -> list[tuple[int, int, int, int]]:
-        """Per spatial dim of the padded input: (kernel, stride, dilation, output size)."""
-        m = self.module
-        return [(k, s, d, (size - d * (k - 1) - 1) // s + 1)
-                for k, s, d, size in zip(m.kernel_size, m.stride, m.dilation, x.shape[2:], strict=True)]
-
-    def a_rows(self, x: torch.Tensor) -> torch.Tensor:
-        """Patch rows ``R x (C*k1*...*kn)``, columns in the order of ``weight.view(out, -1)``.
-
-        The patches are one strided view of the (padded) input, through its own strides (any memory
-        format), copied once by the final reshape; ``F.unfold`` followed by the transpose to rows would
-        copy them twice (and exists for 2-D only).
-        """
-        x = self._padded(x)
-        geo = self._geometry(x)
-        s_b, s_c, *s_sp = x.stride()
-        size = (x.shape[0], *(o for _, _, _, o in geo), x.shape[1], *(k for k, _, _, _ in geo))
-        stride = (s_b, *(s * st for (_, s, _, _), st in zip(geo, s_sp)), s_c,
-                  *(d * st for (_, _, d, _), st in zip(geo, s_sp)))
-        patches = x.as_strided(size, stride)
-        return patches.reshape(-1, self.in_features)
-
-    def a_reduced(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Mean patch of each example ``B x (C*k1*...*kn)``, without forming the patches.
-
-        Entry (c, i1..in) of the mean patch is the mean of ``x[c, i1*d1 + p1*s1, ...]`` over the output
-        positions (p1..pn); the sum separates, one spatial dim at a time: a strided view puts (kernel index,
-        output index) in place of that dim and the output index is summed away. That reads
-        ``k1*O1*S2*...`` values for the first dim (instead of ``k1*...*kn*O1*...*On`` for the patches) and
-        does no GEMM. The input is read through its own strides (any memory format).
-        """
-        t = self._padded(x)
-        geo = self._geometry(t)
-        for i, (k, s, d, o) in enumerate(geo):
-            dim = 2 + i
-            size, stride = list(t.shape), list(t.stride())
-            t = t.as_strided(size[:dim] + [k, o] + size[dim + 1:],
-                             stride[:dim] + [d * stride[dim], s * stride[dim]] + stride[dim + 1:])
-            t = t.sum(dim + 1, dtype=dtype)  # a new tensor: the next dim's view reads its strides
-        positions = math.prod(o for _, _, _, o in geo)
-        return t.reshape(t.shape[0], -1).mul_(1.0 / positions)
-
-    def _batched(self, grad_output: torch.Tensor) -> torch.Tensor:
-        return grad_output.unsqueeze(0) if grad_output.dim() == self.unbatched_dim else grad_output
-
-    def g_rows(self, grad_output: torch.Tensor) -> torch.Tensor:
-        g = self._batched(grad_output)
-        # (B, out, *spatial) -> (B*positions, out)
-        return g.flatten(2).transpose(1, 2).reshape(-1, g.shape[1])
-
-    def g_reduced(self, grad_output: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        g = self._batched(grad_output)
-        return g.flatten(2).sum(2, dtype=dtype)  # (B, out, *spatial) -> (B, out)
+    def _from_matrix(self, block: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
+        return block.T
 
 
 class EmbeddingHelper(LayerHelper):
@@ -312,12 +101,12 @@ class EmbeddingHelper(LayerHelper):
     token frequencies (a padding_idx token's row is zero: its weight row gets no gradient), and G the full
     ``embedding_dim`` output-gradient covariance; every position is an example (K-FAC-expand only).
 
-    A is kept as a dense ``vocab x vocab`` matrix (diagonal) so that factor reduction, inversion, checkpoints
-    and the distributed plan treat it like any other factor; hence the vocabulary limit
-    :data:`EMBEDDING_MAX_VOCAB`. The weight is ``vocab x dim``: its gradient matrix is the transpose.
+    A is kept as its diagonal (``vocab`` entries, whatever the vocabulary), G dense up to ``max_factor_side``.
+    The weight is ``vocab x dim``: its gradient matrix is the transpose.
     """
 
     reducible = False
+    a_diagonal = True
     module: nn.Embedding
 
     @property
@@ -338,12 +127,12 @@ class EmbeddingHelper(LayerHelper):
         pad = self.module.padding_idx
         return ids if pad is None else ids.masked_fill(ids == pad, -1)
 
-    def add_gram(self, xx: torch.Tensor, a: torch.Tensor, first: bool) -> None:
-        """The token counts on the diagonal (sum of the one-hot rows' outer products), padding left out."""
+    def add_gram(self, xx: torch.Tensor, a: torch.Tensor, first: bool, shape: FactorShape) -> None:
+        """The token counts (the diagonal of the one-hot rows' Gram sum), padding left out."""
         if first:
             xx.zero_()
         # Weighted, not filtered: a boolean mask would make the GPU wait for the host (nonzero).
-        xx.diagonal().index_add_(0, a.clamp(min=0), (a >= 0).to(xx.dtype))
+        xx.index_add_(0, a.clamp(min=0), (a >= 0).to(xx.dtype))
 
     def g_rows(self, grad_output: torch.Tensor) -> torch.Tensor:
         return grad_output.reshape(-1, grad_output.shape[-1])
@@ -353,11 +142,6 @@ class EmbeddingHelper(LayerHelper):
 
     def _from_matrix(self, block: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
         return block.T
-
-
-# nn.Embedding gets K-FAC up to this vocabulary size: its diagonal A is stored (and inverted) as a dense matrix
-# (4096^2 floats: 64 MiB in float32); a larger one is skipped with a warning.
-EMBEDDING_MAX_VOCAB = 4096
 
 
 def embedding_refusal(module: nn.Embedding) -> str | None:
@@ -371,10 +155,6 @@ def embedding_refusal(module: nn.Embedding) -> str | None:
     if module.scale_grad_by_freq:
         return ("scale_grad_by_freq rescales its gradient by the batch's token counts, which K-FAC's factors do "
                 "not model; left to the optimizer unpreconditioned")
-    if module.num_embeddings > EMBEDDING_MAX_VOCAB:
-        return (f"its vocabulary ({module.num_embeddings}) is above EMBEDDING_MAX_VOCAB={EMBEDDING_MAX_VOCAB}, "
-                "the largest whose diagonal A factor K-FAC stores as a dense matrix; left to the optimizer "
-                "unpreconditioned")
     return None
 
 
@@ -405,8 +185,63 @@ def computed_parameter(module: nn.Module) -> str | None:
     return None
 
 
-CONV_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
-SUPPORTED_TYPES: tuple[type[nn.Module], ...] = (nn.Linear, *CONV_TYPES, nn.Embedding)
+# -- the registry ----------------------------------------------------------------------------------------
+HelperFactory = Callable[[nn.Module], LayerHelper]
+# type -> factory, and "module.QualName" -> factory for types matched by name (never imported here).
+_BY_TYPE: dict[type, HelperFactory] = {}
+_BY_NAME: dict[str, HelperFactory] = {}
+_REFUSALS: dict[type, Callable[[nn.Module], str | None]] = {}
+
+
+def register_layer_type(module_type: type[nn.Module] | str, helper: HelperFactory,
+                        refusal: Callable[[nn.Module], str | None] | None = None) -> None:
+    """Give K-FAC a module type: every module of ``module_type`` (subclasses included, the nearest registered
+    class winning) gets the block ``helper(module)`` describes.
+
+    Args:
+        module_type: the class, or its qualified name ``"package.module.ClassName"`` (matched against each
+            module's class and its bases without importing the package: ``transformers``' ``Conv1D`` is
+            registered so).
+        helper: a :class:`~lightning_spdkfac.kfac.layer_base.LayerHelper` subclass (or any callable taking the
+            module and returning one). :class:`LinearHelper`, :class:`TransposedLinearHelper` and
+            :class:`ConvHelper` can be subclassed or reused as they are (docs/extending.md).
+        refusal: optional; given the module, a reason to leave it to the optimizer (named in the K-FAC summary),
+            or None to precondition it.
+
+    Registering a type again replaces its helper.
+    """
+    if not callable(helper):
+        raise TypeError(f"helper must be a LayerHelper subclass or a callable returning one, got {helper!r}")
+    if isinstance(module_type, str):
+        if "." not in module_type:
+            raise ValueError(f"module_type: a name must be qualified ('package.module.ClassName'), got {module_type!r}")
+        _BY_NAME[module_type] = helper
+        return
+    if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
+        raise TypeError(f"module_type must be an nn.Module subclass or its qualified name, got {module_type!r}")
+    _BY_TYPE[module_type] = helper
+    if refusal is not None:
+        _REFUSALS[module_type] = refusal
+
+
+def registered_layer_types() -> list[str]:
+    """The registered types, by qualified name."""
+    return [f"{t.__module__}.{t.__qualname__}" for t in _BY_TYPE] + list(_BY_NAME)
+
+
+def _lookup(module: nn.Module) -> tuple[HelperFactory | None, Callable[[nn.Module], str | None] | None]:
+    for cls in type(module).__mro__:
+        if cls in _BY_TYPE:
+            return _BY_TYPE[cls], _REFUSALS.get(cls)
+        factory = _BY_NAME.get(f"{cls.__module__}.{cls.__qualname__}")
+        if factory is not None:
+            return factory, None
+    return None, None
+
+
+def _is_candidate(module: nn.Module) -> bool:
+    return _lookup(module)[0] is not None
+
 
 # Layer types with trainable weights that K-FAC does not handle, and why: named in one warning at setup.
 UNSUPPORTED_TYPES: tuple[tuple[type, str], ...] = (
@@ -430,29 +265,28 @@ def unsupported_reason(module: nn.Module) -> str | None:
 def make_helper(module: nn.Module) -> tuple[LayerHelper | None, str | None]:
     """The helper for a module, or ``(None, reason)`` when the module is not supported (reason None: not a
     layer type K-FAC looks at; see :func:`unsupported_reason` for the types it names)."""
-    if isinstance(module, nn.modules.lazy.LazyModuleMixin) or not isinstance(module, SUPPORTED_TYPES):
+    if isinstance(module, nn.modules.lazy.LazyModuleMixin):
+        return None, None
+    factory, refusal = _lookup(module)
+    if factory is None:
         return None, None
     computed = computed_parameter(module)
     if computed is not None:
         return None, computed
-    if isinstance(module, nn.Linear):
-        return LinearHelper(module), None
-    if isinstance(module, nn.Embedding):
-        why = embedding_refusal(module)
-        return (EmbeddingHelper(module), None) if why is None else (None, why)
-    if module.groups != 1:
-        return None, f"grouped convolution (groups={module.groups}) is not supported by K-FAC"
-    return ConvHelper(cast(nn.Conv1d | nn.Conv2d | nn.Conv3d, module)), None
+    why = refusal(module) if refusal is not None else None
+    if why is not None:
+        return None, why
+    return factory(module), None
 
 
 def linear_and_conv_modules(model: nn.Module) -> list[nn.Module]:
-    """The modules of ``model`` of a type K-FAC supports, each once: ``model.modules()`` without building
-    every module's name (half the time; this runs on factor steps)."""
+    """The modules of ``model`` of a registered type, each once: ``model.modules()`` without building every
+    module's name (half the time; this runs on factor steps)."""
     found: list[nn.Module] = []
     stack, seen = [model], {id(model)}
     while stack:
         module = stack.pop()
-        if isinstance(module, SUPPORTED_TYPES):
+        if _is_candidate(module):
             found.append(module)
         for child in module._modules.values():
             if child is not None and id(child) not in seen:
@@ -504,7 +338,7 @@ def shared_parameter_groups(model: nn.Module,
                     root[find(j)] = find(i)
             users.setdefault(pid, []).append((i, part))
             outside.extend((i, other_name, other) for other_name, other in owners.get(pid, [])
-                           if id(other) not in inside)
+                           if id(other) not in inside and not _is_ancestor(other_name, candidates[i][0]))
     groups: dict[int, list[Candidate]] = {}
     for i, candidate in enumerate(candidates):
         groups.setdefault(find(i), []).append(candidate)
@@ -512,6 +346,14 @@ def shared_parameter_groups(model: nn.Module,
     for i, other_name, other in outside:
         used_by.setdefault(find(i), {})[other_name or "<root>"] = type(other).__name__
     return [(group, _why_not_one_block(group, used_by.get(r))) for r, group in groups.items()] + refused
+
+
+def _is_ancestor(holder: str, name: str) -> bool:
+    """Whether the module ``holder`` contains the layer ``name``: a parent that registers its child's parameter as
+    its own too (BERT's LM head: ``self.bias = self.decoder.bias``) holds an alias for tying, and the gradient is
+    still the child's alone. (A parent that also computed with it would add to that gradient unseen: such a
+    parent is not recognizable from the outside, and none is known among the libraries people use.)"""
+    return name.startswith(f"{holder}.") if holder else False
 
 
 def _untie_embeddings(candidates: list[Candidate], owners: dict[int, list[tuple[str, nn.Module]]]
@@ -552,3 +394,11 @@ def _why_not_one_block(group: list[Candidate], outside: dict[str, str] | None) -
         return ("they share some but not all of their parameters (e.g. the weight but not the bias), which is "
                 "not one Kronecker-factored block; left to the optimizer unpreconditioned")
     return None
+
+
+register_layer_type(nn.Linear, LinearHelper)
+register_layer_type(nn.Conv1d, conv_helper)
+register_layer_type(nn.Conv2d, conv_helper)
+register_layer_type(nn.Conv3d, conv_helper)
+register_layer_type(nn.Embedding, EmbeddingHelper, embedding_refusal)  # type: ignore[arg-type]
+register_layer_type("transformers.pytorch_utils.Conv1D", TransposedLinearHelper)

@@ -78,6 +78,15 @@ class KFACOptions:
             carries over) or ``"adam"`` (Adam's direction without momentum, from a second moment kept
             here; for an SGD-type base optimizer at an lr tuned for Adam). See
             :mod:`lightning_spdkfac.kfac.grafting`.
+        max_factor_side: the largest factor side kept as a dense matrix; a side above it (an LM head's
+            vocabulary, a very wide MLP) is kept diagonal: ``n`` entries instead of ``n x n``, inverted
+            elementwise. The default, 4096, keeps every side of GPT-2 small to Llama-7B's hidden size dense (a
+            4096 factor and its inverse take 128 MiB in float32) while a 32000- or 50257-token vocabulary is
+            diagonal (docs/math.md, "Diagonal and grouped factors"; README, "Models people bring").
+        memory_limit: None, or the most bytes K-FAC may hold (factors, inverses, the async copy; per rank
+            under dpkfac), as an int or a string with a unit ("2GB", "512MiB"): a model whose estimate (the
+            K-FAC summary) is above it stops at setup with the summary and this option named, before anything
+            is allocated.
     """
 
     # The defaults are the winners of benchmarks/time_to_accuracy.py (README, "Time to accuracy"): the
@@ -98,6 +107,8 @@ class KFACOptions:
     inverse_method: InverseMethodName = "cholesky"
     async_inverses: bool = False
     grafting: GraftingName | None = None
+    max_factor_side: int = 4096
+    memory_limit: int | str | None = None
 
     def __post_init__(self) -> None:
         val.check_schedule("damping", self.damping, val.NONNEGATIVE)
@@ -116,6 +127,9 @@ class KFACOptions:
         val.check_choice("inverse_method", self.inverse_method, INVERSE_METHODS)
         val.check_bool("async_inverses", self.async_inverses)
         val.check_choice("grafting", self.grafting, GRAFTINGS, optional=True)
+        val.check_positive_int("max_factor_side", self.max_factor_side)
+        if self.memory_limit is not None:
+            object.__setattr__(self, "memory_limit", parse_bytes("memory_limit", self.memory_limit))
         object.__setattr__(self, "skip_layers", patterns("skip_layers", self.skip_layers))
         object.__setattr__(self, "factor_dtype", dtype("factor_dtype", self.factor_dtype, FACTOR_DTYPES))
         object.__setattr__(self, "inv_dtype", dtype("inv_dtype", self.inv_dtype, INV_DTYPES))
@@ -172,3 +186,30 @@ def patterns(name: str, value: object) -> tuple[str, ...]:
             raise ValueError(f"{name} must be {what}, got {p!r}, which is not a valid regular expression: {e}") \
                 from None
     return found
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(name: str, value: object) -> int:
+    """A byte count from an int or a string such as ``"2GB"``, ``"512 MiB"`` or ``"1.5e9"``."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be a number of bytes or a string like '2GB', got {value!r}")
+    if isinstance(value, int):
+        if value <= 0:
+            raise ValueError(f"{name} must be positive, got {value}")
+        return value
+    if isinstance(value, str):
+        text = value.strip().lower().replace(" ", "")
+        digits = text.rstrip("abcdefghijklmnopqrstuvwxyz")
+        unit = text[len(digits):]
+        try:
+            number = float(digits)
+        except ValueError:
+            number = -1.0
+        if unit in _UNITS and number > 0:
+            return int(number * _UNITS[unit])
+    raise ValueError(f"{name} must be a positive number of bytes or a string like '2GB' or '512MiB' (units: "
+                     f"{', '.join(u for u in _UNITS if u)}), got {value!r}")
+

@@ -29,7 +29,9 @@ import torch
 from torch import nn
 
 from .. import validation as val
+from ..factor_shapes import describe
 from ..telemetry import StepTimer, capped_threads
+from . import factors
 from .attention import module_layers
 from .checkpoint import STATE_VERSION, CheckpointState
 from .distributor import Distributor, FactorKey, PendingInverses, Task
@@ -192,7 +194,7 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
         self._graft_states: dict[int, AdamGraftState] = {}
         self._graft_hparams = (DEFAULT_BETA2, DEFAULT_EPS)
         self.distributor.kfac_settings = self.settings_text()
-        self.distributor.setup([(ly.helper.a_dim, ly.helper.g_dim) for ly in self.layers.values()])
+        self.distributor.setup([(ly.a_shape, ly.g_shape) for ly in self.layers.values()])
         # Distributed preconditioning (schedule="dpkfac"): the owner rank of each layer; None: every rank holds all.
         self._owners: tuple[int, ...] | None = self.distributor.layer_owners
         # ... and, while a step exchanges the preconditioned gradients, each exchanged layer and its gradient.
@@ -246,7 +248,9 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
             name, _, helper = group[0]
             reduce = helper.reducible and (
                 self.factor_approx == "reduce" or (self.factor_approx == "auto" and helper.auto_reduce))
-            layer = KFACLayer(name=name, helper=helper, index=len(self.layers), reduce=reduce)
+            a_shape, g_shape = helper.factor_shapes(self.options.max_factor_side)
+            layer = KFACLayer(name=name, helper=helper, index=len(self.layers), reduce=reduce, a_shape=a_shape,
+                              g_shape=g_shape)
             for _, module, module_helper in group:
                 layer.handles.append(module.register_forward_hook(self._make_forward_hook(layer, module_helper)))
                 self._known[id(module)] = (module, None)
@@ -285,7 +289,7 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
             "max_bad_steps": o.max_bad_steps, "factor_approx": o.factor_approx, "inverse_method": o.inverse_method,
             "async_inverses": o.async_inverses, "grafting": o.grafting, "grad_scaler": self.grad_scaler is not None,
         }
-        layers = [f"{ly.name}({ly.helper.a_dim}x{ly.helper.g_dim}{', reduce' if ly.reduce else ''})"
+        layers = [f"{ly.name}({describe(ly.a_shape)};{describe(ly.g_shape)}{', reduce' if ly.reduce else ''})"
                   for ly in self.layers.values()]
         return ", ".join(f"{k}={v}" for k, v in fields.items()) + "; layers: " + " ".join(layers)
 
@@ -370,6 +374,8 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
                 # evaluation without no_grad) adds nothing. The input is held until then.
                 output.register_hook(self._make_grad_hook(layer, helper, x, deferred=True))  # type: ignore[no-untyped-call]
                 return
+            if helper.needs_check:  # a module whose forward may not be what its attributes say (kfac/conv.py)
+                helper.check_forward(layer.name, x, output)
             output.register_hook(self._make_grad_hook(layer, helper, x))  # type: ignore[no-untyped-call]
             self._collect_a(layer, helper, x)
 
@@ -416,16 +422,16 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
     def _accumulate_a(self, layer: KFACLayer, helper: LayerHelper, x: torch.Tensor) -> None:
         a = helper.factor_rows(x.detach(), layer.reduce, self.factor_dtype)
         first = layer.a_calls == 0
+        shape = layer.xx_shape()
         if first:
-            n = layer.helper.in_features
-            if layer.xx is None or layer.xx.shape[0] != n or layer.xx.device != a.device:
-                layer.xx = torch.empty(n, n, dtype=self.factor_dtype, device=a.device)
-            layer.x_sum = a.sum(0) if layer.helper.has_bias else None
+            if layer.xx is None or layer.xx.shape != shape or layer.xx.device != a.device:
+                layer.xx = torch.empty(shape, dtype=self.factor_dtype, device=a.device)
+            layer.x_sum = factors.column_sums(a, layer.a_shape) if layer.helper.has_bias else None
         elif layer.helper.has_bias:  # set by this step's first call
             assert layer.x_sum is not None
-            layer.x_sum.add_(a.sum(0))
+            layer.x_sum.add_(factors.column_sums(a, layer.a_shape))
         assert layer.xx is not None
-        helper.add_gram(layer.xx, a, first)
+        helper.add_gram(layer.xx, a, first, shape)
         layer.rows += a.shape[0]
         layer.a_calls += 1
         layer.mb_a_calls += 1
@@ -436,13 +442,11 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
             d = helper.g_reduced(grad_output, self.factor_dtype)
         else:
             d = helper.g_rows(grad_output).to(self.factor_dtype)
-        if layer.g_calls == 0:
-            if layer.dd is None or layer.dd.shape[0] != d.shape[1] or layer.dd.device != d.device:
-                layer.dd = torch.empty(d.shape[1], d.shape[1], dtype=self.factor_dtype, device=d.device)
-            torch.mm(d.T, d, out=layer.dd)
-        else:  # set by this step's first call
-            assert layer.dd is not None
-            layer.dd.addmm_(d.T, d)
+        first = layer.g_calls == 0
+        if first and (layer.dd is None or layer.dd.shape != layer.g_shape or layer.dd.device != d.device):
+            layer.dd = torch.empty(layer.g_shape, dtype=self.factor_dtype, device=d.device)
+        assert layer.dd is not None  # allocated by this step's first call
+        factors.gram(layer.dd, d, layer.g_shape, first)
         if micro_batch != layer.last_micro_batch:  # several calls in one forward share examples
             layer.examples += batch
             layer.last_micro_batch = micro_batch
@@ -557,7 +561,7 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
         # Reduced factors and DDP-averaged gradients are identical on every rank: so is this test. Under
         # distributed preconditioning a rank receives its own layers' factors only; the verdict is agreed on
         # (every rank, every factor step, even one that received nothing), so every rank skips together.
-        diagonals = [m.diagonal().sum() for _, A, G in ready for m in (A, G)]
+        diagonals = [factors.trace_sum(m) for _, A, G in ready for m in (A, G)]
         labels = [(layer, which, True) for layer, _, _ in ready for which in ("A", "G")]
         agree = self.distributor.agree if self._owners is not None else None  # type: ignore[attr-defined]
         if not self._check_finite(diagonals, labels, agree) or not ready:
@@ -726,15 +730,15 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
         if g is None:
             return
         assert layer.G_inv is not None  # the inverses are set together (both arrive before this is called)
-        # The last dim: n for both an n x n inverse and an (n+1) x n eigen payload.
-        if layer.A_inv.shape[-1] != g.shape[1] or layer.G_inv.shape[-1] != g.shape[0]:
+        # The last dim: n for an n x n inverse, an (n+1) x n eigen payload and a diagonal one alike.
+        if layer.A_inv.shape[-1] != g.shape[-1] or layer.G_inv.shape[-1] != g.shape[-2]:
             return  # the layer changed shape since its factors were taken
         gi = g.to(self.inv_dtype)
         if self._eigen:
             assert layer.inv_damping is not None  # set with the payloads
             p = eigen_precondition(gi, layer.A_inv, layer.G_inv, layer.inv_damping)
         else:
-            p = layer.G_inv @ gi @ layer.A_inv
+            p = factors.apply_inverses(layer.G_inv, gi, layer.A_inv)
         self._preconditioned[layer.index] = (layer, p, gi)
         if self._owners is not None:  # its broadcast starts now, while the next layer is worked on
             self.distributor.offer(layer.index, p)  # type: ignore[attr-defined]

@@ -1,0 +1,87 @@
+"""Shape-generic Kronecker-factor arithmetic: Gram sums, traces, damping and the preconditioning product for
+the three factor layouts of :mod:`lightning_spdkfac.factor_shapes` (dense ``(n, n)``, diagonal ``(n,)``, grouped
+``(b, n, n)``). docs/math.md, "Diagonal and grouped factors", has the definitions.
+
+Factor rows come in as ``R x (b*n)`` (a grouped layer's columns are its groups' columns one group after the other,
+as ``weight.view(out, -1)`` orders them) and every function here returns the factor's own layout.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..factor_shapes import FactorShape
+
+
+def grouped_rows(rows: torch.Tensor, groups: int) -> torch.Tensor:
+    """``R x (b*n)`` rows as ``b x R x n`` (one batch of rows per group)."""
+    return rows.reshape(rows.shape[0], groups, rows.shape[1] // groups).transpose(0, 1)
+
+
+def gram(acc: torch.Tensor, rows: torch.Tensor, shape: FactorShape, first: bool) -> None:
+    """``acc = rows^T rows`` (``first``) or ``acc += rows^T rows``, in place, in ``shape``'s layout: the full
+    Gram matrix, its diagonal (the column sums of squares), or one Gram matrix per group."""
+    if len(shape) == 2:
+        if first:
+            torch.mm(rows.T, rows, out=acc)
+        else:
+            acc.addmm_(rows.T, rows)
+    elif len(shape) == 1:
+        sq = rows.square().sum(0)
+        if first:
+            acc.copy_(sq)
+        else:
+            acc.add_(sq)
+    else:
+        r = grouped_rows(rows, shape[0])
+        if first:
+            torch.bmm(r.transpose(1, 2), r, out=acc)
+        else:
+            acc.baddbmm_(r.transpose(1, 2), r)
+
+
+def column_sums(rows: torch.Tensor, shape: FactorShape) -> torch.Tensor:
+    """The sum of the rows (the bias column of A): ``n`` (dense, diagonal) or ``b x n`` (grouped)."""
+    s = rows.sum(0)
+    return s.reshape(shape[0], s.shape[0] // shape[0]) if len(shape) == 3 else s
+
+
+def diagonal(t: torch.Tensor) -> torch.Tensor:
+    """The diagonal entries of a factor in any layout (``n``, or ``b x n``)."""
+    return t if t.dim() == 1 else t.diagonal(dim1=-2, dim2=-1)
+
+
+def trace_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum of the diagonal entries (of every block): finite iff the factor's rows were (Cauchy-Schwarz)."""
+    return diagonal(t).sum()
+
+
+def mean_eigenvalue(t: torch.Tensor) -> torch.Tensor:
+    """trace / side in float64: a scalar, or one per block of a grouped factor (``b``)."""
+    return diagonal(t).to(torch.float64).mean(-1)
+
+
+def add_damping(m: torch.Tensor, damping: float | torch.Tensor) -> torch.Tensor:
+    """``m + damping I`` in place (``damping``: a number, a 0-d tensor, or one per block of a grouped ``m``)."""
+    d = diagonal(m)
+    if isinstance(damping, torch.Tensor) and damping.dim() == 1:
+        d.add_(damping.to(m.dtype).unsqueeze(-1))
+    else:
+        d.add_(damping)
+    return m
+
+
+def apply_inverses(g_inv: torch.Tensor, grad: torch.Tensor, a_inv: torch.Tensor) -> torch.Tensor:
+    """``G^-1 grad A^-1`` with each inverse dense (a matrix product) or diagonal (a row or column scaling);
+    ``grad`` is ``out x in``, or ``b x out x in`` with grouped inverses (batched products)."""
+    left = g_inv.unsqueeze(-1) * grad if g_inv.dim() == 1 else g_inv @ grad
+    return left * a_inv if a_inv.dim() == 1 else left @ a_inv
+
+
+def grad_shape(a_shape: FactorShape, g_shape: FactorShape) -> tuple[int, ...]:
+    """The shape of a layer's gradient matrix (and of its preconditioned gradient): ``side(G) x side(A)``, with
+    the groups in front when the factors are grouped."""
+    if len(a_shape) == 3 or len(g_shape) == 3:
+        b = a_shape[0] if len(a_shape) == 3 else g_shape[0]
+        return (b, g_shape[-1], a_shape[-1])
+    return (g_shape[-1], a_shape[-1])
