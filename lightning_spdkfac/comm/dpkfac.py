@@ -311,7 +311,7 @@ class DPKFACDistributor(SPDDistributor):
                   what="the finite-factor flag of this step", rank=self.rank, world_size=self.world_size)
         return bool(flag.item() == 1.0)
 
-    def gather_layers(self, held: dict[int, LayerTensors], shapes: Sequence[tuple[tuple[int, int], ...]],
+    def gather_layers(self, held: dict[int, LayerTensors], shapes: Sequence[tuple[FactorShape, ...]],
                       dtypes: tuple[torch.dtype, torch.dtype]) -> dict[int, LayerTensors]:
         """Every layer's (A, G, A_inv, G_inv, damping) on every rank, from its owner (``held``: the owned
         layers' own; ``shapes[i]``: layer i's four shapes; ``dtypes``: of the factors and of the inverses).

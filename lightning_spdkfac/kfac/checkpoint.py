@@ -14,15 +14,42 @@ from typing import Any, TypeGuard
 
 import torch
 
+from ..factor_shapes import FactorShape, inverse_shape
 from ..vocabulary import FACTOR_APPROXES, INVERSE_METHODS
 from .distributor import Distributor
 from .grafting import AdamGraftState
 from .layer_state import KFACLayer
 from .options import KFACOptions
 
-STATE_VERSION = 2  # 2: adds 'layer_dims' (every registered layer and its factor sides)
+# 2: adds 'layer_dims' (every registered layer and its factor sides); 3: 'layer_dims' holds each factor's shape, an
+# int n for a dense n x n factor (all a version-2 state has), a list for a diagonal [n] or grouped [b, n, n] one.
+STATE_VERSION = 3
 # Counters saved with the state (each optional when loading: older states lack some).
 COUNTERS = ("skipped_factor_steps", "skipped_precondition_steps", "consecutive_bad_steps", "inverse_fallbacks")
+
+
+FactorPair = tuple[FactorShape, FactorShape]
+
+
+def layer_shapes(ly: KFACLayer) -> FactorPair:
+    """The shapes of a layer's A and G (``ly.a_shape`` / ``ly.g_shape``; dense ``a_dim x a_dim`` and
+    ``g_dim x g_dim`` for a layer that does not say)."""
+    a = tuple(getattr(ly, "a_shape", ()) or (ly.helper.a_dim, ly.helper.a_dim))
+    g = tuple(getattr(ly, "g_shape", ()) or (ly.helper.g_dim, ly.helper.g_dim))
+    return a, g
+
+
+def _saved_shape(shape: FactorShape) -> int | list[int]:
+    """How 'layer_dims' stores a shape: n for (n, n) (what every version-2 state holds), else the list."""
+    return shape[0] if len(shape) == 2 else list(shape)
+
+
+def _show(shape: FactorShape) -> str:
+    return str(shape[0]) if len(shape) == 2 else str(shape)
+
+
+def _show_pair(pair: FactorPair) -> str:
+    return f"({_show(pair[0])}, {_show(pair[1])})"
 
 
 class CheckpointState:
@@ -60,10 +87,10 @@ class CheckpointState:
         rank = self.distributor.rank
         held = {i: v for i, v in own.items() if self.distributor.layer_owners[i] == rank}
         shapes = []
+        method = self.options.inverse_method
         for ly in sorted(self.layers.values(), key=lambda ly: ly.index):
-            a, g = ly.helper.a_dim, ly.helper.g_dim
-            shapes.append(((a, a), (g, g), _inverse_shape(a, self.options.inverse_method),
-                           _inverse_shape(g, self.options.inverse_method)))
+            a, g = layer_shapes(ly)
+            shapes.append((a, g, inverse_shape(a, method), inverse_shape(g, method)))
         states = self.distributor.gather_layers(held, shapes,  # type: ignore[attr-defined]
                                                 (self.factor_dtype, self.inv_dtype))
         return {i: states.get(i, (None, None, None, None, None)) for i in own}
@@ -75,8 +102,9 @@ class CheckpointState:
         with ``"eigen"``, ``inverse_damping`` holds each layer's damping of its payloads (that of the step
         that computed them, which a damping schedule may have changed since).
 
-        ``layer_dims`` names every registered layer with its factor sides ``[A, G]``, layers without
-        factors yet included, so that :meth:`load_state_dict` recognizes a state of another model.
+        ``layer_dims`` names every registered layer with its factor shapes ``[A, G]`` (each an int n for a dense
+        n x n factor, else the list: ``[n]`` diagonal, ``[b, n, n]`` grouped), layers without factors yet
+        included, so that :meth:`load_state_dict` recognizes a state of another model.
 
         With ``async_inverses``, inversions still in flight are waited for and swapped in first, as the next
         :meth:`step` would do before using them: the state is that of a step boundary, and a run resumed
@@ -110,7 +138,7 @@ class CheckpointState:
             "inverse_fallbacks": self.inverse_fallbacks,
             # optional too: factors of the two approximations have the same shapes but not the same meaning
             "factor_approx": self.options.factor_approx,
-            "layer_dims": {name: [ly.helper.a_dim, ly.helper.g_dim] for name, ly in self.layers.items()},
+            "layer_dims": {name: [_saved_shape(s) for s in layer_shapes(ly)] for name, ly in self.layers.items()},
             "layers": layers,
             **extra,
         }
@@ -191,12 +219,12 @@ class CheckpointState:
         if method not in INVERSE_METHODS:
             corrupt.append(f"'inverse_method' must be one of {INVERSE_METHODS}, got {method!r}")
             method = "cholesky"
-        # Which layers the state was saved for: 'layer_dims' (version 2), else the layers with factors.
+        # Which layers the state was saved for: 'layer_dims' (version 2: ints; 3: shapes), else the layers with factors.
         dims = None
         if "layer_dims" in state:
             dims = _layer_dims(state["layer_dims"], corrupt)
         elif _is_count(version) and int(version) >= 2:
-            corrupt.append("missing 'layer_dims' (every version-2 state has it)")
+            corrupt.append("missing 'layer_dims' (every state of version 2 or later has it)")
         layers = state["layers"]
         if not isinstance(layers, Mapping):
             corrupt.append(f"'layers' must be a dict of layer name -> factors, got a {type(layers).__name__}")
@@ -236,7 +264,7 @@ class CheckpointState:
                 corrupt.append(f"layer {name!r}: its grafting moments must be {{'v': a finite non-negative {want[0]} x "
                                f"{want[1]} tensor, 't': a count}}, got {entry!r:.120}")
 
-    def _check_layer_names(self, dims: dict[str, tuple[int, int]] | None, layers: Mapping[Any, Any],
+    def _check_layer_names(self, dims: dict[str, FactorPair] | None, layers: Mapping[Any, Any],
                            mismatch: list[str]) -> None:
         """Layers in the state that this model lacks, and (with 'layer_dims') the other way round."""
         saved_names = list(dims) if dims is not None else [n for n in layers if isinstance(n, str)]
@@ -249,37 +277,42 @@ class CheckpointState:
                 if name not in dims:
                     mismatch.append(f"missing layer {name!r}: a K-FAC layer of this model, absent from the state")
 
-    def _check_factors(self, dims: dict[str, tuple[int, int]] | None, layers: Mapping[Any, Any],
+    def _check_factors(self, dims: dict[str, FactorPair] | None, layers: Mapping[Any, Any],
                        corrupt: list[str], mismatch: list[str], method: str) -> dict[str, tuple[Any, ...]]:
         """Each saved layer's factors, checked alone, against 'layer_dims' and against this model."""
         factors: dict[str, tuple[Any, ...]] = {}
         for name, entry in layers.items():
-            sides = _layer_factors(name, entry, corrupt, method)
-            if sides is None or not isinstance(name, str):
+            layer = self.layers.get(name) if isinstance(name, str) else None
+            # the layouts the tensors should have: the state's own word, else this model's
+            expect = dims.get(name) if dims is not None else None
+            if expect is None and layer is not None:
+                expect = layer_shapes(layer)
+            shapes = _layer_factors(name, entry, corrupt, method, expect)
+            if shapes is None or not isinstance(name, str):
                 continue  # reported by _layer_factors
             if dims is not None and name not in dims:
                 corrupt.append(f"layer {name!r} has factors but is not listed in 'layer_dims'")
-            elif dims is not None and dims[name] != sides[0]:
-                corrupt.append(f"layer {name!r}: factor sides {sides[0]} disagree with 'layer_dims' {dims[name]}")
-            elif name in self.layers:  # else: listed as unexpected
-                layer = self.layers[name]
-                want = (layer.helper.a_dim, layer.helper.g_dim)
-                if sides[0] == want:
-                    factors[name] = sides[1]
+            elif dims is not None and dims[name] != shapes[0]:
+                corrupt.append(f"layer {name!r}: factor sides {_show_pair(shapes[0])} disagree with 'layer_dims' "
+                               f"{_show_pair(dims[name])}")
+            elif layer is not None:  # else: listed as unexpected
+                want = layer_shapes(layer)
+                if shapes[0] == want:
+                    factors[name] = shapes[1]
                 else:
-                    mismatch.append(_shape_mismatch(name, sides[0], want))
+                    mismatch.append(_shape_mismatch(name, shapes[0], want))
         return factors
 
-    def _check_sides_without_factors(self, dims: dict[str, tuple[int, int]], layers: Mapping[Any, Any],
+    def _check_sides_without_factors(self, dims: dict[str, FactorPair], layers: Mapping[Any, Any],
                                      mismatch: list[str]) -> None:
-        """Layers saved before they had factors: their sides must match this model's too."""
-        for name, sides in dims.items():
+        """Layers saved before they had factors: their shapes must match this model's too."""
+        for name, shapes in dims.items():
             layer = self.layers.get(name)
             if layer is None or name in layers:
                 continue
-            want = (layer.helper.a_dim, layer.helper.g_dim)
-            if sides != want:
-                mismatch.append(_shape_mismatch(name, sides, want, " (no factors yet)"))
+            want = layer_shapes(layer)
+            if shapes != want:
+                mismatch.append(_shape_mismatch(name, shapes, want, " (no factors yet)"))
 
 
 def _check_header(state: object) -> object:
@@ -309,9 +342,9 @@ def _check_counters(state: Mapping[str, Any], version: object, corrupt: list[str
             corrupt.append(f"{key!r} must be a non-negative integer, got {state[key]!r}")
 
 
-def _shape_mismatch(name: str, sides: tuple[int, int], want: tuple[int, int], note: str = "") -> str:
-    (a, g), (wa, wg) = sides, want
-    return f"{name!r}: factor shapes ({a}, {a}), ({g}, {g}){note}; this model needs ({wa}, {wa}), ({wg}, {wg})"
+def _shape_mismatch(name: str, shapes: FactorPair, want: FactorPair, note: str = "") -> str:
+    (a, g), (wa, wg) = shapes, want
+    return f"{name!r}: factor shapes {a}, {g}{note}; this model needs {wa}, {wg}"
 
 
 _SKIP_HINT = (
@@ -325,20 +358,31 @@ def _is_count(value: object) -> TypeGuard[numbers.Integral]:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool) and int(value) >= 0
 
 
-def _layer_dims(dims: object, corrupt: list[str]) -> dict[str, tuple[int, int]] | None:
-    """``layer_dims`` as {name: (A side, G side)}; None (and a problem noted) if malformed."""
+def _dims_shape(d: object) -> FactorShape | None:
+    """A 'layer_dims' shape: an int n > 0 ((n, n)), or a list/tuple [n] or [b, n, n] of ints > 0; else None."""
+    if _is_count(d):
+        return (int(d), int(d)) if int(d) > 0 else None
+    if not isinstance(d, (list, tuple)) or not all(_is_count(v) and int(v) > 0 for v in d):
+        return None
+    dims = tuple(int(v) for v in d)
+    if len(dims) == 1 or (len(dims) in (2, 3) and dims[-1] == dims[-2]):
+        return dims
+    return None
+
+
+def _layer_dims(dims: object, corrupt: list[str]) -> dict[str, FactorPair] | None:
+    """``layer_dims`` as {name: (A shape, G shape)}; None (and a problem noted) if malformed."""
     if not isinstance(dims, Mapping):
         corrupt.append(f"'layer_dims' must be a dict of layer name -> [A side, G side], got a {type(dims).__name__}")
         return None
-    out: dict[str, tuple[int, int]] = {}
+    out: dict[str, FactorPair] = {}
     for name, d in dims.items():
-        if (
-            not isinstance(name, str) or not isinstance(d, (list, tuple)) or len(d) != 2
-            or not all(_is_count(v) and int(v) > 0 for v in d)
-        ):
-            corrupt.append(f"'layer_dims' entry {name!r}: expected [A side, G side] (positive integers), got {d!r}")
+        pair = [_dims_shape(v) for v in d] if isinstance(d, (list, tuple)) and len(d) == 2 else None
+        if not isinstance(name, str) or pair is None or pair[0] is None or pair[1] is None:
+            corrupt.append(f"'layer_dims' entry {name!r}: expected [A side, G side], each a positive integer n (an "
+                           f"n x n factor) or a shape [n] (diagonal) or [b, n, n] (grouped), got {d!r}")
             return None
-        out[name] = (int(d[0]), int(d[1]))
+        out[name] = (pair[0], pair[1])
     return out
 
 
@@ -354,16 +398,42 @@ def _check_inverse_damping(dampings: object, factors: Mapping[str, tuple[Any, ..
                            f"eigen inverses (a finite number >= 0), got {d!r}")
 
 
-def _inverse_shape(side: int, method: str) -> tuple[int, int]:
-    """The shape of a stored inverse of a factor of side ``side``: (n, n), or (n+1, n) for an eigen payload."""
-    return (side + 1, side) if method == "eigen" else (side, side)
+_LAYOUTS = {1: "a vector (a diagonal factor)", 2: "a square matrix", 3: "a (b, n, n) stack of square blocks"}
 
 
-def _layer_factors(name: object, entry: object, corrupt: list[str],
-                   method: str = "cholesky") -> tuple[tuple[int, int], tuple[Any, ...]] | None:
-    """((A side, G side), (A, G, A_inv, G_inv)) of one saved layer, or None with the problems noted.
+def _layout_problem(key: str, t: torch.Tensor, expect: FactorShape | None) -> str | None:
+    """Why factor tensor ``t`` does not have the layout of ``expect`` (any valid layout when None)."""
+    shape = tuple(t.shape)
+    valid = len(shape) in _LAYOUTS and shape[-1] > 0 and (len(shape) == 1 or shape[-1] == shape[-2])
+    if expect is None and not valid:
+        return (f"{key} must be a factor, (n,) diagonal, (n, n) dense or (b, n, n) grouped, got shape {shape}")
+    if expect is not None and (len(shape) != len(expect) or not valid):
+        return f"{key} must be {_LAYOUTS[len(expect)]}, got shape {shape}"
+    return None
 
-    ``method``: the state's inverse_method, which says the shape of the inverses."""
+
+def _tensor_problem(key: str, t: object, expect: FactorShape | None) -> str | None:
+    """Why ``t`` cannot be a stored factor or inverse at all (None: it can, as far as its shape goes)."""
+    if not isinstance(t, torch.Tensor):
+        return f"{key} must be a tensor, got a {type(t).__name__}"
+    if not t.is_floating_point():
+        return f"{key} must be a floating-point tensor, got dtype {t.dtype}"
+    if key.endswith("_inv"):
+        if t.dim() not in _LAYOUTS or t.numel() == 0:
+            return f"{key} must be a 1-, 2- or 3-dimensional tensor, got shape {tuple(t.shape)}"
+    elif (problem := _layout_problem(key, t, expect)) is not None:
+        return problem
+    if not bool(torch.isfinite(t).all()):
+        return f"{key} has non-finite values (inf or NaN)"
+    return None
+
+
+def _layer_factors(name: object, entry: object, corrupt: list[str], method: str = "cholesky",
+                   expect: FactorPair | None = None) -> tuple[FactorPair, tuple[Any, ...]] | None:
+    """((A shape, G shape), (A, G, A_inv, G_inv)) of one saved layer, or None with the problems noted.
+
+    ``method``: the state's inverse_method, which says the shape of the inverses. ``expect``: the layouts
+    the factors should have ('layer_dims', else this model's), for the message when they have another."""
     if not isinstance(name, str):
         corrupt.append(f"layer names must be strings, got {name!r}")
         return None
@@ -373,22 +443,13 @@ def _layer_factors(name: object, entry: object, corrupt: list[str],
         corrupt.append(f"layer {name!r}: expected a dict with keys {list(keys)}, got {got}")
         return None
     ok = True
-    for key in keys:
+    for k, key in enumerate(keys):
         t = entry[key]
         if t is None and key.endswith("_inv"):
             continue
-        if not isinstance(t, torch.Tensor):
-            corrupt.append(f"layer {name!r}: {key} must be a tensor, got a {type(t).__name__}")
-            ok = False
-        elif not t.is_floating_point():
-            corrupt.append(f"layer {name!r}: {key} must be a floating-point tensor, got dtype {t.dtype}")
-            ok = False
-        elif t.dim() != 2 or t.shape[1] == 0 or (t.shape[0] != t.shape[1] and not (key.endswith("_inv")
-                                                                                     and method == "eigen")):
-            corrupt.append(f"layer {name!r}: {key} must be a square matrix, got shape {tuple(t.shape)}")
-            ok = False
-        elif not bool(torch.isfinite(t).all()):
-            corrupt.append(f"layer {name!r}: {key} has non-finite values (inf or NaN)")
+        problem = _tensor_problem(key, t, None if expect is None else expect[k % 2])
+        if problem is not None:
+            corrupt.append(f"layer {name!r}: {problem}")
             ok = False
     if not ok:
         return None
@@ -396,7 +457,8 @@ def _layer_factors(name: object, entry: object, corrupt: list[str],
     if (A_inv is None) != (G_inv is None):
         corrupt.append(f"layer {name!r}: A_inv and G_inv must both be tensors or both None")
         return None
-    want = (_inverse_shape(A.shape[0], method), _inverse_shape(G.shape[0], method))
+    shapes = (tuple(A.shape), tuple(G.shape))
+    want = (inverse_shape(shapes[0], method), inverse_shape(shapes[1], method))
     if A_inv is not None and (tuple(A_inv.shape), tuple(G_inv.shape)) != want:
         note = f" (eigen payloads: they must be {want[0]}, {want[1]})" if method == "eigen" else ""
         corrupt.append(f"layer {name!r}: inverse shapes {tuple(A_inv.shape)}, {tuple(G_inv.shape)} differ from "
@@ -407,7 +469,7 @@ def _layer_factors(name: object, entry: object, corrupt: list[str],
     if problems:
         corrupt.extend(f"layer {name!r}: {p}" for p in problems)
         return None
-    return (A.shape[0], G.shape[0]), (A, G, A_inv, G_inv)
+    return shapes, (A, G, A_inv, G_inv)
 
 
 # Relative tolerances of the value checks: stored factors and inverses may have passed through bf16 messages
@@ -418,41 +480,60 @@ ORTHONORMAL_TOL = 5e-2
 
 
 def _value_problems(key: str, t: torch.Tensor, inverse: bool, method: str) -> list[str]:
-    """What makes ``t`` impossible as a stored factor (symmetric, diagonal >= 0: an average of Gram matrices)
-    or inverse (symmetric with a positive diagonal, or an eigen payload: orthonormal eigenvectors, eigenvalues
-    >= 0), up to float rounding; each with the fix's reason. ``t`` is finite and of the right shape here."""
+    """What makes ``t`` impossible as a stored factor (symmetric blocks, diagonal >= 0: an average of Gram
+    matrices) or inverse (symmetric blocks with a positive diagonal, or an eigen payload: orthonormal
+    eigenvectors, eigenvalues >= 0), up to float rounding; each with the fix's reason. ``t`` is finite and of
+    the right shape here; a diagonal factor (a vector) is its own diagonal, and its eigen payload its eigenvalues."""
     x = t.detach().to(torch.float64 if t.dtype == torch.float64 else torch.float32)
     if inverse and method == "eigen":
         return _eigen_payload_problems(key, x)
-    scale = float(x.abs().max())
-    asym = float((x - x.T).abs().max())
     problems = []
-    if asym > SYMMETRY_RTOL * scale:
-        problems.append(f"{key} is not symmetric (max |{key} - {key}^T| = {asym:.3g}, max |{key}| = {scale:.3g}): "
-                        "K-FAC factors and their inverses are symmetric matrices")
-    diagonal = x.diagonal()
+    if x.dim() > 1:
+        scale = float(x.abs().max())
+        asym = float((x - x.transpose(-1, -2)).abs().max())
+        if asym > SYMMETRY_RTOL * scale:
+            blocks = " (per block)" if x.dim() == 3 else ""
+            problems.append(f"{key} is not symmetric{blocks} (max |{key} - {key}^T| = {asym:.3g}, max |{key}| = "
+                            f"{scale:.3g}): K-FAC factors and their inverses are symmetric matrices")
+    diagonal = (x if x.dim() == 1 else x.diagonal(dim1=-2, dim2=-1)).reshape(-1)
     low = int(diagonal.argmin())
+    where = _position(x, low)
     if inverse and float(diagonal[low]) <= 0.0:
-        problems.append(f"{key} has a diagonal entry <= 0 ({float(diagonal[low]):.3g} at {low}): the inverse of a "
+        problems.append(f"{key} has a diagonal entry <= 0 ({float(diagonal[low]):.3g} at {where}): the inverse of a "
                         "damped factor is positive definite")
     elif not inverse and float(diagonal[low]) < 0.0:
-        problems.append(f"{key} has a negative diagonal entry ({float(diagonal[low]):.3g} at {low}): a factor is "
+        problems.append(f"{key} has a negative diagonal entry ({float(diagonal[low]):.3g} at {where}): a factor is "
                         "an average of Gram matrices, whose diagonal is >= 0")
     return problems
 
 
+def _position(x: torch.Tensor, flat: int) -> str:
+    """Position ``flat`` of the flattened diagonal(s) of ``x``: ``i``, or ``block k, i`` for a grouped tensor."""
+    if x.dim() == 3:
+        return f"block {flat // x.shape[-1]}, {flat % x.shape[-1]}"
+    return str(flat)
+
+
 def _eigen_payload_problems(key: str, x: torch.Tensor) -> list[str]:
-    """An eigen payload: rows 0..n-1 the eigenvectors (columns, orthonormal), row n the eigenvalues (>= 0)."""
-    q, evals = x[:-1], x[-1]
+    """An eigen payload: rows 0..n-1 the eigenvectors (columns, orthonormal), row n the eigenvalues (>= 0); per
+    block for a grouped factor; a diagonal factor's payload is its eigenvalues alone."""
+    if x.dim() == 1:
+        q, evals = None, x
+    else:
+        q, evals = x[..., :-1, :], x[..., -1, :]
     problems = []
-    low = int(evals.argmin())
-    if float(evals[low]) < 0.0:
-        problems.append(f"{key} (an eigen payload) has a negative eigenvalue ({float(evals[low]):.3g} at {low}) "
-                        "in its last row: the eigenvalues of a factor are >= 0")
-    norms = q.square().sum(0).sqrt()
+    flat = evals.reshape(-1)
+    low = int(flat.argmin())
+    if float(flat[low]) < 0.0:
+        problems.append(f"{key} (an eigen payload) has a negative eigenvalue ({float(flat[low]):.3g} at "
+                        f"{_position(x, low) if x.dim() == 3 else low}) in its last row: the eigenvalues of a "
+                        "factor are >= 0")
+    if q is None:
+        return problems
+    norms = q.square().sum(-2).sqrt()
     # Q^T Q = I, checked on a few fixed probe vectors (n^2 work, not n^3): ||Q^T Q v - v|| <= tol ||v||.
-    probe = torch.randn(q.shape[1], 4, generator=torch.Generator().manual_seed(0), dtype=x.dtype).to(x.device)
-    error = float(((q.T @ (q @ probe) - probe).norm(dim=0) / probe.norm(dim=0)).max())
+    probe = torch.randn(q.shape[-1], 4, generator=torch.Generator().manual_seed(0), dtype=x.dtype).to(x.device)
+    error = float(((q.transpose(-1, -2) @ (q @ probe) - probe).norm(dim=-2) / probe.norm(dim=0)).max())
     off = float((norms - 1.0).abs().max())
     if off > ORTHONORMAL_TOL or error > 10 * ORTHONORMAL_TOL:
         problems.append(f"{key} (an eigen payload) does not hold orthonormal eigenvectors in rows 0..n-1 "
