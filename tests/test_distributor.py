@@ -70,7 +70,8 @@ def test_explicit_factor_path_equals_local_fast_path(pipelined, accumulate):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
     for name, layer in ref_pre.layers.items():
         torch.testing.assert_close(pre.layers[name].A, layer.A, rtol=1e-5, atol=1e-7)
-    assert echo.sides == [(10, 3), (49, 10), (11, 3)]
+    # setup gets each layer's (A shape, G shape) (the Distributor contract, item 0): dense factors here
+    assert echo.sides == [((10, 10), (3, 3)), ((49, 49), (10, 10)), ((11, 11), (3, 3))]
     finals = [e for e in echo.events if e[0] == "final"]
     if not pipelined:
         assert finals == []
