@@ -14,7 +14,7 @@ from typing import Any, TypeGuard
 
 import torch
 
-from ..factor_shapes import FactorShape, inverse_shape
+from ..factor_shapes import FactorShape, inverse_shape, preconditioned_shape
 from ..vocabulary import FACTOR_APPROXES, INVERSE_METHODS
 from .distributor import Distributor
 from .grafting import AdamGraftState
@@ -258,11 +258,11 @@ class CheckpointState:
                 corrupt.append(f"'grafting_moments' names {name!r}, not a K-FAC layer of this model")
                 continue
             v, t = (entry.get("v"), entry.get("t")) if isinstance(entry, Mapping) else (None, None)
-            want = (layer.helper.g_dim, layer.helper.a_dim)
+            want = preconditioned_shape(*layer_shapes(layer))  # the gradient matrix's shape
             if (not isinstance(v, torch.Tensor) or tuple(v.shape) != want or not _is_count(t)
                     or not bool(torch.isfinite(v).all()) or bool((v < 0).any())):
-                corrupt.append(f"layer {name!r}: its grafting moments must be {{'v': a finite non-negative {want[0]} x "
-                               f"{want[1]} tensor, 't': a count}}, got {entry!r:.120}")
+                corrupt.append(f"layer {name!r}: its grafting moments must be {{'v': a finite non-negative "
+                               f"{' x '.join(map(str, want))} tensor, 't': a count}}, got {entry!r:.120}")
 
     def _check_layer_names(self, dims: dict[str, FactorPair] | None, layers: Mapping[Any, Any],
                            mismatch: list[str]) -> None:

@@ -76,12 +76,3 @@ def apply_inverses(g_inv: torch.Tensor, grad: torch.Tensor, a_inv: torch.Tensor)
     ``grad`` is ``out x in``, or ``b x out x in`` with grouped inverses (batched products)."""
     left = g_inv.unsqueeze(-1) * grad if g_inv.dim() == 1 else g_inv @ grad
     return left * a_inv if a_inv.dim() == 1 else left @ a_inv
-
-
-def grad_shape(a_shape: FactorShape, g_shape: FactorShape) -> tuple[int, ...]:
-    """The shape of a layer's gradient matrix (and of its preconditioned gradient): ``side(G) x side(A)``, with
-    the groups in front when the factors are grouped."""
-    if len(a_shape) == 3 or len(g_shape) == 3:
-        b = a_shape[0] if len(a_shape) == 3 else g_shape[0]
-        return (b, g_shape[-1], a_shape[-1])
-    return (g_shape[-1], a_shape[-1])

@@ -235,7 +235,7 @@ def robust_inverses(
         if f.dim() == 1:
             inv = diagonal_inverse(f, damping_f, dtype)
             inverses.append(inv)
-            flags.append(torch.where(torch.isfinite(inv.sum()), 0, 2))
+            flags.append(torch.where(torch.isfinite(f.sum()) & torch.isfinite(inv.sum()), 0, 2))
             continue
         m = _damped_copy(f, damping_f, dtype)
         L, info = torch.linalg.cholesky_ex(m)

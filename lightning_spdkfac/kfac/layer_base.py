@@ -57,11 +57,15 @@ class LayerHelper:
         raise NotImplementedError
 
     def factor_shapes(self, max_side: int) -> tuple[FactorShape, FactorShape]:
-        """The shapes of (A, G) under the size policy: a dense side above ``max_side`` is kept diagonal."""
+        """The shapes of (A, G) under the size policy: a dense side above ``max_side`` is kept diagonal. A grouped
+        layer's blocks stay dense whatever their side (a group's side is small: a convolution's channels per group
+        times its kernel), so that both factors have the same blocks."""
+        if self.groups > 1:
+            return (self.groups, self.a_dim, self.a_dim), (self.groups, self.g_dim, self.g_dim)
+
         def shape(n: int, diagonal: bool) -> FactorShape:
-            if diagonal or n > max_side:
-                return (n * self.groups,) if self.groups > 1 else (n,)
-            return (self.groups, n, n) if self.groups > 1 else (n, n)
+            return (n,) if diagonal or n > max_side else (n, n)
+
         return shape(self.a_dim, self.a_diagonal), shape(self.g_dim, self.g_diagonal)
 
     # -- factor rows ------------------------------------------------------------------

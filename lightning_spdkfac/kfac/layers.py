@@ -11,6 +11,7 @@ shows one. Multi-head attention's packed projections are in :mod:`.attention`.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -107,7 +108,21 @@ class EmbeddingHelper(LayerHelper):
 
     reducible = False
     a_diagonal = True
+    needs_check = True  # (once: a batch-1 input shared by a whole batch, see check_forward)
     module: nn.Embedding
+
+    def check_forward(self, name: str, x: torch.Tensor, output: Any) -> None:
+        """Warn once about a batch-1 input of a sequence: position ids shared by the batch (GPT-2's and BERT's
+        ``position_ids`` are ``1 x T``), whose output is broadcast, so that its output gradient is the sum over the
+        batch's examples and its G factor depends on the per-rank batch size."""
+        self.needs_check = False
+        if x.dim() >= 2 and x.shape[0] == 1:
+            warnings.warn(
+                f"K-FAC layer {name!r} (nn.Embedding) got an input of batch dimension 1 ({tuple(x.shape)}): if it is "
+                "shared by the batch (position ids broadcast over the examples, as GPT-2 and BERT pass them), its "
+                "output gradient is the batch's sum and its G factor depends on the per-rank batch size, so runs on "
+                "different numbers of ranks differ. Pass position_ids expanded to the batch (B x T), or leave the "
+                f"layer to the optimizer with skip_layers=[{name!r}]", stacklevel=2)
 
     @property
     def in_features(self) -> int:

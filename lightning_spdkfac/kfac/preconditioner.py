@@ -58,6 +58,7 @@ from .layers import (
 )
 from .options import KFACOptions
 from .param_groups import StepGroups, step_groups
+from .summary import KFACSummary, format_bytes, summarize
 
 __all__ = ["STATE_VERSION", "KFACLayer", "KFACPreconditioner"]
 
@@ -199,6 +200,7 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
         self._owners: tuple[int, ...] | None = self.distributor.layer_owners
         # ... and, while a step exchanges the preconditioned gradients, each exchanged layer and its gradient.
         self._shared_grads: dict[int, tuple[KFACLayer, torch.Tensor]] = {}
+        self._check_memory()
         self._begin_step()
 
     # ------------------------------------------------------------------ registration
@@ -263,6 +265,24 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
                 "model; "
                 f"module types found: {found}" + (f"; skipped: {detail}" if detail else "")
             )
+
+    def summary(self) -> KFACSummary:
+        """What K-FAC preconditions and what it leaves to the optimizer, with the layout and the bytes of every
+        block (``print(pre.summary())`` shows the table; :mod:`lightning_spdkfac.kfac.summary`)."""
+        return summarize(self)
+
+    def _check_memory(self) -> None:
+        """Stop at setup, before any factor is allocated, when the K-FAC memory would exceed ``memory_limit``."""
+        limit = self.options.memory_limit
+        if limit is None:
+            return
+        s = self.summary()
+        if s.total_bytes > int(limit):
+            raise MemoryError(
+                f"K-FAC would need {format_bytes(s.total_bytes)} on this rank, above memory_limit="
+                f"{format_bytes(int(limit))}; nothing was allocated. Raise memory_limit, lower max_factor_side "
+                "(larger sides are then kept diagonal), skip the largest layers with skip_layers, or use "
+                "schedule='dpkfac' (each rank holds its own layers only). The K-FAC summary:\n" + str(s))
 
     def state_bytes(self) -> int:
         """Bytes of K-FAC state this rank holds now: running factors and inverses (eigen payloads) of its layers

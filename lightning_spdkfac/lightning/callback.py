@@ -26,7 +26,7 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import Callback
 from pytorch_lightning.trainer.states import TrainerFn
-from pytorch_lightning.utilities import rank_zero_warn
+from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 
 from .. import validation as val
 from ..kfac.distributor import Distributor
@@ -117,6 +117,12 @@ class KFACCallbackBody(_CallbackBase):
             the norm of the gradient (SGD's step) or of Adam's direction (from second moments kept by
             K-FAC), so that the base optimizer's tuned lr carries over; ``"adam"`` is for an SGD-type base
             optimizer run at an Adam lr (see :mod:`lightning_spdkfac.kfac.grafting`).
+        max_factor_side: the largest factor side kept dense; larger sides (an LM head's vocabulary) are kept
+            diagonal. Default 4096 (see :class:`~lightning_spdkfac.kfac.options.KFACOptions`).
+        memory_limit: None, or the most K-FAC memory a rank may take (bytes, or a string such as "4GB"): a
+            model above it stops at setup with the K-FAC summary, before anything is allocated.
+        summary: print the K-FAC summary (each block's factor layout and bytes; every trainable parameter left
+            to the optimizer, with the reason) on rank 0 when the fit starts. Default True.
         load_state: what ``trainer.fit(ckpt_path=...)`` does with the checkpoint's K-FAC state.
             ``"strict"`` (default) restores it, and refuses a state saved for another model (layers
             missing or unexpected, other factor shapes) or a corrupt one (missing keys, wrong types,
@@ -170,6 +176,9 @@ class KFACCallbackBody(_CallbackBase):
         async_inverses: bool = _D.async_inverses,
         grafting: GraftingName | None = _D.grafting,
         load_state: Literal["strict", "skip"] = "strict",
+        max_factor_side: int = _D.max_factor_side,
+        memory_limit: int | str | None = _D.memory_limit,
+        summary: bool = True,
     ) -> None:
         super().__init__()
         # Every argument is checked here (TypeError: wrong type, ValueError: a value that is not
@@ -188,8 +197,9 @@ class KFACCallbackBody(_CallbackBase):
             factor_update_steps=factor_update_steps, inv_update_steps=inv_update_steps, skip_layers=skip_layers,
             factor_dtype=factor_dtype, inv_dtype=inv_dtype, max_bad_steps=max_bad_steps,
             factor_approx=factor_approx, inverse_method=inverse_method, async_inverses=async_inverses,
-            grafting=grafting,
+            grafting=grafting, max_factor_side=max_factor_side, memory_limit=memory_limit,
         )
+        self.summary = val.check_bool("summary", summary)
         self.lr = lr
         self.log_step_time = val.check_bool("log_step_time", log_step_time)
         self.trace_step = val.check_int("trace_step", trace_step, low=0, optional=True)
@@ -262,6 +272,8 @@ class KFACCallbackBody(_CallbackBase):
             grad_access=self._grad_access(trainer),
         )
         self._final_model = weakref.ref(pl_module)
+        if self.summary and trainer.is_global_zero:
+            rank_zero_info("K-FAC summary\n" + str(pre.summary()))
         if self._pending_state is not None:
             pre.load_state_dict(self._pending_state)
             self._pending_state = None
@@ -539,7 +551,7 @@ def _where(trainer: pl.Trainer) -> str:
 
 # Arguments KFAC.__init__ checks itself; any other is held to its annotation (val.check_annotations).
 _CHECKED = ("damping", "factor_decay", "kl_clip", "lr", "factor_update_steps", "inv_update_steps", "skip_layers",
-            "factor_dtype", "inv_dtype", "factor_approx", "inverse_method", "async_inverses", "grafting", "log_step_time", "trace_step", "trace_dir")
+            "factor_dtype", "inv_dtype", "factor_approx", "inverse_method", "async_inverses", "grafting", "max_factor_side", "memory_limit", "summary", "log_step_time", "trace_step", "trace_dir")
 def _folder(name: str, value: object) -> str:
     if not isinstance(value, (str, os.PathLike)):
         raise TypeError(f"{name} must be a folder path (a non-empty string), got {val.show(value)}")
