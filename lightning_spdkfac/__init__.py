@@ -31,9 +31,12 @@ _EXPORTS = {
     "KFAC": "lightning_spdkfac.lightning.callback",
     "SPDKFACStrategy": "lightning_spdkfac.lightning.strategy",
     "SPDKFACDeepSpeedStrategy": "lightning_spdkfac.lightning.deepspeed",
+    "register_layer_type": "lightning_spdkfac.kfac.layers",
+    "LayerHelper": "lightning_spdkfac.kfac.layer_base",
 }
 __all__ = [
     "KFAC",
+    "LayerHelper",
     "KFACOptions",
     "KFACPreconditioner",
     "SPDDistributor",
@@ -41,10 +44,13 @@ __all__ = [
     "SPDKFACStrategy",
     "SPDOptions",
     "configs_dir",
+    "register_layer_type",
 ]
 
 if TYPE_CHECKING:
     from .comm.scheduler import SPDDistributor, SPDOptions
+    from .kfac.layer_base import LayerHelper
+    from .kfac.layers import register_layer_type
     from .kfac.options import KFACOptions
     from .kfac.preconditioner import KFACPreconditioner
     from .lightning.callback import KFAC
