@@ -227,28 +227,35 @@ def _ranked(rank: int, world: int) -> dict[str, list[torch.Tensor]]:
 
     torch.set_num_threads(1)
     out = {}
-    for schedule in ("spd", "dpkfac"):
+    for run in RUNS:
         model = gpt2(vocab=300)
-        distributor = SPDDistributor(SPDOptions.from_schedule(schedule=schedule, profile_steps=(1, 2)),
-                                     process_group=dist.new_group())
-        pre = KFACPreconditioner(model, distributor=distributor, **KW)
+        schedule, asynchronous = run.split("-")[0], run.endswith("async")
+        options = SPDOptions.from_schedule(schedule=schedule, profile_steps=(1, 2),
+                                           async_inverses=True if asynchronous else None)
+        pre = KFACPreconditioner(model, distributor=SPDDistributor(options, process_group=dist.new_group()), **KW)
         _train(model, DDP(model), pre, world, rank)
-        out[schedule] = [p.detach().clone() for p in model.parameters()]
+        out[run] = [p.detach().clone() for p in model.parameters()]
         pre.remove_hooks()
     return out
 
 
+RUNS = ("spd", "dpkfac", "spd-async")
+
+
 def test_gpt2_two_ranks_equal_one_process() -> None:
-    """GPT-2 (Conv1D body, tied head with a diagonal G, a position embedding with a diagonal A) under SPD-KFAC and
-    dpkfac on 2 gloo processes: the replicas are bitwise equal and equal one process on the joint batch."""
+    """GPT-2 (Conv1D body, tied head with a diagonal G, a position embedding with a diagonal A) under SPD-KFAC,
+    dpkfac and SPD-KFAC with async inverses on 2 gloo processes: the replicas are bitwise equal and equal one
+    process on the joint batch."""
     from lightning_spdkfac.multiprocess import run_distributed
 
     results = run_distributed(_ranked, 2, timeout=240)
-    model = gpt2(vocab=300)
-    _train(model, model, KFACPreconditioner(model, **KW), 2, None)
-    reference = [p.detach() for p in model.parameters()]
-    for schedule in ("spd", "dpkfac"):
-        for a, b in zip(results[0][schedule], results[1][schedule]):
-            assert torch.equal(a, b), f"{schedule}: the replicas differ"
-        for a, b in zip(results[0][schedule], reference):
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=f"{schedule} vs one process")
+    references = {}
+    for asynchronous in (False, True):  # async inverses: one step staler, in one process as on two
+        model = gpt2(vocab=300)
+        _train(model, model, KFACPreconditioner(model, async_inverses=asynchronous, **KW), 2, None)
+        references[asynchronous] = [p.detach() for p in model.parameters()]
+    for run in RUNS:
+        for a, b in zip(results[0][run], results[1][run]):
+            assert torch.equal(a, b), f"{run}: the replicas differ"
+        for a, b in zip(results[0][run], references[run.endswith("async")]):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=f"{run} vs one process")
