@@ -22,6 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from lightning_spdkfac.factor_shapes import ShapeLike  # noqa: E402
 from lightning_spdkfac.schedule import REPLICATED, Placement  # noqa: E402
 from lightning_spdkfac.schedule.placement import message_bytes  # noqa: E402
 from lightning_spdkfac.simulate import Cluster, Workload, simulate  # noqa: E402
@@ -30,11 +31,11 @@ from lightning_spdkfac.simulate.paper import PAPER_WORLD, paper_case  # noqa: E4
 MODELS = ("resnet50", "resnet152", "densenet201", "inception_v4")
 
 
-def candidates(sides: Sequence[int], cluster: Cluster) -> list[tuple[int, Placement]]:
+def candidates(sides: Sequence[ShapeLike], cluster: Cluster) -> list[tuple[int, Placement]]:
     """``(k, placement)`` for k = 0 .. F: the k largest factors by owner cost (inversion + broadcast) owned,
     each on the least-loaded rank so far (LPT, ties to the lower rank), the rest replicated."""
     world = cluster.world_size
-    inv = [cluster.inverse.time(n) for n in sides]
+    inv = [cluster.inverse.time_of(n) for n in sides]
     cost = [t + cluster.broadcast.time(message_bytes(n)) for t, n in zip(inv, sides)]
     order = sorted(range(len(sides)), key=lambda i: (-cost[i], i))
     heap = [(0.0, r) for r in range(world)]

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ..comm.triangle import triu_size
+from ..factor_shapes import ShapeLike, as_shape, packed_numel
 from ..schedule import AlphaBeta
 from .cluster import Cluster
 from .dpkfac import half_allreduce
@@ -32,11 +32,12 @@ def dear_models(cluster: Cluster) -> tuple[AlphaBeta, AlphaBeta]:
     return half_allreduce(cluster, "reduce_scatter"), half_allreduce(cluster, "allgather")
 
 
-def group_bytes(group: Sequence[int], sides: Sequence[int], bytes_per_element: int) -> int:
-    return sum(triu_size(sides[i]) for i in group) * bytes_per_element
+def group_bytes(group: Sequence[int], sides: Sequence[ShapeLike], bytes_per_element: int) -> int:
+    """Bytes of one fusion group's factors, packed (``sides``: the factors' shapes; an int n is n x n)."""
+    return sum(packed_numel(as_shape(sides[i])) for i in group) * bytes_per_element
 
 
-def previous_allgathers(channel: Any, groups: Sequence[Sequence[int]], sides: Sequence[int],
+def previous_allgathers(channel: Any, groups: Sequence[Sequence[int]], sides: Sequence[ShapeLike],
                         bytes_per_element: int, cluster: Cluster) -> None:
     """Put the previous step's all-gathers on ``channel`` from time 0, one per fusion group in plan order."""
     gather = dear_models(cluster)[1]

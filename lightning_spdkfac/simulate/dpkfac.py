@@ -13,8 +13,10 @@
 * the gradient all-reduce is launched when backward ends, as in every schedule;
 * when the channel is free (the step has waited for the factor reductions and the gradients), each owner,
   for each of its layers in layer order, inverts A, inverts G and preconditions the gradient
-  (``G^-1 dW A^-1``; ``Workload.precondition`` is split over the layers by ``2ag(a+g)`` flops), and the
-  preconditioned gradient (``g x a`` fp32 elements) is broadcast from the owner to every rank;
+  (``G^-1 dW A^-1``; ``Workload.precondition`` is split over the layers by ``2ag(a+g)`` flops, or
+  :func:`~lightning_spdkfac.schedule.precondition_flops` where a factor is diagonal or grouped), and the
+  preconditioned gradient (``g x a`` fp32 elements, ``b x g x a`` for a grouped layer) is broadcast from the owner
+  to every rank;
 * the broadcasts are issued by every rank in one order, each starting when the channel is free and its layer
   is preconditioned: ``"finish"`` (the runtime's, :func:`~lightning_spdkfac.schedule.preconditioned_order`,
   and ``dpkfac``'s): by predicted end of the layer's preconditioning (ties: layer order);
@@ -44,18 +46,26 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ..comm.triangle import triu_size
-from ..schedule import REPLICATED, AlphaBeta, LayerPlacement, layer_state_bytes, plan_layer_placement
+from ..factor_shapes import inverse_numel, numel, packed_numel, preconditioned_shape
+from ..schedule import (
+    REPLICATED,
+    AlphaBeta,
+    LayerPlacement,
+    layer_state_bytes,
+    plan_layer_placement,
+    precondition_flops,
+)
 from ..schedule.fusion import FusionPlan
 from .cluster import Cluster
 from .workload import Workload
 
-__all__ = ["MEMORY_ASSUMPTIONS", "half_allreduce", "layer_placement", "memory_per_gpu", "simulate_dpkfac"]
+__all__ = ["MEMORY_ASSUMPTIONS", "gradient_bytes", "half_allreduce", "layer_placement", "memory_per_gpu", "simulate_dpkfac"]
 
 GRAD_BYTES = 4  # preconditioned gradients are broadcast in fp32
 STATE_BYTES = 4  # running factors and inverses are held in fp32
-MEMORY_ASSUMPTIONS = ("fp32 parameters + gradients + SGD momentum; K-FAC factors and inverses n x n; fused "
-                      "factor and inverse-broadcast buffers; activations not counted")
+MEMORY_ASSUMPTIONS = ("fp32 parameters + gradients + SGD momentum; K-FAC factors and inverses of their layouts "
+                      "(n x n dense, n diagonal, b x n x n grouped); fused factor and inverse-broadcast buffers; "
+                      "activations not counted")
 
 
 def half_allreduce(cluster: Cluster, name: str) -> AlphaBeta:
@@ -70,8 +80,14 @@ def half_allreduce(cluster: Cluster, name: str) -> AlphaBeta:
 
 def layer_placement(workload: Workload, cluster: Cluster) -> LayerPlacement:
     """The runtime's layer owners for ``workload`` on ``cluster`` (:func:`plan_layer_placement`)."""
-    return plan_layer_placement([(s.a_side, s.g_side) for s in workload.layers], cluster.world_size,
+    return plan_layer_placement([(s.a_shape, s.g_shape) for s in workload.layers], cluster.world_size,
                                 cluster.inverse, bytes_per_element=STATE_BYTES)
+
+
+def gradient_bytes(spec: Any) -> int:
+    """Bytes of one layer's preconditioned gradient as dpkfac broadcasts it (fp32): ``g x a`` elements, ``b x g x
+    a`` for a grouped layer (:func:`~lightning_spdkfac.factor_shapes.preconditioned_shape`)."""
+    return numel(preconditioned_shape(spec.a_shape, spec.g_shape)) * GRAD_BYTES
 
 
 def _owner_parts(group: Sequence[int], owners: Sequence[int]) -> list[list[int]]:
@@ -82,8 +98,16 @@ def _owner_parts(group: Sequence[int], owners: Sequence[int]) -> list[list[int]]
     return list(parts.values())
 
 
+def _layer_flops(spec: Any) -> float:
+    """Preconditioning flops of one layer: ``2ag(a + g)`` for dense factors (the formula as it always was),
+    :func:`~lightning_spdkfac.schedule.precondition_flops` of the shapes otherwise."""
+    if len(spec.a_shape) == 2 and len(spec.g_shape) == 2:
+        return 2.0 * spec.a_side * spec.g_side * (spec.a_side + spec.g_side)
+    return precondition_flops(spec.a_shape, spec.g_shape)
+
+
 def _precondition_seconds(workload: Workload) -> list[float]:
-    flops = [2.0 * s.a_side * s.g_side * (s.a_side + s.g_side) for s in workload.layers]
+    flops = [_layer_flops(s) for s in workload.layers]
     total = sum(flops)
     return [workload.precondition * f / total if total else 0.0 for f in flops]
 
@@ -134,7 +158,7 @@ def simulate_dpkfac(workload: Workload, cluster: Cluster, schedule: Any, shown: 
     world, layers = cluster.world_size, workload.layers
     lp = layer_placement(workload, cluster)
     order = [(i, "A") for i in range(len(layers))] + [(i, "G") for i in reversed(range(len(layers)))]
-    sides = [layers[i].a_side if w == "A" else layers[i].g_side for i, w in order]
+    sides = [layers[i].a_shape if w == "A" else layers[i].g_shape for i, w in order]  # factor shapes
     owners = tuple(lp.owners[i] for i, _ in order)
     pieces = _stream(workload, schedule, lp)
     ready, t_busy = _ready_times(pieces)
@@ -145,7 +169,7 @@ def simulate_dpkfac(workload: Workload, cluster: Cluster, schedule: Any, shown: 
     bpe = schedule.bytes_per_element
 
     def group_seconds(g: Sequence[int]) -> float:
-        return sum(reduce.time(sum(triu_size(sides[i]) for i in part) * bpe) for part in _owner_parts(g, owners))
+        return sum(reduce.time(sum(packed_numel(sides[i]) for i in part) * bpe) for part in _owner_parts(g, owners))
 
     events: list[Any] = []
     channel = _Channel(events)
@@ -156,14 +180,14 @@ def simulate_dpkfac(workload: Workload, cluster: Cluster, schedule: Any, shown: 
     t_comm = max(channel.free, t_compute)
 
     inv, prec = cluster.inverse, _precondition_seconds(workload)
-    work = [inv.time(s.a_side) + inv.time(s.g_side) for s in layers]
+    work = [inv.time_of(s.a_shape) + inv.time_of(s.g_shape) for s in layers]
     done: dict[int, float] = {}
     rank_end = [t_comm] * world
     for r in range(world):
         t = t_comm
         for i in lp.owned_by(r):
-            for label, sec in ((f"invert {layers[i].name}:A", inv.time(layers[i].a_side)),
-                               (f"invert {layers[i].name}:G", inv.time(layers[i].g_side)),
+            for label, sec in ((f"invert {layers[i].name}:A", inv.time_of(layers[i].a_shape)),
+                               (f"invert {layers[i].name}:G", inv.time_of(layers[i].g_shape)),
                                (f"precondition {layers[i].name}", prec[i])):
                 if r < shown:
                     events.append(Event(f"rank {r}", "InvComp" if label.startswith("invert") else "Precondition",
@@ -171,7 +195,7 @@ def simulate_dpkfac(workload: Workload, cluster: Cluster, schedule: Any, shown: 
                 t += sec
             done[i] = t
         rank_end[r] = t
-    sends = [cluster.broadcast.time(s.g_side * s.a_side * GRAD_BYTES) if world > 1 else 0.0 for s in layers]
+    sends = [cluster.broadcast.time(gradient_bytes(s)) if world > 1 else 0.0 for s in layers]
     by_finish = sorted(range(len(layers)), key=lambda i: (done[i], i))
     bcast_order = [] if world == 1 else _turns(lp) if schedule.broadcast_order == "owner_turns" else by_finish
     for i in bcast_order:
@@ -201,20 +225,23 @@ def memory_per_gpu(workload: Workload, timeline: Any) -> dict[str, int]:
     ``model`` (parameters, gradients, momentum), ``kfac_state`` (factors and inverses: every layer's on
     replicated schedules, plus the inverses being computed beside those in use with async inverses; the
     owned layers' under dpkfac), ``buffers`` (fused factor triangles, inverse-broadcast triangles of owned
-    factors) and ``total``."""
+    factors) and ``total``. Every factor counts as its layout holds it (``timeline.extra["sides"]``, the
+    factors' shapes): ``n x n`` dense, ``n`` diagonal, ``b x n x n`` grouped, and is sent packed (a diagonal, or
+    the upper triangle of each dense block)."""
     s = timeline.extra["schedule"]
     sides = timeline.extra["sides"]
     world = len(timeline.extra.get("layer_placement").load) if "layer_placement" in timeline.extra else None
     model = 3 * 4 * workload.params
-    factor_buffers = sum(triu_size(n) for n in sides) * s.bytes_per_element
+    factor_buffers = sum(packed_numel(n) for n in sides) * s.bytes_per_element
     if s.dpkfac != "off":
         lp = timeline.extra["layer_placement"]
         kfac = max(lp.memory)
         buffers = factor_buffers if s.dpkfac == "reduce" and world and world > 1 else 0
     else:
-        kfac = sum(layer_state_bytes(x.a_side, x.g_side, STATE_BYTES) for x in workload.layers)
-        if s.async_inverses:
-            kfac += sum(n * n for n in sides) * STATE_BYTES
+        kfac = sum(layer_state_bytes(x.a_shape, x.g_shape, STATE_BYTES) for x in workload.layers)
+        if s.async_inverses:  # the inverses being computed (Cholesky: the factor's shape)
+            kfac += sum(numel(n) for n in sides) * STATE_BYTES
         owned = [n for n, o in zip(sides, timeline.owners) if o != REPLICATED]
-        buffers = (factor_buffers if timeline.groups else 0) + sum(triu_size(n) for n in owned) * s.bytes_per_element
+        buffers = ((factor_buffers if timeline.groups else 0)
+                   + sum(inverse_numel(n, "cholesky") for n in owned) * s.bytes_per_element)
     return {"model": model, "kfac_state": kfac, "buffers": buffers, "total": model + kfac + buffers}

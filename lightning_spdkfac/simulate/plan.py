@@ -16,11 +16,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import validation as val
-from ..comm.triangle import triu_size
+from ..factor_shapes import is_diagonal, is_grouped, packed_numel, side
 from ..schedule import REPLICATED, AlphaBeta
+from ..schedule.placement import message_bytes
 from ..vocabulary import SCHEDULE_PARTS
 from .cluster import Cluster
-from .dpkfac import GRAD_BYTES, MEMORY_ASSUMPTIONS, memory_per_gpu
+from .dpkfac import MEMORY_ASSUMPTIONS, gradient_bytes, memory_per_gpu
 from .timeline import CATEGORIES, SIM_SCHEDULES, SimSchedule, Timeline, as_sim_schedule, simulate
 from .workload import Workload
 
@@ -183,6 +184,7 @@ class PlanInputs:
     input_dtype: str = "float32"
     strategy_class: str = STRATEGY_CLASS
     gpu_memory: float | None = None  # bytes per GPU: recommend the fastest schedule that fits
+    max_factor_side: int | None = None  # the layouts' size policy the model was profiled with (None: not profiled)
 
     def __post_init__(self) -> None:
         val.check_instance("workload", self.workload, Workload)
@@ -202,7 +204,7 @@ def _fusion_groups(workload: Workload, tl: Timeline) -> list[dict[str, Any]]:
     bpe = tl.extra["schedule"].bytes_per_element
     out = []
     for k, g in enumerate(tl.groups):
-        nbytes = sum(triu_size(sides[i]) for i in g) * bpe
+        nbytes = sum(packed_numel(sides[i]) for i in g) * bpe
         out.append({"index": k, "factors": [_label(workload, tl.order[i]) for i in g], "bytes": nbytes})
     return out
 
@@ -214,15 +216,15 @@ def _placement(workload: Workload, cluster: Cluster, tl: Timeline) -> dict[str, 
     if tl.extra["schedule"].dpkfac != "off":
         return _layer_placement(workload, cluster, tl)
     repl = [i for i, o in enumerate(tl.owners) if o == REPLICATED]
-    repl_s = sum(inv.time(sides[i]) for i in repl)
+    repl_s = sum(inv.time_of(sides[i]) for i in repl)
     ranks = []
     for r in range(cluster.world_size):
         own = [i for i, o in enumerate(tl.owners) if o == r]
         ranks.append({
             "rank": r,
             "factors": [_label(workload, tl.order[i]) for i in own],
-            "inverse_s": repl_s + sum(inv.time(sides[i]) for i in own),
-            "broadcast_s": sum(cluster.broadcast.time(triu_size(sides[i]) * bpe) for i in own),
+            "inverse_s": repl_s + sum(inv.time_of(sides[i]) for i in own),
+            "broadcast_s": sum(cluster.broadcast.time(message_bytes(sides[i], bpe)) for i in own),
         })
     sched = tl.extra["schedule"]
     policy = sched.placement + (" (candidate of shortest async period)" if sched.async_placement == "period" else "")
@@ -240,8 +242,9 @@ def _layer_placement(workload: Workload, cluster: Cluster, tl: Timeline) -> dict
         ranks.append({
             "rank": r,
             "factors": [f"{workload.layers[i].name}:{w}" for i in own for w in ("A", "G")],
-            "inverse_s": sum(inv.time(workload.layers[i].a_side) + inv.time(workload.layers[i].g_side) for i in own),
-            "broadcast_s": sum(cluster.broadcast.time(workload.layers[i].a_side * workload.layers[i].g_side * GRAD_BYTES)
+            "inverse_s": sum(inv.time_of(workload.layers[i].a_shape) + inv.time_of(workload.layers[i].g_shape)
+                             for i in own),
+            "broadcast_s": sum(cluster.broadcast.time(gradient_bytes(workload.layers[i]))
                                for i in own) if cluster.world_size > 1 else 0.0,
             "kfac_bytes": lp.memory[r],
         })
@@ -265,15 +268,21 @@ def _cluster_summary(inputs: PlanInputs) -> dict[str, Any]:
 
 
 def _workload_summary(inputs: PlanInputs) -> dict[str, Any]:
+    """The model's summary; ``largest_factor`` is the largest side of a matrix that is inverted (a dense factor,
+    a block of a grouped one), diagonal factors counted apart."""
     wl = inputs.workload
     layers = wl.layers
+    shapes = [x for s in layers for x in (s.a_shape, s.g_shape)]
+    diagonal = [side(x) for x in shapes if is_diagonal(x)]
     return {
         "name": wl.name, "source": inputs.workload_source,
         "input_shape": list(inputs.input_shape) if inputs.input_shape else None,
         "input_dtype": inputs.input_dtype,
         "batch_size": wl.batch_size, "layers": len(layers), "factors": 2 * len(layers),
         "params": wl.params, "kfac_params": sum(s.params for s in layers), "other_params": wl.other_params,
-        "largest_factor": max((max(s.a_side, s.g_side) for s in layers), default=0),
+        "largest_factor": max((side(x) for x in shapes if not is_diagonal(x)), default=0),
+        "diagonal_factors": len(diagonal), "largest_diagonal": max(diagonal, default=0),
+        "grouped_factors": sum(1 for x in shapes if is_grouped(x)), "max_factor_side": inputs.max_factor_side,
         "ff_bp_s": wl.ff_bp, "factor_comp_s": wl.factor_comp,
         "grad_comm_s": wl.grad_comm,
     }

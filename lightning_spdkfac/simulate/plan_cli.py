@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from ..factor_shapes import FactorShape, is_diagonal, packed_numel, side
 from ..schedule import AlphaBeta, InverseCost
 from .cluster import Cluster
 from .plan import DEFAULT_SCHEDULES, PlanInputs, ab_dict, plan, sim_schedule_from_options
@@ -75,6 +76,10 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--init-args", metavar="JSON", help="keyword arguments of the model class, a JSON object")
     m.add_argument("--input-dtype", default="float32", choices=sorted(DTYPES),
                    help="dtype of the sample (default float32; int64 for token ids)")
+    m.add_argument("--max-factor-side", type=int, metavar="N", help="the largest factor side kept dense, as the "
+                   "runtime's max_factor_side: a larger side (an LM head's vocabulary) is planned as a diagonal "
+                   "factor (default: a config's kfac.max_factor_side, else 4096; not with --paper, whose models "
+                   "are dense)")
     w = p.add_argument_group("compute")
     w.add_argument("--batch-size", type=int, metavar="B", help="per-GPU batch (default 32; --paper: the paper's; "
                    "--config: data.init_args.batch_size)")
@@ -123,7 +128,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise PlanError("--model/--config/--paper", "give exactly one of them" + (
             f" (got {', '.join(chosen)})" if chosen else " (e.g. --paper resnet50)"))
     for flag, v in (("--batch-size", args.batch_size), ("--world-size", args.world_size),
-                    ("--gpus-per-node", args.gpus_per_node), ("--measure-repeats", args.measure_repeats)):
+                    ("--gpus-per-node", args.gpus_per_node), ("--measure-repeats", args.measure_repeats),
+                    ("--max-factor-side", args.max_factor_side)):
         if v is not None and v < 1:
             raise PlanError(flag, f"must be a positive integer, got {v}")
     if args.fit_world_size is not None and args.fit_world_size < 2:
@@ -137,6 +143,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise PlanError("--init-args", "only goes with --model (a config gives model.init_args itself)")
     if args.input_shape is not None and args.paper:
         raise PlanError("--input-shape", "--paper models have their own input shape")
+    if args.max_factor_side is not None and args.paper:
+        raise PlanError("--max-factor-side", "--paper models are planned with dense factors, as the paper ran them")
 
 
 def _schedules(text: str | None) -> list[SimSchedule]:
@@ -247,14 +255,14 @@ def _process_group() -> tuple[bool, _Teardown]:
     return True, teardown
 
 
-def _measure(args: argparse.Namespace, sides: list[int], inverse: InverseCost | None
+def _measure(args: argparse.Namespace, sides: list[FactorShape], inverse: InverseCost | None
              ) -> tuple[int, int, AlphaBeta, AlphaBeta, InverseCost | None, dict[str, Any]]:
     """Measure on the process group: (rank, group size, all-reduce fit, broadcast fit, inverse model
-    (rank 0 only, unless given), details)."""
+    (rank 0 only, unless given), details). ``sides``: the factors' shapes; messages are probed up to the
+    largest packed factor, inversions at the sides of the dense matrices (dense factors, grouped blocks)."""
     import torch.distributed as dist
 
     from ..comm.profile import measure_allreduce, measure_broadcast, probe_sizes
-    from ..comm.triangle import triu_size
     from ..schedule import fit_alpha_beta, measure_inverse_cost
 
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -262,11 +270,11 @@ def _measure(args: argparse.Namespace, sides: list[int], inverse: InverseCost | 
         raise PlanError("--measure", "the process group has 1 rank: nothing to measure (launch 2 or more)")
     backend = dist.get_backend()
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    sizes = probe_sizes(max(triu_size(n) for n in sides) * 4, cap=args.measure_max_mb * 2**20)
+    sizes = probe_sizes(max(packed_numel(n) for n in sides) * 4, cap=args.measure_max_mb * 2**20)
     ar = measure_allreduce(sizes, repeats=args.measure_repeats)
     bc = measure_broadcast(sizes, repeats=args.measure_repeats)
     fit_ar, fit_bc = fit_alpha_beta(sizes, ar), fit_alpha_beta(sizes, bc)
-    ns = sorted(set(sides))
+    ns = sorted({side(n) for n in sides if not is_diagonal(n)} or {side(n) for n in sides})
     probe = sorted({ns[0], ns[len(ns) // 2], ns[-1], max(8, ns[-1] // 2), max(16, 2 * ns[0])})
     if inverse is None and rank == 0:
         inverse = measure_inverse_cost(probe, device=device)
@@ -281,7 +289,7 @@ def _measured_network(args: argparse.Namespace, model: ModelSource, inverse: Inv
     """``--measure``: the network measured on the process group; None on ranks > 0 (rank 0 prints)."""
     _, teardown = _process_group()
     rank, group, fit_ar, fit_bc, inverse, measured = _measure(
-        args, [n for s in model.specs for n in (s.a_side, s.g_side)], inverse)
+        args, [n for s in model.specs for n in (s.a_shape, s.g_shape)], inverse)
     if rank != 0:
         return None, teardown
     assert inverse is not None  # measured on rank 0 when not given
@@ -424,7 +432,8 @@ def _inputs(args: argparse.Namespace) -> tuple[PlanInputs | None, _Teardown]:
     inputs = PlanInputs(workload=workload, cluster=net.cluster, schedules=schedules, workload_source=source,
                         cluster_source=net.source, notes=notes, config_strategy=model.strategy_args,
                         measured=net.measured, input_shape=model.shape, input_dtype=args.input_dtype,
-                        strategy_class=model.strategy_class, gpu_memory=gpu_memory)
+                        strategy_class=model.strategy_class, gpu_memory=gpu_memory,
+                        max_factor_side=model.max_factor_side)
     return inputs, teardown
 
 

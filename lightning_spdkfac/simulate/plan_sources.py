@@ -2,7 +2,9 @@
 LightningCLI ``--config`` of this project (its model, its data batch size and its K-FAC strategy).
 
 A user's model is built on the meta device (no memory) and, when that fails, on the CPU; its K-FAC
-layers are read by :func:`~.workload.profile_layers`. A config's ``trainer.strategy`` is compared as
+layers are read by :func:`~.workload.profile_layers`, each factor in the layout the runtime gives it
+(``--max-factor-side``, else a config's ``kfac.max_factor_side``, else the runtime's default 4096: a larger side
+is a diagonal factor; an embedding's A is always diagonal, a grouped convolution's factors grouped). A config's ``trainer.strategy`` is compared as
 schedule ``config`` when it is an SPD-KFAC strategy: a class path of ``SPDKFACStrategy`` or
 ``SPDKFACDeepSpeedStrategy``, or a name registered in Lightning's StrategyRegistry
 (:data:`~lightning_spdkfac.vocabulary.DDP_STRATEGY_NAMES`,
@@ -23,7 +25,7 @@ import torch
 
 from ..vocabulary import DDP_STRATEGY_NAMES, DEEPSPEED_STRATEGY_NAMES
 from .plan import DEEPSPEED_CLASS, STRATEGY_CLASS
-from .workload import LayerSpec, profile_layers
+from .workload import DEFAULT_MAX_FACTOR_SIDE, LayerSpec, profile_layers
 
 __all__ = ["DTYPES", "ModelSource", "PlanError", "model_source"]
 
@@ -59,6 +61,7 @@ class ModelSource:
     options: Any = None  # SPDOptions of the config's strategy (compared as schedule "config")
     strategy_args: dict[str, Any] | None = None  # the config strategy's K-FAC init_args
     strategy_class: str = STRATEGY_CLASS  # the strategy class to recommend
+    max_factor_side: int | None = None  # the layouts' size policy the layers were profiled with (None: --paper)
 
 
 def _ints(flag: str, text: str) -> tuple[int, ...]:
@@ -99,7 +102,7 @@ def _first_line(e: BaseException) -> str:
 
 
 def _profile(flag: str, factory: Callable[..., Any], init_args: dict[str, Any], shape: tuple[int, ...],
-             notes: list[str], dtype: torch.dtype) -> tuple[torch.nn.Module, list[LayerSpec]]:
+             notes: list[str], dtype: torch.dtype, max_side: int) -> tuple[torch.nn.Module, list[LayerSpec]]:
     """Build the model (meta device first, then the CPU) and read its K-FAC layers."""
     args_flag = "--init-args" if flag == "--model" else "--config (model.init_args)"
 
@@ -120,7 +123,7 @@ def _profile(flag: str, factory: Callable[..., Any], init_args: dict[str, Any], 
 
     try:
         model = build("meta")
-        return model, profile_layers(model, shape, dtype=dtype)
+        return model, profile_layers(model, shape, dtype=dtype, max_factor_side=max_side)
     except _NotAModule:
         raise
     except Exception as e:  # noqa: BLE001 - anything the model does on the meta device: retry on the CPU
@@ -129,7 +132,7 @@ def _profile(flag: str, factory: Callable[..., Any], init_args: dict[str, Any], 
     notes.append(f"the model could not be built or run on the meta device ({cause[:160]}); it was built on the "
                  "CPU and run on one sample instead")
     try:
-        return model, profile_layers(model, shape, dtype=dtype)
+        return model, profile_layers(model, shape, dtype=dtype, max_factor_side=max_side)
     except Exception as e:  # noqa: BLE001
         hint = " (token ids? add --input-dtype int64)" if dtype.is_floating_point else ""
         raise PlanError("--input-shape", f"the forward pass of one {dtype} sample of shape {shape} failed: "
@@ -137,9 +140,9 @@ def _profile(flag: str, factory: Callable[..., Any], init_args: dict[str, Any], 
 
 
 def _kfac_layers(flag: str, factory: Callable[..., Any], init_args: dict[str, Any], shape: tuple[int, ...],
-                 notes: list[str], dtype: torch.dtype) -> tuple[list[LayerSpec], int]:
+                 notes: list[str], dtype: torch.dtype, max_side: int) -> tuple[list[LayerSpec], int]:
     """The model's K-FAC layers and its parameters outside them."""
-    model, specs = _profile(flag, factory, init_args, shape, notes, dtype)
+    model, specs = _profile(flag, factory, init_args, shape, notes, dtype, max_side)
     if not specs:
         raise PlanError(flag, "the model has no layer K-FAC handles (nn.Conv2d / nn.Linear) on the forward path")
     total = sum(p.numel() for p in model.parameters())
@@ -189,6 +192,17 @@ def _data_batch(cfg: dict[str, Any]) -> int | None:
         if isinstance(b, int) and not isinstance(b, bool) and b > 0:
             return b
     return None
+
+
+def _config_max_side(cfg: dict[str, Any]) -> int | None:
+    """The config's ``kfac.max_factor_side`` (flat or under ``init_args``), when it is a positive integer."""
+    kfac = cfg.get("kfac")
+    if not isinstance(kfac, dict):
+        return None
+    inner = kfac.get("init_args")
+    args: dict[str, Any] = inner if isinstance(inner, dict) else kfac
+    v = args.get("max_factor_side")
+    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
 
 
 def _strategy_given(strategy: object) -> tuple[dict[str, Any] | None, str]:
@@ -260,6 +274,7 @@ def _paper_model(name: str) -> ModelSource:
 
 def _module_model(args: argparse.Namespace, shape: tuple[int, ...], dtype: torch.dtype,
                   notes: list[str]) -> ModelSource:
+    max_side = getattr(args, "max_factor_side", None) or DEFAULT_MAX_FACTOR_SIDE
     init_args: dict[str, Any] = {}
     if args.init_args is not None:
         try:
@@ -269,13 +284,19 @@ def _module_model(args: argparse.Namespace, shape: tuple[int, ...], dtype: torch
         if not isinstance(init_args, dict):
             raise PlanError("--init-args", f"must be a JSON object, got {args.init_args!r}")
     factory = _resolve("--model", args.model)
-    specs, other = _kfac_layers("--model", factory, init_args, shape, notes, dtype)
-    return ModelSource(name=args.model, source="--model", specs=specs, shape=shape, other_params=other)
+    specs, other = _kfac_layers("--model", factory, init_args, shape, notes, dtype, max_side)
+    return ModelSource(name=args.model, source="--model", specs=specs, shape=shape, other_params=other,
+                       max_factor_side=max_side)
 
 
 def _config_model(paths: Sequence[str], shape: tuple[int, ...], dtype: torch.dtype,
-                  notes: list[str]) -> ModelSource:
+                  notes: list[str], max_side: int | None) -> ModelSource:
     cfg = _read_config(paths)
+    if max_side is None:
+        max_side = _config_max_side(cfg)
+        if max_side is not None:
+            notes.append(f"factor layouts with max_factor_side {max_side} from the config's kfac.max_factor_side")
+    max_side = max_side or DEFAULT_MAX_FACTOR_SIDE
     path = " + ".join(paths)
     if not isinstance(cfg.get("model"), dict) or "class_path" not in cfg["model"]:
         raise PlanError("--config", f"{path!r} has no model.class_path (a LightningCLI config of this project)")
@@ -285,10 +306,10 @@ def _config_model(paths: Sequence[str], shape: tuple[int, ...], dtype: torch.dty
         raise PlanError("--config", f"model.init_args of {path!r} must be a mapping")
     options, strategy_args, strategy_class = _config_strategy(cfg, notes)
     factory = _resolve("--config", class_path)
-    specs, other = _kfac_layers("--config", factory, init_args, shape, notes, dtype)
+    specs, other = _kfac_layers("--config", factory, init_args, shape, notes, dtype, max_side)
     return ModelSource(name=class_path.rsplit(".", 1)[-1], source=f"config {path}", specs=specs, shape=shape,
                        other_params=other, batch=_data_batch(cfg), options=options,
-                       strategy_args=strategy_args, strategy_class=strategy_class)
+                       strategy_args=strategy_args, strategy_class=strategy_class, max_factor_side=max_side)
 
 
 def model_source(args: argparse.Namespace, notes: list[str]) -> ModelSource:
@@ -309,7 +330,7 @@ def model_source(args: argparse.Namespace, notes: list[str]) -> ModelSource:
         source = _module_model(args, shape, dtype, notes)
         source.batch = args.batch_size
         return source
-    source = _config_model(args.config, shape, dtype, notes)
+    source = _config_model(args.config, shape, dtype, notes, getattr(args, "max_factor_side", None))
     if args.batch_size is not None:
         source.batch = args.batch_size
     elif source.batch is not None:

@@ -88,8 +88,8 @@ def _summary(result: dict[str, Any], ms: _Ms) -> list[str]:
     if w["input_dtype"] != "float32":
         shape += f" ({w['input_dtype']})"
     out.append(f"model       {w['name']} ({w['source']}), input {shape}")
-    out.append(f"            {w['layers']} K-FAC layers, {w['factors']} factors (largest {w['largest_factor']}), "
-               f"{_count(w['params'])} params ({_count(w['other_params'])} outside K-FAC layers)")
+    out.append(f"            {w['layers']} K-FAC layers, {w['factors']} factors (largest {w['largest_factor']}"
+               f"{_layouts(w)}), {_count(w['params'])} params ({_count(w['other_params'])} outside K-FAC layers)")
     out.append(f"            per-GPU batch {w['batch_size']}: FF&BP {ms(w['ff_bp_s'])} ms, "
                f"FactorComp {ms(w['factor_comp_s'])} ms")
     m = result.get("measured")
@@ -219,6 +219,18 @@ def _runtime(result: dict[str, Any], best: dict[str, Any]) -> list[str]:
     out.append("The runtime measures its own alpha-beta models and factor ready times at start-up and plans "
                "from them; the groups and placement above are the simulator's.")
     return out
+
+
+def _layouts(w: dict[str, Any]) -> str:
+    """The factors that are not dense, for the workload line (empty when every factor is)."""
+    parts = []
+    if w.get("diagonal_factors"):
+        parts.append(f"{w['diagonal_factors']} diagonal up to {w['largest_diagonal']}")
+    if w.get("grouped_factors"):
+        parts.append(f"{w['grouped_factors']} grouped")
+    if parts and w.get("max_factor_side") is not None:
+        parts.append(f"max_factor_side {w['max_factor_side']}")
+    return "; " + ", ".join(parts) if parts else ""
 
 
 def render(result: dict[str, Any]) -> str:

@@ -77,7 +77,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from .. import validation as val
-from ..comm.triangle import triu_size
+from ..factor_shapes import FactorShape, numel, packed_numel
 from ..schedule import (
     REPLICATED,
     AlphaBeta,
@@ -89,6 +89,7 @@ from ..schedule import (
     simulate_placement,
 )
 from ..schedule.fusion import FusionPlan
+from ..schedule.placement import message_bytes
 from ..vocabulary import FUSIONS, PLACEMENTS, FusionName, PlacementName
 from .cluster import Cluster
 from .workload import Workload
@@ -335,15 +336,15 @@ def _grad_comm(workload: Workload, cluster: Cluster) -> float:
     return full * cluster.allreduce.time(bucket) + (cluster.allreduce.time(rest) if rest else 0.0)
 
 
-def _fusion(schedule: SimSchedule, order: list[tuple[int, str]], sides: list[int], ready: list[float],
+def _fusion(schedule: SimSchedule, order: list[tuple[int, str]], sides: list[FactorShape], ready: list[float],
             comm: AlphaBeta) -> FusionPlan:
-    elems = [s * s if schedule.plan_full_sizes else triu_size(s) for s in sides]
+    elems = [numel(s) if schedule.plan_full_sizes else packed_numel(s) for s in sides]
     alone = () if schedule.fuse_g else [pos for pos, key in enumerate(order) if key[1] == "G"]
     return plan_fusion(elems, ready, comm, policy=schedule.fusion, bucket_bytes=int(schedule.bucket_mb * 2**20),
                        bytes_per_element=schedule.bytes_per_element, alone=alone)
 
 
-def _placement(schedule: SimSchedule, cluster: Cluster, ns: list[int]) -> Placement:
+def _placement(schedule: SimSchedule, cluster: Cluster, ns: list[FactorShape]) -> Placement:
     bpe = schedule.bytes_per_element
     if schedule.lbp_metric == "linear":  # the original code: load n, small factors by threshold only
         return plan_placement(ns, cluster.world_size, InverseCost(c1=1.0), AlphaBeta(0.0, 0.0),
@@ -424,16 +425,16 @@ class _Channel:
         return self.free
 
 
-def _group_seconds(schedule: SimSchedule, cluster: Cluster, sides: list[int], owners: Sequence[int],
+def _group_seconds(schedule: SimSchedule, cluster: Cluster, sides: list[FactorShape], owners: Sequence[int],
                    group: Sequence[int]) -> float:
-    """Seconds on the channel of one fused factor reduction."""
+    """Seconds on the channel of one fused factor reduction (each factor packed: a dense one's upper triangle)."""
     bpe = schedule.bytes_per_element
     if schedule.reduce_to_owner:
-        owned = sum(triu_size(sides[i]) for i in group if owners[i] != REPLICATED) * bpe
-        repl = sum(triu_size(sides[i]) for i in group if owners[i] == REPLICATED) * bpe
+        owned = sum(packed_numel(sides[i]) for i in group if owners[i] != REPLICATED) * bpe
+        repl = sum(packed_numel(sides[i]) for i in group if owners[i] == REPLICATED) * bpe
         alpha = max(cluster.reduce.alpha if owned else 0.0, cluster.allreduce.alpha if repl else 0.0)
         return alpha + cluster.reduce.beta * owned + cluster.allreduce.beta * repl
-    return cluster.allreduce.time(sum(triu_size(sides[i]) for i in group) * bpe)
+    return cluster.allreduce.time(sum(packed_numel(sides[i]) for i in group) * bpe)
 
 
 def _compute_and_reductions(schedule: SimSchedule, pieces: list[_Piece], order: list[tuple[int, str]],
@@ -475,7 +476,7 @@ class _Phase:
     schedule: SimSchedule
     cluster: Cluster
     order: list[tuple[int, str]]
-    sides: list[int]
+    sides: list[FactorShape]  # the factors' shapes, in ``order``
     owners: tuple[int, ...]
     done: dict[int, float]  # factor position -> its reduction is complete
     t_compute: float
@@ -497,7 +498,7 @@ def _inversions_in_order(ph: _Phase, tasks_per_rank: list[list[int]]) -> tuple[l
         tr = ph.t_compute
         for i in sorted(tasks, key=lambda i: (ph.done[i], tasks.index(i))) if early else tasks:
             begin = max(tr, ph.done[i] if early else ph.inv_start)
-            tr = begin + ph.cluster.inverse.time(ph.sides[i])
+            tr = begin + ph.cluster.inverse.time_of(ph.sides[i])
             if r < ph.shown:
                 ph.events.append(Event(f"rank {r}", "InvComp", f"invert {ph.order[i]}", begin, tr))
             if ph.owners[i] == r:
@@ -506,7 +507,7 @@ def _inversions_in_order(ph: _Phase, tasks_per_rank: list[list[int]]) -> tuple[l
     bfree = bcast_end = ph.t_comm
     for i in sorted(bcast_ready, key=lambda i: (bcast_ready[i], i)):
         b0 = max(bfree, bcast_ready[i])
-        bfree = b0 + ph.cluster.broadcast.time(triu_size(ph.sides[i]) * ph.schedule.bytes_per_element)
+        bfree = b0 + ph.cluster.broadcast.time(message_bytes(ph.sides[i], ph.schedule.bytes_per_element))
         ph.events.append(Event("comm", "InvComm", f"broadcast {ph.order[i]}", b0, bfree))
         bcast_end = bfree
     return rank_end, bcast_end
@@ -539,17 +540,17 @@ def _inversions_planned(ph: _Phase, placement: Placement) -> tuple[list[float], 
     for r in range(min(ph.cluster.world_size, ph.shown)):
         tr = start  # each owner inverts in the issue order (the default's is inverted_by), then the replicated
         for i in [i for i in pt.broadcast_order if placement.owners[i] == r] + list(placement.replicated):
-            ph.events.append(Event(f"rank {r}", "InvComp", f"invert {ph.order[i]}", tr, tr + inv.time(ph.sides[i])))
-            tr += inv.time(ph.sides[i])
+            ph.events.append(Event(f"rank {r}", "InvComp", f"invert {ph.order[i]}", tr, tr + inv.time_of(ph.sides[i])))
+            tr += inv.time_of(ph.sides[i])
     clock: dict[int, float] = {}
     ready: dict[int, float] = {}  # owned factor -> its inverse is computed
     for i in pt.broadcast_order:
         o = placement.owners[i]
-        clock[o] = ready[i] = clock.get(o, start) + inv.time(ph.sides[i])
+        clock[o] = ready[i] = clock.get(o, start) + inv.time_of(ph.sides[i])
     free = ph.t_comm
     for i in pt.broadcast_order:
         b0 = max(free, ready[i])
-        free = b0 + ph.cluster.broadcast.time(triu_size(ph.sides[i]) * ph.schedule.bytes_per_element)
+        free = b0 + ph.cluster.broadcast.time(message_bytes(ph.sides[i], ph.schedule.bytes_per_element))
         ph.events.append(Event("comm", "InvComm", f"broadcast {ph.order[i]}", b0, free))
     return [start + e for e in pt.compute_end], free
 
@@ -619,7 +620,7 @@ def simulate(workload: Workload, cluster: Cluster, schedule: SimSchedule | str, 
     pieces = _compute_pieces(workload)
     ready, t_busy = _ready_times(pieces)
     order = [(i, "A") for i in range(len(layers))] + [(i, "G") for i in reversed(range(len(layers)))]
-    sides = [layers[i].a_side if w == "A" else layers[i].g_side for i, w in order]
+    sides = [layers[i].a_shape if w == "A" else layers[i].g_shape for i, w in order]  # factor shapes
 
     # -- placement (static: from sizes and models) and fusion (from the profiled ready times)
     placement = _given_placement(placement, world, len(sides)) if placement is not None else (
@@ -683,7 +684,7 @@ def simulate(workload: Workload, cluster: Cluster, schedule: SimSchedule | str, 
         extra={"t_compute": t_compute, "t_comm": t_comm, "t_inv": t_inv,
                "sides": sides, "schedule": schedule, "broadcast_order": phase.bcast_order,
                "lower_bound_terms": _lower_bound_terms(schedule, workload, grad_exposed,
-                                                       max((cluster.inverse.time(n) for n in sides), default=0.0))},
+                                                       max((cluster.inverse.time_of(n) for n in sides), default=0.0))},
     )
 
 

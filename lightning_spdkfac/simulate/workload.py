@@ -2,18 +2,21 @@
 
 :func:`profile_layers` reads a real ``nn.Module``: it runs one forward pass (on the meta device when the
 model lives there, so no memory is allocated) with hooks on the layers that K-FAC handles, found by the
-runtime's own :func:`~lightning_spdkfac.kfac.layers.make_helper`, and records per layer the factor sides,
-the number of factor rows one sample contributes and the forward FLOPs.
+runtime's own :func:`~lightning_spdkfac.kfac.layers.make_helper`, and records per layer the factor sides and
+layouts (dense ``(n, n)``, diagonal ``(n,)``, grouped ``(b, n, n)``: :mod:`lightning_spdkfac.factor_shapes`, as
+the runtime's ``helper.factor_shapes(max_factor_side)`` gives them), the number of factor rows one sample
+contributes and the forward FLOPs.
 
 :class:`Workload` turns those counts into seconds, either from device rates (:meth:`Workload.from_rates`)
 or by spreading measured single-phase totals over the layers (:meth:`Workload.calibrated`): forward and
 backward time by forward FLOPs (backward twice forward), factor computation by ``rows * n**2`` of each
-factor. Inversion times are a property of the device and live in the cluster's ``InverseCost``.
+dense factor (``rows * n`` for a diagonal one, ``rows * b * n**2`` for a grouped one). Inversion times are a property of the device and live in the cluster's ``InverseCost``.
 """
 
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -22,9 +25,24 @@ import torch
 from torch import nn
 
 from .. import validation as val
+from ..factor_shapes import FactorShape, blocks, check_shape, is_diagonal, side
 from ..kfac.layers import make_helper
 
-__all__ = ["LayerSpec", "LayerTimes", "Workload", "profile_layers"]
+__all__ = ["DEFAULT_MAX_FACTOR_SIDE", "LayerSpec", "LayerTimes", "Workload", "profile_layers"]
+
+DEFAULT_MAX_FACTOR_SIDE = 4096
+"""The largest factor side kept dense when a model is profiled: the runtime's default ``max_factor_side``
+(``KFACOptions``); a larger side is a diagonal factor."""
+
+
+def _factor_flops(rows: int, n: int, shape: FactorShape) -> float:
+    """FLOPs to form one factor's contribution of ``rows`` rows: ``2 rows n^2`` dense (the formula as it always
+    was), ``2 rows n`` diagonal (squares of the rows' entries), ``2 rows b n^2`` grouped (one block per group)."""
+    if len(shape) == 2:
+        return 2.0 * rows * n**2
+    if is_diagonal(shape):
+        return 2.0 * rows * n
+    return 2.0 * rows * blocks(shape) * n**2
 
 
 @dataclass(frozen=True)
@@ -33,10 +51,15 @@ class LayerSpec:
 
     Attributes:
         name: module name in the model.
-        a_side, g_side: sides of the A and G factors.
+        a_side, g_side: sides of the A and G factors (of each block for a grouped factor, the length of a
+            diagonal one).
         rows: factor rows one sample contributes (output positions of a conv, tokens of a linear).
         forward_flops: forward FLOPs of the layer for one sample (2 per multiply-add).
         params: number of parameters (weight and bias).
+        a_shape, g_shape: the factors' layouts (:mod:`lightning_spdkfac.factor_shapes`): ``(n, n)`` dense,
+            ``(n,)`` diagonal, ``(b, n, n)`` grouped; their side must be ``a_side`` / ``g_side``. Left out (``()``),
+            the factor is dense, ``(a_side, a_side)`` (the paper's models, and every spec before layouts existed).
+            Everything the simulator costs per factor (messages, inversions, memory, factor FLOPs) follows them.
     """
 
     name: str
@@ -45,15 +68,28 @@ class LayerSpec:
     rows: int
     forward_flops: float
     params: int
+    a_shape: FactorShape = ()
+    g_shape: FactorShape = ()
+
+    def __post_init__(self) -> None:
+        for which in ("a", "g"):
+            n = val.check_int(f"{which}_side", getattr(self, f"{which}_side"), low=0)
+            given = getattr(self, f"{which}_shape")
+            shape = (n, n) if given == () else check_shape(f"{which}_shape", given, low=0)
+            if side(shape) != n:
+                raise ValueError(f"{which}_shape {given!r} does not have the side {which}_side={n} (its last "
+                                 f"dimension) of layer {self.name!r}")
+            object.__setattr__(self, f"{which}_shape", shape)
 
     @property
     def a_flops(self) -> float:
-        """FLOPs to form this layer's A factor contribution of one sample (``rows * a**2`` multiply-adds)."""
-        return 2.0 * self.rows * self.a_side**2
+        """FLOPs to form this layer's A factor contribution of one sample (``rows * a**2`` multiply-adds for a
+        dense factor; ``rows * a`` diagonal, ``rows * b * a**2`` grouped)."""
+        return _factor_flops(self.rows, self.a_side, self.a_shape)
 
     @property
     def g_flops(self) -> float:
-        return 2.0 * self.rows * self.g_side**2
+        return _factor_flops(self.rows, self.g_side, self.g_shape)
 
 
 def _model_device(model: nn.Module) -> torch.device:
@@ -62,9 +98,14 @@ def _model_device(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def profile_layers(model: nn.Module, input_shape: Sequence[int], *, dtype: torch.dtype = torch.float32
-                   ) -> list[LayerSpec]:
+def profile_layers(model: nn.Module, input_shape: Sequence[int], *, dtype: torch.dtype = torch.float32,
+                   max_factor_side: int | None = DEFAULT_MAX_FACTOR_SIDE) -> list[LayerSpec]:
     """K-FAC layers of ``model`` in forward (first-call) order, from one forward pass of one sample.
+
+    Each layer's factor layouts are the runtime's, ``helper.factor_shapes(max_factor_side)`` (the option of
+    ``KFACOptions``, default 4096): a side above it is diagonal, an embedding's A always is, a grouped
+    convolution's factors are ``(groups, n, n)``. ``None`` keeps every side dense whatever its size (the paper's
+    models, which ran dense: ResNet-50's largest A is 4608).
 
     ``input_shape`` is the shape of one sample without the batch dimension (e.g. ``(3, 224, 224)``).
     The pass runs where the model's parameters are: on ``meta`` it costs no memory or FLOPs; otherwise it
@@ -74,6 +115,7 @@ def profile_layers(model: nn.Module, input_shape: Sequence[int], *, dtype: torch
     val.check_instance("model", model, nn.Module, "a torch.nn.Module")
     shape = tuple(val.check_ints("input_shape", input_shape, low=1))
     val.check_instance("dtype", dtype, torch.dtype, "a torch.dtype")
+    max_side = sys.maxsize if max_factor_side is None else val.check_int("max_factor_side", max_factor_side, low=1)
     if not shape:
         raise ValueError("input_shape must hold at least one dimension (the sample's shape, without the batch)")
     found: dict[str, dict] = {}
@@ -89,7 +131,10 @@ def profile_layers(model: nn.Module, input_shape: Sequence[int], *, dtype: torch
                 rows = x.numel()
             else:
                 rows = x.numel() // x.shape[-1]
-            flops = 2.0 * rows * helper.in_features * helper.out_features
+            if isinstance(mod, nn.Embedding):  # a lookup, no multiply: count the elements it writes
+                flops = float(rows * helper.out_features)
+            else:  # (a grouped conv's features are per group: its groups blocks each do that much)
+                flops = 2.0 * rows * helper.in_features * helper.out_features * helper.groups
             if name not in found:
                 order.append(name)
                 found[name] = {"rows": 0, "flops": 0.0}
@@ -117,8 +162,9 @@ def profile_layers(model: nn.Module, input_shape: Sequence[int], *, dtype: torch
     for name in order:
         h = helpers[name]
         params = sum(p.numel() for p in h.params())
+        a_shape, g_shape = h.factor_shapes(max_side)
         out.append(LayerSpec(name=name, a_side=h.a_dim, g_side=h.g_dim, rows=found[name]["rows"],
-                             forward_flops=found[name]["flops"], params=params))
+                             forward_flops=found[name]["flops"], params=params, a_shape=a_shape, g_shape=g_shape))
     return out
 
 
@@ -204,7 +250,7 @@ class Workload:
                    factor_comp: float, grad_comm: float | None = None, other_params: int = 0) -> Workload:
         """Times that add up to measured totals: ``ff_bp`` (forward + backward) spread over layers by
         forward FLOPs, one third forward and two thirds backward; ``factor_comp`` spread over the
-        factors by ``rows * n**2``."""
+        factors by their FLOPs (``rows * n**2`` for a dense factor: :attr:`LayerSpec.a_flops`)."""
         ls = tuple(layers)
         if not ls:
             raise ValueError("layers is empty: the model has no K-FAC layer to simulate")
