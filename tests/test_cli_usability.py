@@ -163,6 +163,8 @@ SINGLE_PROCESS = {
     "resnet_cifar_synthetic.yaml": ["--data.num_val=8"],
     "transformer_lm.yaml": ["--data.max_bytes=200000", "--data.val_windows=8"],
     "transformer_lm_adamw.yaml": ["--data.max_bytes=200000", "--data.val_windows=8"],
+    "hf_gpt2.yaml": ["--data.max_bytes=200000", "--data.val_windows=4"],
+    "hf_gpt2_adamw.yaml": ["--data.max_bytes=200000", "--data.val_windows=4"],
 }
 
 
