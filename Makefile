@@ -15,7 +15,7 @@ DEMO_STAMP := $(VENV)/.installed-demo-$(TORCH_VERSION)
 STAMP := $(VENV)/.installed-$(TORCH_VERSION)
 PYTEST_ARGS ?=
 
-.PHONY: install install-demo demo test test-slow test-no-cpu-fp16 lint bench clean
+.PHONY: install install-demo demo test test-slow test-no-cpu-fp16 lint bench gpu-check gpu-check-dry clean
 
 install: $(STAMP)
 
@@ -64,6 +64,17 @@ lint: install
 
 bench: install
 	$(PY) benchmarks/overhead.py
+
+# The GPU check (benchmarks/gpu_check.py, at most 8 minutes on one H100): the tests marked cuda, then K-FAC's
+# step time against SGD and AdamW on a ResNet-18 and a GPT-2-small-sized transformer, async against sync
+# inverses and the overhead table; report.md and report.json in OUT (default: a fresh
+# benchmarks/results/run-*-gpu_check/). Without CUDA it runs the dry mode, which gpu-check-dry forces.
+OUT ?=
+gpu-check: install
+	$(PY) benchmarks/gpu_check.py $(if $(OUT),--out $(OUT))
+
+gpu-check-dry: install
+	$(PY) benchmarks/gpu_check.py --dry $(if $(OUT),--out $(OUT))
 
 clean:
 	rm -rf $(VENV) lightning_logs .pytest_cache

@@ -103,6 +103,8 @@ class Runner:
         self.data = data
         self.i = 0
         self.opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+        # On a GPU every step ends with a synchronize, so that a block's wall time is its kernels' time.
+        self.sync = args.device.startswith("cuda")
         self.pre = None
         if kfac:  # kfac_options: further KFACOptions fields (benchmarks/factor_approx.py: factor_approx)
             options = {"factor_update_steps": 1, "inv_update_steps": args.inv_update_steps, **kfac_options}
@@ -119,6 +121,8 @@ class Runner:
             self.pre.step(self.opt)
         self.opt.step()
         self.last_loss = loss.detach()
+        if self.sync:
+            torch.cuda.synchronize()
 
     def instrumented_step(self, t: PhaseTimer) -> None:
         """Same as step(), with the phases outside the library timed into ``t``."""
@@ -173,6 +177,8 @@ def instrument(pre: KFACPreconditioner, t: PhaseTimer) -> set[str]:
 # ------------------------------------------------------------------------------ one model
 def bench_model(name: str, args) -> dict:
     base_model, data = make_model_and_data(name, args.batch, args.n_batches, args.seed)
+    base_model = base_model.to(args.device)
+    data = [(x.to(args.device), y.to(args.device)) for x, y in data]
     shapes = layer_shapes(base_model, data[0][0])
     sgd = Runner(copy.deepcopy(base_model), data, args, kfac=False)
     kfac = Runner(copy.deepcopy(base_model), data, args, kfac=True)
@@ -352,6 +358,9 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=0.01,
                    help="SGD learning rate (momentum 0.9); K-FAC diverges on this random data at 0.1")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    p.add_argument("--device", default="cpu",
+                   help="where the models train (cuda: every step ends with torch.cuda.synchronize; the "
+                   "host-timed --breakdown-blocks and --profile are off there)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--breakdown-blocks", type=int, default=10,
                    help="instrumented blocks for the per-phase K-FAC breakdown (0: off)")
@@ -360,6 +369,8 @@ def parse_args(argv=None):
     p.add_argument("--json", metavar="OUT", default=None, help="write the results as JSON")
     args = p.parse_args(argv)
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]
+    if args.device.startswith("cuda"):
+        args.breakdown_blocks = args.profile = 0  # host clocks around asynchronous kernels: not phase times
     bad = [m for m in args.models if m not in MODELS]
     if bad or not args.models:
         p.error(f"--models: unknown {bad}; choose from {', '.join(MODELS)}")
@@ -377,6 +388,9 @@ def main(argv=None) -> int:
     env = env_info()
     results = [bench_model(m, args) for m in args.models]
 
+    if args.device.startswith("cuda"):
+        env["device"] = torch.cuda.get_device_name(torch.device(args.device))
+        print(f"device {args.device}: {env['device']}")
     print(f"{env['cpu_model']} ({env['cpu_capability']})  torch {env['torch']}  threads {env['threads']}  "
           f"cpus {env['cpu_count']}  "
           f"blocks {args.blocks} x {args.inv_update_steps} steps per optimizer (interleaved)  "
