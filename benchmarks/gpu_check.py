@@ -15,9 +15,8 @@ is rewritten after every section, so it exists whatever happens.
    (the same with async_inverses=True).
 3. ``transformer``: a GPT-2-small-sized decoder in plain torch (12 layers, d=768, 12 heads, vocabulary 50257,
    learned positions, untied head), batch 8 x 512 tokens, bf16 autocast; the same configs with AdamW as
-   K-FAC's base optimizer. K-FAC skips the head (``skip_layers``): its G factor would be 50257 x 50257
-   (10 GB in float32, as much again for its inverse, and a Cholesky of that side every inverse step); the
-   token embedding is left to the optimizer by the library itself (vocabulary above EMBEDDING_MAX_VOCAB).
+   K-FAC's base optimizer. Every layer gets K-FAC at the library defaults: the head's 50257-side G and the
+   token embedding's A are kept diagonal (max_factor_side), the rest dense.
 4. ``overhead``: ``benchmarks/overhead.py --device cuda``, reduced (its MLP and CNN, fewer blocks).
 
 Timing (sections 2-3): every configuration holds its own copy of the model (same initial weights) and a few
@@ -72,10 +71,8 @@ TARGETS = (  # (model, ratio, limit, what)
     ("cnn", "kfac-every-async/kfac-every", 0.8, "async vs sync inverses at every-step cadence, CNN"),
     ("transformer", "kfac-every-async/kfac-every", 0.8, "async vs sync inverses at every-step cadence, transformer"),
 )
-HEAD_NOTE = ("transformer: K-FAC skips the vocabulary-sized head (skip_layers=['^head$']): its G factor would be "
-             "50257 x 50257 (10.1 GB in float32, the same again for its inverse, and a Cholesky of that side every "
-             "inverse step); the token embedding (vocabulary 50257 > EMBEDDING_MAX_VOCAB=4096) is left to the "
-             "optimizer by the library")
+HEAD_NOTE = ("transformer: K-FAC at the library defaults on every layer; the head's 50257-side G and the token "
+             "embedding's A are diagonal (max_factor_side=4096)")
 
 
 # ------------------------------------------------------------------------------ models
@@ -188,7 +185,7 @@ def workload(name: str, dry: bool) -> Workload:
         return idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
 
     return Workload("transformer", lambda: GPT(layers, d, heads, vocab, seq), tokens, _ce, "adamw",
-                    {"sgd": 0.01, "adamw": 3e-4}, skip_layers=("^head$",))
+                    {"sgd": 0.01, "adamw": 3e-4})
 
 
 # ------------------------------------------------------------------------------ configurations and timing
@@ -307,7 +304,7 @@ def bench_workload(name: str, args: argparse.Namespace, deadline: float) -> dict
             r.pre.remove_hooks()
     return {"model": name, "base_optimizer": w.base, "configs": configs, "ratios": ratios, "complete": complete,
             "rounds": len(times["sgd"]), "build_s": build_s, "peak_gib": peak,
-            "notes": [HEAD_NOTE] if w.skip_layers else []}
+            "notes": [HEAD_NOTE] if w.name == "transformer" else []}
 
 
 # ------------------------------------------------------------------------------ sections

@@ -38,9 +38,9 @@ def test_dry_mode_builds_every_model_steps_every_config_and_writes_the_report(gp
             assert facts["blocks"] == 1 and facts["final_loss"] > 0, (name, config)
             if config.startswith("kfac"):
                 assert facts["kfac_layers"] > 0 and facts["state_mb"] > 0, (name, config)
-    head = report["sections"]["transformer"]["configs"]["kfac"]["skipped_layers"]
-    assert "head" in head  # skipped on purpose, and the report says so
-    assert any("head" in n for n in report["sections"]["transformer"]["notes"])
+    skipped = report["sections"]["transformer"]["configs"]["kfac"]["skipped_layers"]
+    assert "head" not in skipped and "tok" not in skipped  # the vocabulary-sized layers get K-FAC (diagonal sides)
+    assert any("diagonal" in n for n in report["sections"]["transformer"]["notes"])
     assert report["sections"]["overhead"]["status"] == "passed"
     assert [t["verdict"] for t in report["targets"]] == ["dry (not a measurement)"] * len(gpu_check.TARGETS)
     md = (tmp_path / "report.md").read_text()
