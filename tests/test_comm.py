@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from helpers.compare import assert_same
 
 from lightning_spdkfac.comm import (
     FusedAllReduce,
@@ -338,37 +339,21 @@ def _sleeping_worker(rank: int, world: int, pid_dir: str) -> None:
     time.sleep(600)
 
 
-def _assert_same(a, b) -> None:
-    """Equal structures of tensors (bitwise) and numbers."""
-    if isinstance(a, dict):
-        assert a.keys() == b.keys()
-        for k in a:
-            _assert_same(a[k], b[k])
-    elif isinstance(a, list | tuple):
-        assert len(a) == len(b)
-        for x, y in zip(a, b):
-            _assert_same(x, y)
-    elif isinstance(a, torch.Tensor):
-        assert torch.equal(a, b)
-    else:
-        assert a == b
-
-
 # ------------------------------------------------------------------------------------ distributed tests
 def test_fused_allreduce_two_ranks():
     r0, r1 = run_distributed(_fused_worker, 2, timeout=50)
-    _assert_same(r0, r1)
+    assert_same(r0, r1)
 
 
 def test_inverse_broadcast_two_ranks():
     owners, sides = [0, 1, -1, 1, 0], [4, 3, 5, 2, 6]
     r0, r1 = run_distributed(_broadcast_worker, 2, owners, sides, timeout=50)
-    _assert_same(r0, r1)
+    assert_same(r0, r1)
 
 
 def test_profile_identical_on_ranks():
     r0, r1 = run_distributed(_profile_worker, 2, timeout=50)
-    _assert_same(r0, r1)
+    assert_same(r0, r1)
     for key in ("allreduce", "broadcast"):
         assert len(r0[key]) == 3 and all(t > 0 for t in r0[key])
     assert r0["object"] == {"rank": 0, "alpha": 1e-4}
@@ -377,7 +362,7 @@ def test_profile_identical_on_ranks():
 def test_three_ranks_uneven_owners():
     results = run_distributed(_world3_worker, 3, timeout=55)
     for r in results[1:]:
-        _assert_same(results[0], r)
+        assert_same(results[0], r)
 
 
 def test_harness_propagates_child_exception():

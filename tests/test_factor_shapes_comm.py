@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from helpers.compare import assert_same
 
 from lightning_spdkfac.comm import FusedAllReduce, InverseBroadcaster
 from lightning_spdkfac.comm.consistency import plan_fingerprint
@@ -404,39 +405,24 @@ def _distributor_worker(rank: int, world: int, schedule: str, method: str) -> di
     return results
 
 
-def _assert_same(a, b) -> None:
-    if isinstance(a, dict):
-        assert a.keys() == b.keys()
-        for k in a:
-            _assert_same(a[k], b[k])
-    elif isinstance(a, list | tuple):
-        assert len(a) == len(b)
-        for x, y in zip(a, b):
-            _assert_same(x, y)
-    elif isinstance(a, torch.Tensor):
-        assert torch.equal(a, b)
-    else:
-        assert a == b
-
-
 # ----------------------------------------------------------------------------------- distributed tests
 def test_fused_allreduce_mixed_shapes_two_ranks():
     r0, r1 = run_distributed(_fused_worker, 2, timeout=90)
-    _assert_same(r0, r1)
+    assert_same(r0, r1)
 
 
 def test_inverse_broadcast_diag_and_grouped_two_ranks():
     r0, r1 = run_distributed(_broadcast_worker, 2, timeout=90)
-    _assert_same(r0, r1)
+    assert_same(r0, r1)
 
 
 def test_gradient_broadcaster_grouped_shapes_two_ranks():
     r0, r1 = run_distributed(_gradient_worker, 2, timeout=90)
-    _assert_same(r0, r1)
+    assert_same(r0, r1)
 
 
 @pytest.mark.parametrize("schedule, method", [("spd", "cholesky"), ("mpd", "eigen"), ("dpkfac", "cholesky"),
                                               ("dpkfac", "eigen")])
 def test_distributors_with_diag_and_grouped_factors_two_ranks(schedule, method):
     r0, r1 = run_distributed(_distributor_worker, 2, schedule, method, timeout=110)
-    _assert_same(r0, r1)
+    assert_same(r0, r1)
