@@ -324,7 +324,7 @@ def main(argv: list[str] | None = None) -> None:
     if "gpt2-small" in only and not args.quick:
         results["gpt2_small"] = gpt2_small()
     if "max-side" in only:
-        results["max_side"] = max_side([512, 1024] if args.quick else [1024, 2048, 4096, 8192])
+        results["max_side"] = max_side([512, 1024] if args.quick else [1024, 2048, 4096, 4608, 8192])
     if "step-time" in only:
         results["step_time"] = (step_time(1, 1, 16, 1) if args.quick
                                 else step_time(args.reps, 8, 256, 2))

@@ -44,7 +44,7 @@ class ShapesNet(nn.Module):
         return self.head(x.reshape(b, DIM, SEQ).transpose(1, 2))  # B x 16 x 50257
 
 
-def specs(max_factor_side: int | None = 4096) -> list[LayerSpec]:
+def specs(max_factor_side: int | None = 4608) -> list[LayerSpec]:
     with torch.device("meta"):
         model = ShapesNet()
     return profile_layers(model, (SEQ,), dtype=torch.int64, max_factor_side=max_factor_side)
@@ -179,8 +179,8 @@ def test_plan_cli_on_the_model(tmp_path, capsys):
     data = json.loads(path.read_text())
     w = data["workload"]
     assert (w["largest_factor"], w["diagonal_factors"], w["largest_diagonal"], w["grouped_factors"],
-            w["max_factor_side"]) == (DIM + 1, 2, VOCAB, 2, 4096)
-    assert "2 diagonal up to 50257, 2 grouped, max_factor_side 4096" in out
+            w["max_factor_side"]) == (DIM + 1, 2, VOCAB, 2, 4608)
+    assert "2 diagonal up to 50257, 2 grouped, max_factor_side 4608" in out
     for row in data["schedules"]:  # parameters (3.3 M fp32, x3) and a few MB of K-FAC state: well under 1 GiB
         assert row["memory_bytes"]["total"] < 2**28 and row["memory_bytes"]["kfac_state"] < 2**24
         assert row["total_s"] < 1.0

@@ -80,9 +80,11 @@ class KFACOptions:
             :mod:`lightning_spdkfac.kfac.grafting`.
         max_factor_side: the largest factor side kept as a dense matrix; a side above it (an LM head's
             vocabulary, a very wide MLP) is kept diagonal: ``n`` entries instead of ``n x n``, inverted
-            elementwise. The default, 4096, keeps every side of GPT-2 small to Llama-7B's hidden size dense (a
-            4096 factor and its inverse take 128 MiB in float32) while a 32000- or 50257-token vocabulary is
-            diagonal (docs/math.md, "Diagonal and grouped factors"; README, "Models people bring").
+            elementwise. The default, 4608, is the measured limit (benchmarks/hf_models.py --only max-side; README,
+            "Models people bring"): a side holds at most 243 MiB (factor, Gram sum and inverse in float32) and
+            inverts in 1.9 s on one CPU thread (8192: 768 MiB and 9.5 s). It keeps every 3x3 convolution of up to
+            512 channels (ResNet, VGG), BERT-large's and GPT-2 medium's 4096 dense, while GPT-2 large's 5120,
+            Llama-7B's 11008 and every vocabulary are diagonal (docs/math.md, "Diagonal and grouped factors").
         memory_limit: None, or the most bytes K-FAC may hold (factors, inverses, the async copy; per rank
             under dpkfac), as an int or a string with a unit ("2GB", "512MiB"): a model whose estimate (the
             K-FAC summary) is above it stops at setup with the summary and this option named, before anything
@@ -107,7 +109,7 @@ class KFACOptions:
     inverse_method: InverseMethodName = "cholesky"
     async_inverses: bool = False
     grafting: GraftingName | None = None
-    max_factor_side: int = 4096
+    max_factor_side: int = 4608
     memory_limit: int | str | None = None
 
     def __post_init__(self) -> None:

@@ -118,7 +118,7 @@ class KFACCallbackBody(_CallbackBase):
             K-FAC), so that the base optimizer's tuned lr carries over; ``"adam"`` is for an SGD-type base
             optimizer run at an Adam lr (see :mod:`lightning_spdkfac.kfac.grafting`).
         max_factor_side: the largest factor side kept dense; larger sides (an LM head's vocabulary) are kept
-            diagonal. Default 4096 (see :class:`~lightning_spdkfac.kfac.options.KFACOptions`).
+            diagonal. Default 4608 (see :class:`~lightning_spdkfac.kfac.options.KFACOptions`).
         memory_limit: None, or the most K-FAC memory a rank may take (bytes, or a string such as "4GB"): a
             model above it stops at setup with the K-FAC summary, before anything is allocated.
         summary: print the K-FAC summary (each block's factor layout and bytes; every trainable parameter left

@@ -180,8 +180,8 @@ _SPECS: dict[str, tuple[LayerSpec, ...]] = {}
 
 def model_specs(name: str) -> tuple[LayerSpec, ...]:
     """K-FAC layer specs of one of the paper's models (built on the meta device; cached). Every factor is dense,
-    as the paper ran them (``max_factor_side=None``: at the runtime's default 4096, ResNet-50's 4608-wide A factors
-    would be diagonal)."""
+    as the paper ran them (``max_factor_side=None``; the runtime's default, 4608, keeps them dense too, but a
+    smaller one would make ResNet-50's 4608-wide A factors diagonal)."""
     val.check_choice("name", name, PAPER_MODELS)
     if name not in _SPECS:
         import torch

@@ -78,7 +78,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="dtype of the sample (default float32; int64 for token ids)")
     m.add_argument("--max-factor-side", type=int, metavar="N", help="the largest factor side kept dense, as the "
                    "runtime's max_factor_side: a larger side (an LM head's vocabulary) is planned as a diagonal "
-                   "factor (default: a config's kfac.max_factor_side, else 4096; not with --paper, whose models "
+                   "factor (default: a config's kfac.max_factor_side, else 4608; not with --paper, whose models "
                    "are dense)")
     w = p.add_argument_group("compute")
     w.add_argument("--batch-size", type=int, metavar="B", help="per-GPU batch (default 32; --paper: the paper's; "

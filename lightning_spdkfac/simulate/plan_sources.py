@@ -3,7 +3,7 @@ LightningCLI ``--config`` of this project (its model, its data batch size and it
 
 A user's model is built on the meta device (no memory) and, when that fails, on the CPU; its K-FAC
 layers are read by :func:`~.workload.profile_layers`, each factor in the layout the runtime gives it
-(``--max-factor-side``, else a config's ``kfac.max_factor_side``, else the runtime's default 4096: a larger side
+(``--max-factor-side``, else a config's ``kfac.max_factor_side``, else the runtime's default 4608: a larger side
 is a diagonal factor; an embedding's A is always diagonal, a grouped convolution's factors grouped). A config's ``trainer.strategy`` is compared as
 schedule ``config`` when it is an SPD-KFAC strategy: a class path of ``SPDKFACStrategy`` or
 ``SPDKFACDeepSpeedStrategy``, or a name registered in Lightning's StrategyRegistry

@@ -30,7 +30,7 @@ from ..kfac.layers import make_helper
 
 __all__ = ["DEFAULT_MAX_FACTOR_SIDE", "LayerSpec", "LayerTimes", "Workload", "profile_layers"]
 
-DEFAULT_MAX_FACTOR_SIDE = 4096
+DEFAULT_MAX_FACTOR_SIDE = 4608
 """The largest factor side kept dense when a model is profiled: the runtime's default ``max_factor_side``
 (``KFACOptions``); a larger side is a diagonal factor."""
 
@@ -103,7 +103,7 @@ def profile_layers(model: nn.Module, input_shape: Sequence[int], *, dtype: torch
     """K-FAC layers of ``model`` in forward (first-call) order, from one forward pass of one sample.
 
     Each layer's factor layouts are the runtime's, ``helper.factor_shapes(max_factor_side)`` (the option of
-    ``KFACOptions``, default 4096): a side above it is diagonal, an embedding's A always is, a grouped
+    ``KFACOptions``, default 4608): a side above it is diagonal, an embedding's A always is, a grouped
     convolution's factors are ``(groups, n, n)``. ``None`` keeps every side dense whatever its size (the paper's
     models, which ran dense: ResNet-50's largest A is 4608).
 
