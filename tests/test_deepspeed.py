@@ -176,6 +176,7 @@ def test_kfac_acts_under_deepspeed(ddp_reference):
     # a full fp32 accumulation buffer on every rank.
     (1, "bf16-mixed", True, "hp_grad"),
 ])
+@pytest.mark.slow  # (make test-slow: kept out of the 10-minute suite; tests/test_zero_gather.py keeps a fused-gather case in it)
 def test_fused_gather_equals_deepspeeds_accessor(stage, precision, fp32_accumulation, path):
     kw = {}
     if fp32_accumulation:
@@ -190,6 +191,7 @@ BF16_OPTIMIZER = dict(stage=1, precision="bf16-mixed", config={
 })
 
 
+@pytest.mark.slow  # (make test-slow: kept out of the 10-minute suite; ZeRO against DDP stays in it: test_zero_stage_equals_ddp)
 @pytest.mark.parametrize("kw", [dict(stage=2), BF16_OPTIMIZER], ids=["zero2", "bf16-optimizer"])
 def test_per_parameter_accessor_path_gives_the_same_training(kw, ddp_reference):
     fused = run_distributed(ds_fit, 2, STEPS, timeout=240, **kw)[0]["params"]
@@ -247,6 +249,7 @@ def test_fp16_overflow_step_leaves_factors_untouched_and_training_continues():
             assert torch.isfinite(A).all() and torch.isfinite(G).all()
 
 
+@pytest.mark.slow  # (make test-slow: kept out of the 10-minute suite; ~19 s)
 def test_checkpoint_resume_equals_uninterrupted(tmp_path):
     full = run_distributed(ds_fit, 2, 8, stage=2, ckpt_dir=str(tmp_path), timeout=240)[0]
     ckpt = tmp_path / "epoch=0-step=4.ckpt"

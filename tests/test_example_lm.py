@@ -320,6 +320,7 @@ def test_tinygpt_is_causal_and_its_schedule_warms_up_then_decays(tmp_path):
 
 
 # ----------------------------------------------------------------------------- the script
+@pytest.mark.slow  # ~11 s as a subprocess; the CLI fit of a few steps stays in the 10-minute suite
 def test_example_script_runs(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     p = subprocess.run(

@@ -201,6 +201,7 @@ def test_cli_main_entry_point(isolated, tmp_path):
 
 
 # ----------------------------------------------------------------------------- the example
+@pytest.mark.slow  # ~11 s as a subprocess; the CLI fit of a few steps stays in the 10-minute suite
 def test_example_script_runs(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))

@@ -39,6 +39,7 @@ def every_step_config(tmp_path: Path) -> Path:
     return path
 
 
+@pytest.mark.slow  # ~13 s: two torchrun "nodes"
 def test_two_nodes_with_torchrun_train_and_plan_identically(tmp_path):
     config = every_step_config(tmp_path)
     port = free_port()

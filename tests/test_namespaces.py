@@ -146,11 +146,14 @@ def test_lightning_pytorchs_own_cli_takes_the_callback_and_the_strategy_by_name(
     assert out.strip().splitlines()[-1] == "lightning_spdkfac.unified 0.02 lightning_spdkfac.unified mpd"
 
 
+# The first order in the 10-minute suite, the others in make test-slow (each a fresh interpreter: ~9 s).
 @pytest.mark.parametrize("imports", [
     "import lightning_spdkfac; import lightning.pytorch as L",
-    "import lightning as L; import lightning_spdkfac; L = L.pytorch",
-    "import lightning_spdkfac; import lightning as L; import pytorch_lightning; L = L.pytorch",
-    "import pytorch_lightning; import lightning.pytorch as L; import lightning_spdkfac",
+    pytest.param("import lightning as L; import lightning_spdkfac; L = L.pytorch", marks=pytest.mark.slow),
+    pytest.param("import lightning_spdkfac; import lightning as L; import pytorch_lightning; L = L.pytorch",
+                 marks=pytest.mark.slow),
+    pytest.param("import pytorch_lightning; import lightning.pytorch as L; import lightning_spdkfac",
+                 marks=pytest.mark.slow),
 ], ids=["package-first", "lightning-first", "package-lightning-pytorch_lightning", "both-namespaces-first"])
 def test_every_import_order_registers_the_names_in_each_imported_namespace(imports):
     out = _python(f"""

@@ -195,6 +195,7 @@ def _fit_stalling(rank, world, port):
     return time.time(), "", Stalling.woke_at
 
 
+@pytest.mark.slow  # ~14 s; the stalled-rank timeouts of the executors stay in the suite (test_faults_distributed.py)
 def test_a_stalled_rank_under_ddp_fails_the_others_at_comm_timeout_s():
     """DDP's own gradient all-reduce is bounded by comm_timeout_s too (the strategy's process-group timeout
     defaults to it, 1 s here), so the waiting rank fails while its peer is still stalled (8 s), not after
