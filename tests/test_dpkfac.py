@@ -204,7 +204,8 @@ def _resnet8_memory(rank, world):
     return out
 
 
-@pytest.mark.parametrize("world", [2, 3])
+# 2 ranks in the 10-minute suite, 3 in make test-slow (~10 s).
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_resnet8_kfac_memory_per_rank_under_dpkfac(world):
     """The issue's target: the most loaded rank's K-FAC state under dpkfac is <= 0.6x of spd's (every layer)."""
     results = run_distributed(_resnet8_memory, world, timeout=180)

@@ -139,7 +139,8 @@ def test_named_async_schedules():
     assert SIM_SCHEDULES["spd-async-idle"].async_compute == "idle_time"
 
 
-@pytest.mark.parametrize("model", MODELS)
+# ResNet-50 in the 10-minute suite, the three larger models in make test-slow (~4-6 s each).
+@pytest.mark.parametrize("model", [m if m == "resnet50" else pytest.param(m, marks=pytest.mark.slow) for m in MODELS])
 def test_paper_models_at_64_gpus(model):
     """On the calibrated 64-GPU cases: with inversions in idle time, async is never slower than sync (by
     construction: the same inversion phase, started at the end of backward instead of when the channel

@@ -61,7 +61,7 @@ from ..vocabulary import (
     PlacementName,
     ScheduleChoice,
 )
-from ._common import distributed_ready
+from ._common import default_device, distributed_ready
 from .broadcast import InverseBroadcaster
 from .consistency import check_plan_consistency
 from .fused import FusedAllReduce, StepTimings
@@ -268,7 +268,9 @@ class SPDDistributor(Distributor):
         self._dist = distributed_ready(process_group)
         self.world_size = dist.get_world_size(process_group) if self._dist else 1
         self.rank = dist.get_rank(process_group) if self._dist else 0
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        # Where receive buffers live: the current GPU under NCCL (whose buffers must be there), else the CPU; the
+        # strategies pass their root device.
+        self.device = torch.device(device) if device is not None else default_device(process_group)
         self.pipelined = False
         self.timer: StepTimer = StepTimer()  # replaced by the preconditioner's
         self.models: Models | None = None
@@ -533,7 +535,8 @@ class SPDDistributor(Distributor):
             inverses = bc.wait_all()
             return [(t[0], t[1], inverses[i]) for i, t in enumerate(tasks)]
 
-        return PendingInverses(run, self.device, timeout=self.options.comm_timeout_s,
+        # The factors' device decides the worker's stream (a CUDA side stream for CUDA factors), as in one process.
+        return PendingInverses(run, tasks[0][2].device, timeout=self.options.comm_timeout_s,
                                what=f"K-FAC asynchronous inversions and inverse broadcasts (rank {self.rank})")
 
     def _broadcast_order(self, tasks: Sequence[Task], owners: Sequence[int], sides: Sequence[FactorShape]
