@@ -284,7 +284,8 @@ STRATEGY_ORACLE = {  # name -> oracle(value, all arguments)
     "replan_every": _replan_every,
     "small_factor": lambda v, a: integer(v, low=0, optional=True),
     "comm_dtype": lambda v, a: choice(v, ("float32", "bfloat16")),
-    "comm_timeout_s": lambda v, a: number(v, low=0.0, low_open=True),
+    # at least a millisecond (torch counts whole ms; 0 is "no timeout"), at most 1e9 s (torch's timedelta)
+    "comm_timeout_s": lambda v, a: number(v, low=1e-3, high=1e9),
     "timeout": lambda v, a: timeout(v),
 }
 STRATEGY_VALID = {

@@ -73,6 +73,7 @@ _DEFAULT_AUTO_ROUNDS = 3
 
 
 MIN_COMM_TIMEOUT_S = 1e-3  # comm_timeout_s below a millisecond would round to torch's "no timeout"
+MAX_COMM_TIMEOUT_S = 1e9  # about 31 years: above it torch's timedelta overflows (at 999999999 days)
 
 
 @dataclass(frozen=True)
@@ -160,6 +161,9 @@ class SPDOptions:
             raise ValueError(f"comm_timeout_s must be >= {MIN_COMM_TIMEOUT_S:g} (seconds; torch's waits count "
                              f"whole milliseconds and 0 means no timeout), got {self.comm_timeout_s!r}")
         val.check_real("comm_timeout_s", self.comm_timeout_s, val.POSITIVE)
+        if float(self.comm_timeout_s) > MAX_COMM_TIMEOUT_S:
+            raise ValueError(f"comm_timeout_s must be <= {MAX_COMM_TIMEOUT_S:g} (seconds, about 31 years: a longer "
+                             f"wait cannot be given to torch), got {self.comm_timeout_s!r}")
         val.check_bool("fuse_g", self.fuse_g)
         if self.async_inverses != "auto":
             val.check_bool("async_inverses", self.async_inverses, optional=True)
