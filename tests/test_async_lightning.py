@@ -25,6 +25,7 @@ def test_ddp_strategy_with_auto_schedule_and_async_inverses_equals_one_process()
     assert plan["auto"]["candidates"] == ["spd", "spd-no-pipelining", "mpd", "dkfac"]
 
 
+@pytest.mark.slow  # ~11 s; async inverses under the DDP strategy stay in the suite
 def test_deepspeed_zero2_with_async_inverses_equals_one_process():
     pytest.importorskip("deepspeed")
     from test_deepspeed import ds_fit

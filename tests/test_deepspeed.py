@@ -205,6 +205,7 @@ def test_per_parameter_accessor_path_gives_the_same_training(kw, ddp_reference):
     assert _relnorm(fused, ddp_reference) < tol
 
 
+@pytest.mark.slow  # ~10 s; accumulation under DDP stays in the suite (test_strategy.py)
 def test_accumulation_equals_the_larger_batch(ddp_reference):
     acc = run_distributed(ds_fit, 2, STEPS, stage=2, accumulate=2, timeout=240)[0]
     assert acc["micro_steps"] == 2 * STEPS and acc["kfac_steps"] == STEPS

@@ -189,6 +189,7 @@ def test_time_to_accuracy_records_first_epoch_and_skips_sanity_check(tmp_path):
 
 
 # ----------------------------------------------------------------------------- examples
+@pytest.mark.slow  # ~10 s each as subprocesses (make test-slow); the demo's own tests stay in the suite
 @pytest.mark.parametrize("script", ["plain_pytorch.py", "digits.py"])
 def test_examples_run(script):
     env = dict(os.environ, OMP_NUM_THREADS="1")
