@@ -42,6 +42,7 @@ from _common import env_info, fresh_run_dir, write_json  # noqa: E402
 from lightning_spdkfac.factor_shapes import FactorShape, numel  # noqa: E402
 from lightning_spdkfac.kfac.preconditioner import KFACPreconditioner  # noqa: E402
 from lightning_spdkfac.kfac.summary import format_bytes  # noqa: E402
+from lightning_spdkfac.schedule import precondition_flops  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -206,15 +207,9 @@ def _kfac_flops(pre: KFACPreconditioner, rows: int) -> dict[str, float]:
     def inv(s: FactorShape) -> float:
         return float(s[0]) if len(s) == 1 else float(numel(s) * s[-1])  # n^3 per dense block
 
-    def prec(a: FactorShape, g: FactorShape) -> float:
-        ga, gg = a[-1], g[-1]
-        left = gg * ga if len(g) == 1 else 2 * gg * gg * ga
-        right = gg * ga if len(a) == 1 else 2 * gg * ga * ga
-        return float(left + right)
-
     f = sum(gram(ly.a_shape) + gram(ly.g_shape) for ly in pre.layers.values())
     i = sum(inv(ly.a_shape) + inv(ly.g_shape) for ly in pre.layers.values())
-    p = sum(prec(ly.a_shape, ly.g_shape) for ly in pre.layers.values())
+    p = sum(precondition_flops(ly.a_shape, ly.g_shape) for ly in pre.layers.values())
     return {"precondition": p, "factors": f, "inverses": i}
 
 

@@ -35,7 +35,6 @@ __all__ = [
     "check_shape",
     "check_shapes",
     "describe",
-    "dense_side",
     "inverse_numel",
     "inverse_shape",
     "is_diagonal",
@@ -113,11 +112,6 @@ def inverse_numel(shape: FactorShape, method: str) -> int:
     """Elements of an inverse as it is broadcast: a Cholesky inverse packed like its factor, an eigen payload
     whole."""
     return packed_numel(shape) if method != "eigen" else numel(inverse_shape(shape, method))
-
-
-def dense_side(shape: FactorShape) -> int:
-    """The side of the dense matrix the factor stands for (``b * n`` for a grouped one): for messages and reports."""
-    return shape[0] if len(shape) == 1 else blocks(shape) * shape[-1]
 
 
 def describe(shape: FactorShape) -> str:

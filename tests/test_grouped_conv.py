@@ -157,6 +157,16 @@ def test_convolution_whose_forward_does_not_match_is_refused_by_name() -> None:
     pre.remove_hooks()
 
 
+def test_mismatched_forward_is_refused_in_eval_mode_too() -> None:
+    """A layer collected from an eval-mode forward (a frozen-BatchNorm backbone trains its convolutions in eval
+    mode) is checked like one in train mode: no factors from the wrong patches there either."""
+    model = nn.Sequential(nn.Conv2d(2, 2, 3), Shifted(2, 2, 3, padding=1)).eval()
+    pre = KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=1, kl_clip=None)
+    with pytest.raises(RuntimeError, match=r"K-FAC layer '1' \(Shifted\)"):
+        model(torch.randn(1, 2, 8, 8))
+    pre.remove_hooks()
+
+
 def test_padding_same_and_padding_modes_are_exact() -> None:
     """padding='same' (asymmetric for an even kernel) and reflect/circular modes: the rows are the patches the
     module convolves (checked against the module's own output by the expand/reduce identity dW = D^T A)."""

@@ -22,6 +22,7 @@ from transformers.pytorch_utils import Conv1D  # noqa: E402
 
 from lightning_spdkfac.kfac.preconditioner import KFACPreconditioner  # noqa: E402
 from tests.helpers.dense_reference import F64, assert_close, damped_invs  # noqa: E402
+from tests.helpers.memory import held_bytes  # noqa: E402
 
 NO_DROPOUT = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
 
@@ -119,8 +120,7 @@ def test_preconditioned_layers_coverage_and_memory(name: str) -> None:
         pre.step(opt)
         opt.step()
         assert torch.isfinite(out.loss)
-    held = sum(t.numel() * t.element_size() for ly in pre.layers.values()
-               for t in (ly.A, ly.G, ly.A_inv, ly.G_inv, ly.xx, ly.dd, ly.x_sum) if t is not None)
+    held = held_bytes(pre)
     assert held <= 1.05 * s.total_bytes and held >= 0.95 * s.total_bytes, (held, s.total_bytes)
 
 

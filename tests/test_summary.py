@@ -9,6 +9,7 @@ from torch import nn
 
 from lightning_spdkfac.kfac.options import parse_bytes
 from lightning_spdkfac.kfac.preconditioner import KFACPreconditioner
+from tests.helpers.memory import held_bytes
 
 
 class Mixed(nn.Module):
@@ -20,17 +21,13 @@ class Mixed(nn.Module):
         self.scale = nn.Parameter(torch.ones(16))  # a loose parameter of the root
         self.head = nn.Linear(16, 300)
         self.rnn = nn.GRU(16, 16)  # a type K-FAC does not handle
+        self.proj = nn.Linear(300, 8)  # a diagonal A (301 > max_factor_side) with a bias
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         h = self.emb(ids).transpose(1, 2)
         h = self.conv(h).transpose(1, 2)
         h, _ = self.rnn(self.norm(h) * self.scale)
-        return self.head(h)
-
-
-def _held_bytes(pre: KFACPreconditioner) -> int:
-    return sum(t.numel() * t.element_size() for ly in pre.layers.values()
-               for t in (ly.A, ly.G, ly.A_inv, ly.G_inv, ly.xx, ly.dd, ly.x_sum) if t is not None)
+        return self.proj(self.head(h))
 
 
 @pytest.mark.parametrize("method", ["cholesky", "eigen"])
@@ -43,12 +40,13 @@ def test_summary_bytes_are_what_is_allocated(method: str, inv_dtype: str) -> Non
                                  inverse_method=method, inv_dtype=inv_dtype)
     s = pre.summary()
     shapes = {r.name: (r.a_shape, r.g_shape) for r in s.rows}
-    assert shapes == {"emb": ((300,), (16, 16)), "conv": ((4, 13, 13), (4, 4, 4)), "head": ((17, 17), (300,))}
+    assert shapes == {"emb": ((300,), (16, 16)), "conv": ((4, 13, 13), (4, 4, 4)), "head": ((17, 17), (300,)),
+                      "proj": ((301,), (8, 8))}
     for _ in range(2):
         model.zero_grad()
         model(torch.randint(0, 300, (3, 5))).logsumexp(-1).sum().backward()
         pre.step()
-    held = _held_bytes(pre)
+    held = held_bytes(pre)
     assert held > 0 and abs(s.total_bytes - held) <= 0.05 * held, (s.total_bytes, held)
     text = str(s)
     for needle in ("emb", "diag 300", "4 x 13x13", "diag 300", "norm.weight", "scale", "rnn.weight_ih_l0",

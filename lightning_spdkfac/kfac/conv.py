@@ -156,10 +156,9 @@ class ConvHelper(LayerHelper):
 
     def check_forward(self, name: str, x: torch.Tensor, output: Any) -> None:
         """Verify once that the rows are the patches the module's forward convolved (see the module docstring)."""
-        if not self.needs_check or not isinstance(output, torch.Tensor) or x.numel() == 0:
-            self.needs_check = False
+        checked, self.needs_check = self.needs_check, False
+        if not checked or not isinstance(output, torch.Tensor) or x.numel() == 0:
             return
-        self.needs_check = False
         want = output.detach().float()
         if want.dim() == self.unbatched_dim:
             want = want.unsqueeze(0)
@@ -173,8 +172,7 @@ class ConvHelper(LayerHelper):
         with torch.no_grad():
             if matches():
                 return
-            m = self.module
-            self._pad_override = (self._same_padding(x), m.padding_mode)
+            self._pad_override = (self._same_padding(x), self.module.padding_mode)
             if matches():
                 return
             self._pad_override = None

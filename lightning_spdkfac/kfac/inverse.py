@@ -163,11 +163,12 @@ def robust_inverse(factor: torch.Tensor, damping: float, dtype: torch.dtype,
     ``reason`` says why Cholesky was rejected; it is extended with why each later level failed.
     """
     reasons = [reason]
-    if factor.dim() == 1:  # diagonal: only a non-finite entry makes diagonal_inverse fail
+    if factor.dim() == 1:  # diagonal: a non-finite entry, or an inverse that overflows dtype, fails diagonal_inverse
         mean = float(factor.to(torch.float64).nan_to_num(0.0, 0.0, 0.0).clamp(min=0.0).mean()) if factor.numel() else 0.0
         denom = mean + damping
         denom = denom if 0.0 < denom < float("inf") else (damping if damping > 0.0 else 1.0)
-        reasons.append("the factor holds non-finite values")
+        reasons.append("the factor holds non-finite values" if not _finite(factor)
+                       else f"its elementwise inverse is not finite in {dtype}")
         return torch.full_like(factor, 1.0 / denom, dtype=dtype), "identity", damping, "; ".join(reasons)
     if not _finite(factor):
         reasons.append("the factor holds non-finite values")

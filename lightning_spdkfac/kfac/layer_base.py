@@ -91,13 +91,13 @@ class LayerHelper:
     # Whether :meth:`check_forward` must see the layer's first collected call (a module whose forward may not be
     # what its attributes say: kfac/conv.py); it clears the flag once done.
     needs_check = False
-
-    def check_forward(self, name: str, x: torch.Tensor, output: Any) -> None:
-        """Verify that the rows describe what the module's forward computed (raise naming ``name`` if not)."""
     # What factor_approx="auto" uses for this layer type (docs/math.md, "K-FAC-expand and K-FAC-reduce").
     auto_reduce = False
     # Whether K-FAC-reduce rows exist for this type (an embedding's stay expand: its A is diagonal only there).
     reducible = True
+
+    def check_forward(self, name: str, x: torch.Tensor, output: Any) -> None:
+        """Verify that the rows describe what the module's forward computed (raise naming ``name`` if not)."""
 
     def a_rows(self, x: torch.Tensor) -> torch.Tensor:
         """The input rows ``R x in`` without the bias column (the 1s are added in closed form)."""

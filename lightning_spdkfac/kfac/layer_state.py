@@ -26,7 +26,9 @@ class KFACLayer:
     # Accumulators of the current optimizer step (sums over micro-batches and calls).
     # Rows are positions (factor_approx="expand") or examples, their positions aggregated ("reduce").
     xx: torch.Tensor | None = None  # sum_r x_r x_r^T (without the bias column), in A's layout
-    x_sum: torch.Tensor | None = None  # sum_r x_r (the bias row/column of A; per group for a grouped A)
+    # sum_r x_r: the bias row/column of A (per group for a grouped A); None without a bias, and for a diagonal A,
+    # which keeps no off-diagonal entry (see keeps_x_sum)
+    x_sum: torch.Tensor | None = None
     rows: int = 0  # R, rows seen by A
     dd: torch.Tensor | None = None  # sum_r d_r d_r^T, in G's layout
     examples: int = 0  # N, examples seen (counted once per micro-batch, not per call)
@@ -60,6 +62,11 @@ class KFACLayer:
         """Whether all the layer's parameters require grad now (a frozen layer is left alone)."""
         return all(p.requires_grad for p in self.helper.params())
 
+    @property
+    def keeps_x_sum(self) -> bool:
+        """Whether A has a bias row and column off its diagonal to accumulate (a bias, and A not diagonal)."""
+        return self.helper.has_bias and len(self.a_shape) != 1
+
     def xx_shape(self) -> tuple[int, ...]:
         """The shape of the A accumulator: A's layout without the bias row and column."""
         n = self.helper.in_features
@@ -70,19 +77,18 @@ class KFACLayer:
     def step_a(self) -> torch.Tensor:
         """This step's A_new as a new tensor in A's layout (the distributed path sends it).
 
-        Called once this step's A was accumulated (``a_calls > 0``), so ``xx`` (and ``x_sum`` with a
-        bias) hold this step's sums.
+        Called once this step's A was accumulated (``a_calls > 0``), so ``xx`` (and ``x_sum`` where
+        :attr:`keeps_x_sum`) hold this step's sums.
         """
         xx = self.xx
         assert xx is not None
         if not self.helper.has_bias:
             return xx / self.rows
         A = torch.empty(self.a_shape, dtype=xx.dtype, device=xx.device)
-        assert self.x_sum is not None
-        self._fill_a(A, xx.div(self.rows), self.x_sum / self.rows, 1.0)
+        self._fill_a(A, xx.div(self.rows), None if self.x_sum is None else self.x_sum / self.rows, 1.0)
         return A
 
-    def _fill_a(self, A: torch.Tensor, xx: torch.Tensor, x_mean: torch.Tensor, weight: float) -> None:
+    def _fill_a(self, A: torch.Tensor, xx: torch.Tensor, x_mean: torch.Tensor | None, weight: float) -> None:
         """A <- A + weight (A_new - A) (weight 1: A_new) for A_new = [[xx, x_mean], [x_mean^T, 1]] in A's layout (a
         diagonal A keeps the diagonal: xx's and the bias entry 1)."""
         n = xx.shape[-1]
@@ -91,6 +97,7 @@ class KFACLayer:
             parts = ((A[:n], xx),)
             A[n] = 1.0
         else:
+            assert x_mean is not None  # kept for every A with a bias that is not diagonal (keeps_x_sum)
             parts = ((A[..., :n, :n], xx), (A[..., :n, n], x_mean), (A[..., n, :n], x_mean))
             A[..., n, n] = 1.0  # the mean of the constant 1s, in every step's factor
         for running, new in parts:
@@ -156,8 +163,7 @@ class KFACLayer:
         xx = self.xx.mul_(1.0 / self.rows)
         dd = self.dd.mul_(self.examples * g_scale)
         if self.helper.has_bias:
-            assert self.x_sum is not None
-            self._fill_a(A, xx, self.x_sum.mul_(1.0 / self.rows), weight)
+            self._fill_a(A, xx, None if self.x_sum is None else self.x_sum.mul_(1.0 / self.rows), weight)
         elif weight == 1.0:
             A.copy_(xx)
         else:

@@ -388,14 +388,16 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
                 for ly in self.layers.values():
                     ly.mb_a_calls = ly.mb_g_calls = 0
             x = inputs[0]
+            # Before either path below: a module in eval mode (a frozen-BatchNorm backbone) or recomputed is
+            # collected too, and must be checked like one in train mode.
+            if helper.needs_check:  # a module whose forward may not be what its attributes say (kfac/conv.py)
+                helper.check_forward(layer.name, x, output)
             if recomputed or not module.training:
                 # Counted when its output gets a gradient, and only then: that tells the two recomputations
                 # apart, and an eval-mode forward with grad enabled that is not back-propagated (an
                 # evaluation without no_grad) adds nothing. The input is held until then.
                 output.register_hook(self._make_grad_hook(layer, helper, x, deferred=True))  # type: ignore[no-untyped-call]
                 return
-            if helper.needs_check:  # a module whose forward may not be what its attributes say (kfac/conv.py)
-                helper.check_forward(layer.name, x, output)
             output.register_hook(self._make_grad_hook(layer, helper, x))  # type: ignore[no-untyped-call]
             self._collect_a(layer, helper, x)
 
@@ -446,8 +448,8 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
         if first:
             if layer.xx is None or layer.xx.shape != shape or layer.xx.device != a.device:
                 layer.xx = torch.empty(shape, dtype=self.factor_dtype, device=a.device)
-            layer.x_sum = factors.column_sums(a, layer.a_shape) if layer.helper.has_bias else None
-        elif layer.helper.has_bias:  # set by this step's first call
+            layer.x_sum = factors.column_sums(a, layer.a_shape) if layer.keeps_x_sum else None
+        elif layer.keeps_x_sum:  # set by this step's first call
             assert layer.x_sum is not None
             layer.x_sum.add_(factors.column_sums(a, layer.a_shape))
         assert layer.xx is not None

@@ -99,10 +99,8 @@ def _layer_bytes(ly: KFACLayer, factor_size: int, inv_size: int, method: str, as
                  ) -> tuple[int, int, int, int]:
     a, g = ly.a_shape, ly.g_shape
     acc = numel(ly.xx_shape()) + numel(g)
-    if ly.helper.has_bias and len(a) != 1:  # the input sum (a diagonal A keeps no off-diagonal bias column)
+    if ly.keeps_x_sum:  # the input sum, per group for a grouped A (a diagonal A keeps no off-diagonal bias column)
         acc += numel(a[:-2]) * ly.helper.in_features
-    elif ly.helper.has_bias:
-        acc += ly.helper.in_features
     factors = (numel(a) + numel(g)) * factor_size + acc * factor_size
     inverses = (numel(inverse_shape(a, method)) + numel(inverse_shape(g, method))) * inv_size
     return factors, inverses, inverses if async_inverses else 0, acc * factor_size
