@@ -36,6 +36,9 @@ FactorApproxName = Literal["auto", "expand", "reduce"]
 InverseMethodName = Literal["cholesky", "eigen"]
 # Whose step size each layer's K-FAC direction takes (kfac/grafting.py): SGD's (the gradient's norm) or Adam's.
 GraftingName = Literal["sgd", "adam"]
+# How K-FAC sets its step size beyond the KL clip (kfac/step_size.py): the exact quadratic model's alpha along the
+# optimizer's update, or its (alpha, mu) on the plane of the update and the previous one.
+StepSizeName = Literal["quadratic", "quadratic_momentum"]
 
 SCHEDULES: tuple[ScheduleName, ...] = typing.get_args(ScheduleName)
 SCHEDULE_CHOICES: tuple[ScheduleChoice, ...] = typing.get_args(ScheduleChoice)
@@ -45,6 +48,7 @@ COMM_DTYPE_NAMES: tuple[CommDtypeName, ...] = typing.get_args(CommDtypeName)
 FACTOR_APPROXES: tuple[FactorApproxName, ...] = typing.get_args(FactorApproxName)
 INVERSE_METHODS: tuple[InverseMethodName, ...] = typing.get_args(InverseMethodName)
 GRAFTINGS: tuple[GraftingName, ...] = typing.get_args(GraftingName)
+STEP_SIZES: tuple[StepSizeName, ...] = typing.get_args(StepSizeName)
 # The placements that balance load by cost and so can replicate small factors (``small_factor``).
 LOAD_BALANCED_PLACEMENTS: tuple[PlacementName, ...] = ("lbp", "lbp_channel")
 

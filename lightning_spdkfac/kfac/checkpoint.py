@@ -20,6 +20,7 @@ from .distributor import Distributor
 from .grafting import AdamGraftState
 from .layer_state import KFACLayer
 from .options import KFACOptions
+from .step_size import QuadraticStepSize, check_step_size_state
 
 # 2: adds 'layer_dims' (every registered layer and its factor sides); 3: 'layer_dims' holds each factor's shape, an
 # int n for a dense n x n factor (all a version-2 state has), a list for a diagonal [n] or grouped [b, n, n] one.
@@ -67,6 +68,8 @@ class CheckpointState:
     options: KFACOptions
     distributor: Distributor
     _graft_states: dict[int, AdamGraftState]
+    step_size: QuadraticStepSize | None
+    model: torch.nn.Module
 
     def _drop_collected(self) -> None:
         """Forget the statistics collected since the last step (the preconditioner's)."""
@@ -123,6 +126,8 @@ class CheckpointState:
         moments = {by_index[i]: {"v": st.v, "t": st.t} for i, st in self._graft_states.items() if st.v is not None}
         if moments:  # grafting="adam" (kfac/grafting.py)
             extra["grafting_moments"] = moments
+        if self.step_size is not None:  # step_size="quadratic..." (kfac/step_size.py): alpha, mu, the last update
+            extra["step_size"] = self.step_size.state_dict()
         if self.options.inverse_method != "cholesky":  # a cholesky state is what it was before the option
             extra["inverse_method"] = self.options.inverse_method
             extra["inverse_damping"] = {name: held[ly.index][4] for name, ly in self.layers.items()
@@ -194,6 +199,8 @@ class CheckpointState:
             st = self._graft_states[self.layers[name].index] = AdamGraftState()
             st.v = entry["v"].to(device=self.layers[name].helper.module.weight.device, dtype=torch.float64).clone()
             st.t = int(entry["t"])
+        if self.step_size is not None and "step_size" in state:
+            self.step_size.load_state_dict(state["step_size"], dict(self.model.named_parameters()))
         self.steps = int(state["steps"])
         for key in COUNTERS:
             setattr(self, key, int(state.get(key, 0)))
@@ -213,6 +220,8 @@ class CheckpointState:
         corrupt: list[str] = []
         mismatch: list[str] = []
         _check_counters(state, version, corrupt)
+        if "step_size" in state:
+            corrupt.extend(check_step_size_state(state["step_size"]))
         if "factor_approx" in state and state["factor_approx"] not in FACTOR_APPROXES:
             corrupt.append(f"'factor_approx' must be one of {FACTOR_APPROXES}, got {state['factor_approx']!r}")
         method = state.get("inverse_method", "cholesky")

@@ -11,6 +11,7 @@ preconditioner's signatures read them.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import warnings
 from collections.abc import Iterable, Mapping
@@ -24,9 +25,11 @@ from ..vocabulary import (
     FACTOR_APPROXES,
     GRAFTINGS,
     INVERSE_METHODS,
+    STEP_SIZES,
     FactorApproxName,
     GraftingName,
     InverseMethodName,
+    StepSizeName,
 )
 
 FACTOR_DTYPES = ("float32", "float64", "bfloat16", "float16")
@@ -89,6 +92,16 @@ class KFACOptions:
             under dpkfac), as an int or a string with a unit ("2GB", "512MiB"): a model whose estimate (the
             K-FAC summary) is above it stops at setup with the summary and this option named, before anything
             is allocated.
+        step_size: None (the default: the KL clip alone bounds the step), or rescale the optimizer's whole update
+            after each ``optimizer.step()`` by the minimizer of the exact damped quadratic model of the loss along
+            it (Martens & Grosse 2015): ``"quadratic"`` (``alpha u``) or ``"quadratic_momentum"`` (``alpha u + mu
+            delta``, delta the previous update; meant for SGD without momentum). It needs the loss as a function of
+            the model's outputs: the LightningModule's ``kfac_loss_parts(batch)`` (plain PyTorch:
+            ``step(optimizer, loss_parts=...)``). See :mod:`lightning_spdkfac.kfac.step_size` and docs/math.md.
+        step_size_every: the quadratic model is measured every this many steps (one forward-mode pass of the model
+            on the batch and one all-reduce of three scalars); its alpha is reused in between.
+        step_size_clip: ``(low, high)``, the range alpha is clipped to (0 < low <= 1 <= high).
+        step_size_damping: the quadratic model's damping lambda (>= 0); None: K-FAC's ``damping`` at that step.
     """
 
     # The defaults are the winners of benchmarks/time_to_accuracy.py (README, "Time to accuracy"): the
@@ -111,6 +124,10 @@ class KFACOptions:
     grafting: GraftingName | None = None
     max_factor_side: int = 4608
     memory_limit: int | str | None = None
+    step_size: StepSizeName | None = None
+    step_size_every: int = 5
+    step_size_clip: tuple[float, float] = (0.1, 10.0)
+    step_size_damping: float | None = None
 
     def __post_init__(self) -> None:
         val.check_schedule("damping", self.damping, val.NONNEGATIVE)
@@ -130,6 +147,10 @@ class KFACOptions:
         val.check_bool("async_inverses", self.async_inverses)
         val.check_choice("grafting", self.grafting, GRAFTINGS, optional=True)
         val.check_positive_int("max_factor_side", self.max_factor_side)
+        val.check_choice("step_size", self.step_size, STEP_SIZES, optional=True)
+        val.check_positive_int("step_size_every", self.step_size_every)
+        object.__setattr__(self, "step_size_clip", step_size_clip(self.step_size_clip))
+        val.check_real("step_size_damping", self.step_size_damping, val.NONNEGATIVE, optional=True)
         if self.memory_limit is not None:
             object.__setattr__(self, "memory_limit", parse_bytes("memory_limit", self.memory_limit))
         object.__setattr__(self, "skip_layers", patterns("skip_layers", self.skip_layers))
@@ -215,3 +236,11 @@ def parse_bytes(name: str, value: object) -> int:
     raise ValueError(f"{name} must be a positive number of bytes or a string like '2GB' or '512MiB' (units: "
                      f"{', '.join(u for u in _UNITS if u)}), got {value!r}")
 
+
+def step_size_clip(value: object) -> tuple[float, float]:
+    """``step_size_clip`` as a (low, high) tuple of floats with 0 < low <= 1 <= high, or a ValueError naming it."""
+    pair = val.check_reals("step_size_clip", value, val.POSITIVE)
+    if len(pair) != 2 or not pair[0] <= 1.0 <= pair[1] or not all(map(math.isfinite, pair)):
+        raise ValueError(f"step_size_clip must be (low, high) with 0 < low <= 1 <= high, both finite (alpha's range), "
+                         f"got {val.show(value)}")
+    return (float(pair[0]), float(pair[1]))

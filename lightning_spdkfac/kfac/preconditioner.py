@@ -58,6 +58,7 @@ from .layers import (
 )
 from .options import KFACOptions
 from .param_groups import StepGroups, step_groups
+from .step_size import LossParts, QuadraticStepSize
 from .summary import KFACSummary, format_bytes, summarize
 
 __all__ = ["STATE_VERSION", "KFACLayer", "KFACPreconditioner"]
@@ -201,6 +202,16 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
         # ... and, while a step exchanges the preconditioned gradients, each exchanged layer and its gradient.
         self._shared_grads: dict[int, tuple[KFACLayer, torch.Tensor]] = {}
         self._check_memory()
+        # step_size="quadratic"/"quadratic_momentum": the optimizer's update rescaled after its step (kfac/step_size.py).
+        self.step_size: QuadraticStepSize | None = None
+        if o.step_size is not None:
+            if type(self.grad_access) is not GradAccess:
+                raise ValueError(
+                    f"step_size={o.step_size!r} is not supported under SPDKFACDeepSpeedStrategy: ZeRO steps its own "
+                    "partitioned fp32 copy of the parameters, which a rescaled update would not reach; use "
+                    "SPDKFACStrategy (DDP), one process, or step_size=None")
+            self.step_size = QuadraticStepSize(o.step_size, o.step_size_every, o.step_size_clip,
+                                               o.step_size_damping)
         self._begin_step()
 
     # ------------------------------------------------------------------ registration
@@ -357,6 +368,8 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
             for h in layer.handles:
                 h.remove()
             layer.handles.clear()
+        if getattr(self, "step_size", None) is not None:
+            self.step_size.remove_hooks()  # type: ignore[union-attr]
 
     @property
     def collecting(self) -> bool:
@@ -861,8 +874,26 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
             groups = self._step_groups[id(optimizer)] = step_groups(optimizer, layers)
         self._stepping = groups.lrs()
 
+    def _prepare_step_size(self, optimizer: torch.optim.Optimizer | None, loss_parts: LossParts | None) -> None:
+        assert self.step_size is not None
+        if optimizer is None:
+            raise ValueError(f"step_size={self.step_size.mode!r} rescales the optimizer's update after it steps: call "
+                             "step(optimizer, loss_parts=...) with the optimizer about to step, or set step_size=None")
+        damping = val.resolve("damping", self.damping, self.steps, val.NONNEGATIVE)
+        self.step_size.prepare(self.model, optimizer, self.steps, damping, loss_parts,
+                               self.grad_access.loss_scale(), self.distributor.world_size, self._hooks_paused)
+
+    @contextmanager
+    def _hooks_paused(self) -> Iterator[None]:
+        """The model's forwards in here (the step size's measurement) are not collected."""
+        self.paused, paused = True, self.paused
+        try:
+            yield
+        finally:
+            self.paused = paused
+
     @torch.no_grad()
-    def step(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+    def step(self, optimizer: torch.optim.Optimizer | None = None, loss_parts: LossParts | None = None) -> None:
         """Precondition the gradients of the registered layers in place (call after backward).
 
         Args:
@@ -872,8 +903,13 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
                 weight, read now (so schedulers and per-group learning rates are followed), unless
                 ``lr`` was given. None: every layer, at ``lr`` (which must then be set when ``kl_clip``
                 is).
+            loss_parts: with ``step_size`` set, ``(forward, loss)``: ``forward()`` recomputes the model's outputs
+                on this batch from the current parameters, ``loss(outputs)`` is the scalar the training step
+                minimizes; needed on the steps that measure the quadratic model (every ``step_size_every``).
         """
         self._select(optimizer)
+        if self.step_size is not None:
+            self._prepare_step_size(optimizer, loss_parts)
         self._settle_inverses()  # inverses launched by the last step (async_inverses), before the factors change
         k = self.steps
         self._grads = self.grad_access.open(self._grad_params)

@@ -33,8 +33,9 @@ from ..kfac.distributor import Distributor
 from ..kfac.gradients import GradAccess
 from ..kfac.options import KFACOptions
 from ..kfac.preconditioner import KFACPreconditioner
+from ..kfac.step_size import LOSS_PARTS_HELP
 from ..telemetry import WindowStats
-from ..vocabulary import FactorApproxName, GraftingName, InverseMethodName
+from ..vocabulary import FactorApproxName, GraftingName, InverseMethodName, StepSizeName
 from .protocol import KFACStrategy
 
 if TYPE_CHECKING:
@@ -121,6 +122,14 @@ class KFACCallbackBody(_CallbackBase):
             diagonal. Default 4608 (see :class:`~lightning_spdkfac.kfac.options.KFACOptions`).
         memory_limit: None, or the most K-FAC memory a rank may take (bytes, or a string such as "4GB"): a
             model above it stops at setup with the K-FAC summary, before anything is allocated.
+        step_size: None (default), ``"quadratic"`` or ``"quadratic_momentum"``: rescale the optimizer's update
+            after each step by the minimizer of the exact damped quadratic model of the loss along it (Martens &
+            Grosse 2015). Needs ``kfac_loss_parts(batch)`` on the LightningModule (forward() recomputing the
+            outputs, loss(outputs) the training loss); not under DeepSpeed. See
+            :mod:`lightning_spdkfac.kfac.step_size`.
+        step_size_every: measure the quadratic model every this many steps (default 5); alpha is reused between.
+        step_size_clip: (low, high), alpha's range (default (0.1, 10)).
+        step_size_damping: the quadratic model's damping; None (default): K-FAC's ``damping``.
         summary: print the K-FAC summary (each block's factor layout and bytes; every trainable parameter left
             to the optimizer, with the reason) on rank 0 when the fit starts. Default True.
         load_state: what ``trainer.fit(ckpt_path=...)`` does with the checkpoint's K-FAC state.
@@ -179,6 +188,10 @@ class KFACCallbackBody(_CallbackBase):
         max_factor_side: int = _D.max_factor_side,
         memory_limit: int | str | None = _D.memory_limit,
         summary: bool = True,
+        step_size: StepSizeName | None = _D.step_size,
+        step_size_every: int = _D.step_size_every,
+        step_size_clip: tuple[float, float] = _D.step_size_clip,
+        step_size_damping: float | None = _D.step_size_damping,
     ) -> None:
         super().__init__()
         # Every argument is checked here (TypeError: wrong type, ValueError: a value that is not
@@ -198,6 +211,8 @@ class KFACCallbackBody(_CallbackBase):
             factor_dtype=factor_dtype, inv_dtype=inv_dtype, max_bad_steps=max_bad_steps,
             factor_approx=factor_approx, inverse_method=inverse_method, async_inverses=async_inverses,
             grafting=grafting, max_factor_side=max_factor_side, memory_limit=memory_limit,
+            step_size=step_size, step_size_every=step_size_every, step_size_clip=step_size_clip,
+            step_size_damping=step_size_damping,
         )
         self.summary = val.check_bool("summary", summary)
         self.lr = lr
@@ -218,6 +233,7 @@ class KFACCallbackBody(_CallbackBase):
         self._checkpoint_seen = False  # this fit's checkpoint was inspected (and any warning given)
         self._start_fresh = False  # ... and its K-FAC state is not to be loaded
         self._unguard: Callable[[], None] | None = None
+        self._batch: Any = None  # step_size: the batch of the step's last micro-batch
         self._gathered = False  # schedule="dpkfac": _final_state was gathered at the end of training
 
     @property
@@ -262,6 +278,8 @@ class KFACCallbackBody(_CallbackBase):
             return self.preconditioner
         pl_module = trainer.lightning_module
         _refuse_uninitialized_lazy_layers(pl_module)
+        if self.options.step_size is not None and not callable(getattr(pl_module, "kfac_loss_parts", None)):
+            self._loss_parts(pl_module)  # raises, naming what to define: before the first step, not at it
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         self.preconditioner = pre = KFACPreconditioner(
             pl_module,
@@ -353,6 +371,8 @@ class KFACCallbackBody(_CallbackBase):
         # gradients: K-FAC neither collects those forwards nor preconditions those (already preconditioned)
         # gradients a second time.
         self.preconditioner.paused = bool(getattr(trainer.fit_loop, "_skip_backward", False))
+        if self.preconditioner.step_size is not None:
+            self._batch = batch  # the last micro-batch's: kfac_loss_parts(batch) at the optimizer step
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if self.preconditioner is not None and self.preconditioner.final_micro_batch:
@@ -386,7 +406,8 @@ class KFACCallbackBody(_CallbackBase):
             # DeepSpeed calls this hook on every micro-batch; K-FAC steps at the accumulation boundary.
             return
         t0 = time.perf_counter()
-        pre.step(optimizer)  # the layers this optimizer steps, each at its param group's lr
+        # the layers this optimizer steps, each at its param group's lr
+        pre.step(optimizer, loss_parts=self._loss_parts(pl_module) if pre.step_size is not None else None)
         t1 = time.perf_counter()
         if not trainer.loggers:  # nothing would be written
             return
@@ -401,6 +422,14 @@ class KFACCallbackBody(_CallbackBase):
             for logger in trainer.loggers:  # (rank-zero-only, as Lightning's own writes)
                 logger.log_metrics(metrics, step=step)
 
+    def _loss_parts(self, pl_module: pl.LightningModule) -> Any:
+        fn = getattr(pl_module, "kfac_loss_parts", None)
+        if not callable(fn):
+            raise ValueError(f"KFAC(step_size={self.options.step_size!r}) needs the loss as a function of the "
+                             f"model's outputs, and {type(pl_module).__name__} has no kfac_loss_parts: "
+                             + LOSS_PARTS_HELP)
+        return fn(self._batch)
+
     def _metrics(self, pre: KFACPreconditioner) -> dict[str, float]:
         """The fault counters and, with log_step_time, the window's aggregates (in ms); resets the window."""
         metrics = {  # fault counters, logged whatever log_step_time says
@@ -408,6 +437,10 @@ class KFACCallbackBody(_CallbackBase):
             "kfac/skipped_precondition_steps": float(pre.skipped_precondition_steps),
             "kfac/inverse_fallbacks": float(pre.inverse_fallbacks),
         }
+        if pre.step_size is not None:  # the step-size rule's current state (kfac/step_size.py)
+            metrics["kfac/alpha"] = pre.step_size.alpha
+            metrics["kfac/mu"] = pre.step_size.mu
+            metrics["kfac/step_size_damping"] = pre.step_size.last_damping
         window = self._window
         if self.log_step_time and window.steps:
             maxima = window.maxima()
@@ -551,7 +584,11 @@ def _where(trainer: pl.Trainer) -> str:
 
 # Arguments KFAC.__init__ checks itself; any other is held to its annotation (val.check_annotations).
 _CHECKED = ("damping", "factor_decay", "kl_clip", "lr", "factor_update_steps", "inv_update_steps", "skip_layers",
-            "factor_dtype", "inv_dtype", "factor_approx", "inverse_method", "async_inverses", "grafting", "max_factor_side", "memory_limit", "summary", "log_step_time", "trace_step", "trace_dir")
+            "factor_dtype", "inv_dtype", "factor_approx", "inverse_method", "async_inverses", "grafting",
+            "max_factor_side", "memory_limit", "summary", "log_step_time", "trace_step", "trace_dir", "step_size",
+            "step_size_every", "step_size_clip", "step_size_damping")
+
+
 def _folder(name: str, value: object) -> str:
     if not isinstance(value, (str, os.PathLike)):
         raise TypeError(f"{name} must be a folder path (a non-empty string), got {val.show(value)}")
