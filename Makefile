@@ -13,9 +13,10 @@ CONSTRAINTS := $(VENV)/torch-constraint.txt
 TORCH_STAMP := $(VENV)/.torch-$(TORCH_VERSION)
 DEMO_STAMP := $(VENV)/.installed-demo-$(TORCH_VERSION)
 STAMP := $(VENV)/.installed-$(TORCH_VERSION)
+DOCS_STAMP := $(VENV)/.installed-docs-$(TORCH_VERSION)
 PYTEST_ARGS ?=
 
-.PHONY: install install-demo demo test test-slow test-no-cpu-fp16 lint bench gpu-check gpu-check-dry clean
+.PHONY: install install-demo demo test test-slow test-no-cpu-fp16 lint bench gpu-check gpu-check-dry docs docs-serve clean
 
 install: $(STAMP)
 
@@ -76,5 +77,18 @@ gpu-check: install
 gpu-check-dry: install
 	$(PY) benchmarks/gpu_check.py --dry $(if $(OUT),--out $(OUT))
 
+# The documentation site (mkdocs.yml, docs/): the docs extra on top of the test environment (the API reference
+# and the generated configuration reference import the package, Lightning and DeepSpeed included), built with
+# warnings as errors (strict: a broken link, anchor or docstring reference fails the build) into site/.
+$(DOCS_STAMP): $(STAMP) pyproject.toml
+	$(PIP) install -c $(CONSTRAINTS) -e ".[dev,deepspeed,docs]"
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
+docs-serve: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve --strict
+
 clean:
-	rm -rf $(VENV) lightning_logs .pytest_cache
+	rm -rf $(VENV) lightning_logs .pytest_cache site
