@@ -83,8 +83,8 @@ class KFACOptions:
             :mod:`lightning_spdkfac.kfac.grafting`.
         max_factor_side: the largest factor side kept as a dense matrix; a side above it (an LM head's
             vocabulary, a very wide MLP) is kept diagonal: ``n`` entries instead of ``n x n``, inverted
-            elementwise. The default, 4608, is the measured limit (benchmarks/hf_models.py --only max-side; README,
-            "Models people bring"): a side holds at most 243 MiB (factor, Gram sum and inverse in float32) and
+            elementwise. The default, 4608, is the measured limit (benchmarks/hf_models.py --only max-side;
+            docs/results/models.md): a side holds at most 243 MiB (factor, Gram sum and inverse in float32) and
             inverts in 1.9 s on one CPU thread (8192: 768 MiB and 9.5 s). It keeps every 3x3 convolution of up to
             512 channels (ResNet, VGG), BERT-large's and GPT-2 medium's 4096 dense, while GPT-2 large's 5120,
             Llama-7B's 11008 and every vocabulary are diagonal (docs/math.md, "Diagonal and grouped factors").
@@ -104,7 +104,7 @@ class KFACOptions:
         step_size_damping: the quadratic model's damping lambda (>= 0); None: K-FAC's ``damping`` at that step.
     """
 
-    # The defaults are the winners of benchmarks/time_to_accuracy.py (README, "Time to accuracy"): the
+    # The defaults are the winners of benchmarks/time_to_accuracy.py (docs/results/time-to-accuracy.md): the
     # pi-balanced damping trains at every damping 1e-4..1e-1 there; factors every 5 steps and inverses
     # every 50 reached the targets sooner in seconds than every 1/10 (same epochs, a cheaper step). The
     # paper's every-step timing setting is a configuration of the schedule benchmarks, not a default.

@@ -54,7 +54,9 @@ class KFACCallbackBody(_CallbackBase):
     """K-FAC preconditioning for ``Trainer(callbacks=[KFAC(...)])``.
 
     Args:
-        damping: added to each factor's diagonal before inversion (>= 0). This and the next three
+        damping: the Tikhonov damping of each layer's Kronecker block (>= 0), split between A and G by
+            pi-balancing so that every direction of the block is damped by at least ``damping`` (see
+            :class:`~lightning_spdkfac.kfac.options.KFACOptions`, docs/math.md). This and the next three
             are numbers or schedules: callables of the optimizer step index (in YAML, the
             import path of a function such as ``mypkg.schedules.damping``). A schedule is called
             once with step 0 at construction, and must accept one argument and return a number in
