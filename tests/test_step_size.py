@@ -355,3 +355,59 @@ def test_refused_where_zero_owns_the_update() -> None:
 
     with pytest.raises(ValueError, match="step_size='quadratic' is not supported under SPDKFACDeepSpeedStrategy"):
         KFACPreconditioner(_net(), step_size="quadratic", grad_access=ZeroLike())
+
+
+def test_transformers_gpt2_alpha_matches_finite_differences() -> None:
+    """A model this project did not write (transformers' GPT-2: Conv1D, SDPA attention, tied head), a per-token
+    cross-entropy with ignore_index and label smoothing: alpha equals the one built from J u by central finite
+    differences of the float64 model (the loss's own Hessian-vector product on top)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        config = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=16, vocab_size=50, n_positions=16,
+                                         bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
+                                         attn_pdrop=0.0)  # dropout would make the finite differences noise
+        model = transformers.GPT2LMHeadModel(config).double()
+    ids = torch.randint(0, 50, (3, 12))
+
+    def forward():
+        return model(input_ids=ids).logits[:, :-1]
+
+    def loss(z):
+        return F.cross_entropy(z.reshape(-1, 50), ids[:, 1:].reshape(-1), ignore_index=7, label_smoothing=0.1)
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    pre = KFACPreconditioner(model, step_size="quadratic", step_size_every=1, step_size_clip=WIDE, damping=1e-3)
+    opt.zero_grad()
+    loss(forward()).backward()
+    g = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    old = {n: p.detach().clone() for n, p in model.named_parameters()}
+    probe = copy.deepcopy(model)
+    probe_opt = torch.optim.AdamW(probe.parameters(), lr=1e-3)
+    pre.step(opt, loss_parts=(forward, loss))
+    for pp, p in zip(probe.parameters(), model.parameters()):
+        pp.grad = p.grad.clone()
+    probe_opt.step()
+    u = {n: p.detach() - old[n] for n, p in probe.named_parameters()}
+    opt.step()
+
+    eps = 1e-4
+    with torch.no_grad():
+        outs = []
+        for sign in (1, -1):
+            for n, p in probe.named_parameters():
+                p.copy_(old[n] + sign * eps * u[n])
+            outs.append(probe(input_ids=ids).logits[:, :-1])
+        ju = (outs[0] - outs[1]) / (2 * eps)
+        for n, p in probe.named_parameters():
+            p.copy_(old[n])
+        z = probe(input_ids=ids).logits[:, :-1]
+    z = z.detach().requires_grad_()
+    (gz,) = torch.autograd.grad(loss(z), z, create_graph=True)
+    (hju,) = torch.autograd.grad(gz, z, ju)
+    uu = sum((t * t).sum() for t in u.values())
+    gu = sum((g[n] * u[n]).sum() for n in u)
+    alpha = float(-gu / ((ju * hju).sum() + 1e-3 * uu))
+    assert 1e-2 < alpha < 1e4
+    assert pre.step_size.alpha == pytest.approx(alpha, rel=1e-5)

@@ -39,6 +39,7 @@ import torch.autograd.forward_ad as fwAD
 import torch.distributed as dist
 from torch import nn
 from torch.func import functional_call
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 MU_MAX = 0.99  # "quadratic_momentum": mu's range is [0, MU_MAX]
 
@@ -220,7 +221,9 @@ class QuadraticStepSize:
         call = _Call(model, forward)
         buffers = {"model." + n: b.clone() for n, b in model.named_buffers()}  # BatchNorm statistics stay as they are
         devices = [old[0].device] if old and old[0].is_cuda else []
-        with torch.random.fork_rng(devices=devices), pend["paused"]():  # dropout masks drawn here leave the training's stream alone
+        # SDPA's fused kernels have neither forward-mode nor double-backward rules; the math backend computes the
+        # same attention from differentiable primitives.
+        with torch.random.fork_rng(devices=devices), pend["paused"](), sdpa_kernel(SDPBackend.MATH):  # dropout masks drawn here leave the training's stream alone
             z, jts = _jvps(call, ["model." + n for n in names], [old[i] for i in keep], buffers, tangents)
             hjts = _loss_hvps(loss, z, jts)
         # [u C u, u C d, d C d]: the only per-rank numbers (each rank's batch), averaged across ranks
