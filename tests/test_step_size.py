@@ -411,3 +411,44 @@ def test_transformers_gpt2_alpha_matches_finite_differences() -> None:
     alpha = float(-gu / ((ju * hju).sum() + 1e-3 * uu))
     assert 1e-2 < alpha < 1e4
     assert pre.step_size.alpha == pytest.approx(alpha, rel=1e-5)
+
+
+def test_levenberg_marquardt_follows_the_reduction_ratio() -> None:
+    """adapt_damping: rho = (loss after - loss before) / the undamped model's predicted change, both recomputed here
+    on the batch; the damping moves by 0.95**every in the direction rho says, and reaches the preconditioner."""
+    loss = LOSSES["cross_entropy"]
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.3)
+    pre = KFACPreconditioner(net, step_size="quadratic", step_size_every=1, step_size_clip=WIDE, adapt_damping=True,
+                             damping=1e-2, inv_dtype="float64", factor_dtype="float64")
+    damping, rhos = 1e-2, []
+    for r in _steps(net, opt, pre, loss, [_batch(i) for i in range(1, 5)]):
+        C, g = _dense_ggn(net, r["before"], r["x"], lambda z, y=r["y"]: loss(z, y))
+        delta = _flat(r["after"]) - _flat(r["before"])
+        predicted = float(g @ delta + 0.5 * delta @ C @ delta)
+        with torch.no_grad():
+            before = torch.nn.utils.vector_to_parameters  # (the reference evaluates both points on a copy)
+            probe = copy.deepcopy(net)
+            before(_flat(r["before"]), probe.parameters())
+            l0 = float(loss(probe(r["x"]), r["y"]))
+            before(_flat(r["after"]), probe.parameters())
+            l1 = float(loss(probe(r["x"]), r["y"]))
+        rho = (l1 - l0) / predicted
+        rhos.append(rho)
+        damping = damping * 0.95 if rho > 0.75 else damping / 0.95 if rho < 0.25 else damping
+    assert pre.step_size.rho == pytest.approx(rhos[-1], rel=1e-6)  # (the last measurement's)
+    assert damping != 1e-2, f"the damping never moved (rho {rhos}): the check would not see a wrong rule"
+    assert pre.damping == pytest.approx(damping, rel=1e-12)
+    assert pre.state_dict()["step_size"]["damping"] == pytest.approx(damping, rel=1e-12)
+
+
+def test_adapt_damping_refuses_a_schedule_and_resumes_its_damping() -> None:
+    with pytest.raises(ValueError, match="adapt_damping"):
+        KFACOptions(adapt_damping=True, damping=lambda k: 0.01)
+    net = _net()
+    pre = KFACPreconditioner(net, adapt_damping=True)
+    state = pre.state_dict()
+    state["step_size"]["damping"] = 0.005
+    pre2 = KFACPreconditioner(_net(), adapt_damping=True)
+    pre2.load_state_dict(state)
+    assert pre2.damping == 0.005 and pre2.step_size.alpha == 1.0

@@ -102,6 +102,12 @@ class KFACOptions:
             on the batch and one all-reduce of three scalars); its alpha is reused in between.
         step_size_clip: ``(low, high)``, the range alpha is clipped to (0 < low <= 1 <= high).
         step_size_damping: the quadratic model's damping lambda (>= 0); None: K-FAC's ``damping`` at that step.
+        adapt_damping: Levenberg-Marquardt adaptation of ``damping`` (Martens & Grosse 2015, section 6.5): at each
+            measurement of the quadratic model (every ``step_size_every`` steps; with or without ``step_size``), one
+            more forward gives the loss's actual change on the batch, and the damping shrinks when the model
+            predicted it well (ratio above 3/4) and grows when it did not (below 1/4), by 0.95**step_size_every,
+            within [1e-6, 10], starting from ``damping`` (which must then be a number). Needs ``kfac_loss_parts``
+            like ``step_size``.
     """
 
     # The defaults are the winners of benchmarks/time_to_accuracy.py (docs/results/time-to-accuracy.md): the
@@ -128,6 +134,7 @@ class KFACOptions:
     step_size_every: int = 5
     step_size_clip: tuple[float, float] = (0.1, 10.0)
     step_size_damping: float | None = None
+    adapt_damping: bool = False
 
     def __post_init__(self) -> None:
         val.check_schedule("damping", self.damping, val.NONNEGATIVE)
@@ -151,6 +158,10 @@ class KFACOptions:
         val.check_positive_int("step_size_every", self.step_size_every)
         object.__setattr__(self, "step_size_clip", step_size_clip(self.step_size_clip))
         val.check_real("step_size_damping", self.step_size_damping, val.NONNEGATIVE, optional=True)
+        val.check_bool("adapt_damping", self.adapt_damping)
+        if self.adapt_damping and callable(self.damping):
+            raise ValueError("adapt_damping=True adapts the damping from its starting value: damping must be a number, "
+                             "not a schedule (pass a number, or adapt_damping=False to keep the schedule)")
         if self.memory_limit is not None:
             object.__setattr__(self, "memory_limit", parse_bytes("memory_limit", self.memory_limit))
         object.__setattr__(self, "skip_layers", patterns("skip_layers", self.skip_layers))

@@ -204,14 +204,15 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
         self._check_memory()
         # step_size="quadratic"/"quadratic_momentum": the optimizer's update rescaled after its step (kfac/step_size.py).
         self.step_size: QuadraticStepSize | None = None
-        if o.step_size is not None:
+        if o.step_size is not None or o.adapt_damping:
+            what = f"step_size={o.step_size!r}" if o.step_size is not None else "adapt_damping=True"
             if type(self.grad_access) is not GradAccess:
                 raise ValueError(
-                    f"step_size={o.step_size!r} is not supported under SPDKFACDeepSpeedStrategy: ZeRO steps its own "
-                    "partitioned fp32 copy of the parameters, which a rescaled update would not reach; use "
-                    "SPDKFACStrategy (DDP), one process, or step_size=None")
+                    f"{what} is not supported under SPDKFACDeepSpeedStrategy: ZeRO steps its own partitioned fp32 copy "
+                    "of the parameters, which the rule's rescaled update and measurement would not reach; use "
+                    "SPDKFACStrategy (DDP), one process, or step_size=None, adapt_damping=False")
             self.step_size = QuadraticStepSize(o.step_size, o.step_size_every, o.step_size_clip,
-                                               o.step_size_damping)
+                                               o.step_size_damping, o.adapt_damping, self._set_damping)
         self._begin_step()
 
     # ------------------------------------------------------------------ registration
@@ -877,11 +878,16 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
     def _prepare_step_size(self, optimizer: torch.optim.Optimizer | None, loss_parts: LossParts | None) -> None:
         assert self.step_size is not None
         if optimizer is None:
-            raise ValueError(f"step_size={self.step_size.mode!r} rescales the optimizer's update after it steps: call "
-                             "step(optimizer, loss_parts=...) with the optimizer about to step, or set step_size=None")
+            raise ValueError(f"step_size={self.step_size.mode!r} / adapt_damping={self.step_size.adapt_damping} work on "
+                             "the optimizer's update after it steps: call step(optimizer, loss_parts=...) with the "
+                             "optimizer about to step, or set step_size=None and adapt_damping=False")
         damping = val.resolve("damping", self.damping, self.steps, val.NONNEGATIVE)
         self.step_size.prepare(self.model, optimizer, self.steps, damping, loss_parts,
                                self.grad_access.loss_scale(), self.distributor.world_size, self._hooks_paused)
+
+    def _set_damping(self, value: float) -> None:
+        """adapt_damping: the Levenberg-Marquardt rule's new damping, used from the next inversion on."""
+        self.damping = value
 
     @contextmanager
     def _hooks_paused(self) -> Iterator[None]:

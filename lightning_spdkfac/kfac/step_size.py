@@ -42,6 +42,7 @@ from torch.func import functional_call
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 MU_MAX = 0.99  # "quadratic_momentum": mu's range is [0, MU_MAX]
+LM_DAMPING_RANGE = (1e-6, 10.0)  # adapt_damping: the damping stays inside
 
 LossParts = tuple[Callable[[], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]
 
@@ -140,11 +141,18 @@ def _dot(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> torch.Tensor:
 class QuadraticStepSize:
     """The state and work of ``step_size="quadratic"`` / ``"quadratic_momentum"`` for one preconditioner."""
 
-    def __init__(self, mode: str, every: int, clip: tuple[float, float], damping: float | None) -> None:
-        self.mode = mode
+    def __init__(self, mode: str | None, every: int, clip: tuple[float, float], damping: float | None,
+                 adapt_damping: bool = False, on_damping: Callable[[float], None] | None = None) -> None:
+        self.mode = mode  # None: alpha stays 1 (adapt_damping alone)
         self.every = every
         self.clip = clip
         self.damping_override = damping
+        # Levenberg-Marquardt: K-FAC's damping follows the reduction ratio rho of each measured step; on_damping
+        # hands the new value to the preconditioner.
+        self.adapt_damping = adapt_damping
+        self.on_damping = on_damping
+        self.damping: float | None = None  # the adapted damping (None until the first measurement)
+        self.rho = math.nan
         self.alpha = 1.0
         self.mu = 0.0
         self.measurements = 0
@@ -164,8 +172,8 @@ class QuadraticStepSize:
         named = [(n, p) for n, p in model.named_parameters() if id(p) in stepped and p.requires_grad]
         measure = step % self.every == 0
         if measure and loss_parts is None:
-            raise ValueError(f"step_size={self.mode!r} needs the loss as a function of the model's outputs: "
-                             + LOSS_PARTS_HELP)
+            what = f"step_size={self.mode!r}" if self.mode is not None else "adapt_damping=True"
+            raise ValueError(f"{what} needs the loss as a function of the model's outputs: " + LOSS_PARTS_HELP)
         if loss_parts is not None and not (isinstance(loss_parts, tuple) and len(loss_parts) == 2
                                            and all(callable(f) for f in loss_parts)):
             raise TypeError(f"loss_parts must be a pair (forward, loss) of callables, got {type(loss_parts).__name__}")
@@ -198,23 +206,65 @@ class QuadraticStepSize:
         u = [p.detach() - o for (_, p), o in zip(named, old, strict=True)]
         prev = [self.prev.get(n) for n, _ in named] if self.mode == "quadratic_momentum" else []
         use_prev = bool(prev) and all(d is not None and d.shape == x.shape for d, x in zip(prev, u, strict=True))
-        if pend["measure"]:
-            self._measure(pend, u, prev if use_prev else None)  # type: ignore[arg-type]
+        model_terms = self._measure(pend, u, prev if use_prev else None) if pend["measure"] else None  # type: ignore[arg-type]
         mu = self.mu if use_prev else 0.0
-        for i, ((name, p), o) in enumerate(zip(named, old, strict=True)):
-            step = u[i].mul(self.alpha)
-            if mu:
-                step.add_(prev[i], alpha=mu)
-            p.copy_(o + step)
-            if self.mode == "quadratic_momentum":
-                self.prev[name] = step
+        if self.alpha != 1.0 or mu or self.mode == "quadratic_momentum":
+            for i, ((name, p), o) in enumerate(zip(named, old, strict=True)):
+                step = u[i].mul(self.alpha)
+                if mu:
+                    step.add_(prev[i], alpha=mu)
+                p.copy_(o + step)
+                if self.mode == "quadratic_momentum":
+                    self.prev[name] = step
+        if model_terms is not None and self.adapt_damping:
+            self._adapt(pend, model_terms, mu)
 
-    def _measure(self, pend: dict[str, Any], u: list[torch.Tensor], prev: list[torch.Tensor] | None) -> None:
+    def _adapt(self, pend: dict[str, Any], terms: dict[str, Any], mu: float) -> None:
+        """Levenberg-Marquardt (Martens & Grosse 2015, section 6.5): rho = the loss's actual change on the batch over
+        the undamped quadratic model's; rho > 3/4 lowers the damping by omega = 0.95**step_size_every, rho < 1/4
+        raises it by 1/omega. The new loss is taken with the measurement's dropout masks (same random state)."""
+        a = self.alpha
+        c, gu, gd = terms["curv"], terms["gu"], terms["gd"]
+        predicted = a * gu + 0.5 * a * a * c[0]
+        if len(c) == 3:
+            predicted += mu * gd + a * mu * c[1] + 0.5 * mu * mu * c[2]
+        with torch.random.fork_rng(devices=terms["devices"]), pend["paused"]():
+            torch.set_rng_state(terms["rng"])
+            if terms["cuda_rng"] is not None:
+                torch.cuda.set_rng_state(terms["cuda_rng"])
+            buffers = {"model." + n: b.clone() for n, b in pend["model"].named_buffers()}
+            params = {"model." + n: p.detach() for n, p in pend["named"]}
+            z_new = functional_call(terms["call"], {**buffers, **params}, ())
+            new_loss = pend["loss_parts"][1](z_new.detach())
+        change = torch.stack([new_loss.detach().double().reshape(()) - terms["old_loss"]])
+        if pend["world_size"] > 1:
+            change = change.to(pend["old"][0].device)
+            dist.all_reduce(change)
+            change = change / pend["world_size"]
+        actual = float(change.cpu()[0])
+        if not (math.isfinite(actual) and math.isfinite(predicted)) or predicted >= 0.0:
+            self.rho = math.nan  # no predicted decrease: nothing to compare with
+            return
+        self.rho = actual / predicted
+        omega = 0.95 ** self.every
+        lam = self.damping if self.damping is not None else pend["damping"]
+        if self.rho > 0.75:
+            lam *= omega
+        elif self.rho < 0.25:
+            lam /= omega
+        self.damping = min(max(lam, LM_DAMPING_RANGE[0]), LM_DAMPING_RANGE[1])
+        if self.on_damping is not None:
+            self.on_damping(self.damping)
+
+    def _measure(self, pend: dict[str, Any], u: list[torch.Tensor],
+                 prev: list[torch.Tensor] | None) -> dict[str, Any]:
+        """Solve the damped model for alpha (and mu); return its undamped terms for the damping's adaptation."""
         named, old, grads = pend["named"], pend["old"], pend["grads"]
         keep = [i for i, g in enumerate(grads) if g is not None]  # parameters without a gradient: no curvature
         names = [named[i][0] for i in keep]
         tangents = [[u[i] for i in keep]] + ([[prev[i] for i in keep]] if prev is not None else [])
-        lam = self.damping_override if self.damping_override is not None else pend["damping"]
+        lam = (self.damping_override if self.damping_override is not None
+               else self.damping if self.damping is not None else pend["damping"])
         self.last_damping = lam
         forward, loss = pend["loss_parts"]
         model: nn.Module = pend["model"]
@@ -223,9 +273,13 @@ class QuadraticStepSize:
         devices = [old[0].device] if old and old[0].is_cuda else []
         # SDPA's fused kernels have neither forward-mode nor double-backward rules; the math backend computes the
         # same attention from differentiable primitives.
-        with torch.random.fork_rng(devices=devices), pend["paused"](), sdpa_kernel(SDPBackend.MATH):  # dropout masks drawn here leave the training's stream alone
+        # Dropout masks drawn here leave the training's random stream alone.
+        with torch.random.fork_rng(devices=devices), pend["paused"](), sdpa_kernel(SDPBackend.MATH):
+            rng = torch.get_rng_state()
+            cuda_rng = torch.cuda.get_rng_state() if devices else None
             z, jts = _jvps(call, ["model." + n for n in names], [old[i] for i in keep], buffers, tangents)
             hjts = _loss_hvps(loss, z, jts)
+            old_loss = loss(z).detach().double().reshape(()) if self.adapt_damping else None
         # [u C u, u C d, d C d]: the only per-rank numbers (each rank's batch), averaged across ranks
         curv = [_dot([jts[0]], [hjts[0]])]
         if prev is not None:
@@ -242,18 +296,22 @@ class QuadraticStepSize:
         gu = float(_dot(g, uk)) / scale
         uu = float(_dot(uk, uk))
         self.measurements += 1
+        terms: dict[str, Any] = {"curv": [float(x) for x in c], "gu": gu, "gd": 0.0, "old_loss": old_loss,
+                                 "call": call, "rng": rng, "cuda_rng": cuda_rng, "devices": devices}
         if prev is None:
-            self._solve_alpha(gu, float(c[0]) + lam * uu)
+            if self.mode is not None:
+                self._solve_alpha(gu, float(c[0]) + lam * uu)
             self.mu = 0.0
-            return
+            return terms
         pk = [prev[i] for i in keep]
         gd, ud, dd = float(_dot(g, pk)) / scale, float(_dot(uk, pk)), float(_dot(pk, pk))
+        terms["gd"] = gd
         m = [[float(c[0]) + lam * uu, float(c[1]) + lam * ud], [float(c[1]) + lam * ud, float(c[2]) + lam * dd]]
         det = m[0][0] * m[1][1] - m[0][1] ** 2
         if not (math.isfinite(det) and det > 1e-12 * max(m[0][0] * m[1][1], 1e-300)):
             self._solve_alpha(gu, m[0][0])
             self.mu = 0.0
-            return
+            return terms
         alpha = -(m[1][1] * gu - m[0][1] * gd) / det
         mu = -(m[0][0] * gd - m[0][1] * gu) / det
         if not 0.0 <= mu <= MU_MAX:  # the minimizer on the edge of mu's range: alpha re-solved with mu held there
@@ -262,6 +320,7 @@ class QuadraticStepSize:
         lo, hi = self.clip
         self.alpha = min(max(alpha, lo), hi)
         self.mu = mu
+        return terms
 
     def _solve_alpha(self, gu: float, quad: float) -> None:
         lo, hi = self.clip
@@ -281,13 +340,19 @@ class QuadraticStepSize:
 
     # ---------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
-        return {"mode": self.mode, "alpha": self.alpha, "mu": self.mu, "measurements": self.measurements,
-                "prev": dict(self.prev)}
+        state = {"mode": self.mode, "alpha": self.alpha, "mu": self.mu, "measurements": self.measurements,
+                 "prev": dict(self.prev)}
+        if self.damping is not None:
+            state["damping"] = self.damping
+        return state
 
     def load_state_dict(self, state: dict[str, Any], params: dict[str, nn.Parameter]) -> None:
         self.alpha = float(state["alpha"])
         self.mu = float(state["mu"])
         self.measurements = int(state["measurements"])
+        self.damping = float(state["damping"]) if state.get("damping") is not None else None
+        if self.damping is not None and self.adapt_damping and self.on_damping is not None:
+            self.on_damping(self.damping)
         self.prev = {n: t.to(device=params[n].device, dtype=params[n].dtype).clone()
                      for n, t in (state.get("prev") or {}).items() if n in params}
         self._pending = None
@@ -298,7 +363,9 @@ def check_step_size_state(state: object) -> list[str]:
     if not isinstance(state, dict):
         return [f"step_size: expected a dict, got {type(state).__name__}"]
     problems = []
-    for key, kind in (("alpha", float), ("mu", float), ("measurements", int)):
+    for key, kind in (("alpha", float), ("mu", float), ("measurements", int), ("damping", float)):
+        if key == "damping" and state.get(key) is None:
+            continue
         value = state.get(key)
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(float(value)):
             problems.append(f"step_size.{key}: expected a finite {kind.__name__}, got {value!r}")

@@ -132,6 +132,8 @@ class KFACCallbackBody(_CallbackBase):
         step_size_every: measure the quadratic model every this many steps (default 5); alpha is reused between.
         step_size_clip: (low, high), alpha's range (default (0.1, 10)).
         step_size_damping: the quadratic model's damping; None (default): K-FAC's ``damping``.
+        adapt_damping: Levenberg-Marquardt adaptation of ``damping`` from the quadratic model's reduction ratio at
+            each measurement (default False); needs ``kfac_loss_parts`` like ``step_size``.
         summary: print the K-FAC summary (each block's factor layout and bytes; every trainable parameter left
             to the optimizer, with the reason) on rank 0 when the fit starts. Default True.
         load_state: what ``trainer.fit(ckpt_path=...)`` does with the checkpoint's K-FAC state.
@@ -194,6 +196,7 @@ class KFACCallbackBody(_CallbackBase):
         step_size_every: int = _D.step_size_every,
         step_size_clip: tuple[float, float] = _D.step_size_clip,
         step_size_damping: float | None = _D.step_size_damping,
+        adapt_damping: bool = _D.adapt_damping,
     ) -> None:
         super().__init__()
         # Every argument is checked here (TypeError: wrong type, ValueError: a value that is not
@@ -214,7 +217,7 @@ class KFACCallbackBody(_CallbackBase):
             factor_approx=factor_approx, inverse_method=inverse_method, async_inverses=async_inverses,
             grafting=grafting, max_factor_side=max_factor_side, memory_limit=memory_limit,
             step_size=step_size, step_size_every=step_size_every, step_size_clip=step_size_clip,
-            step_size_damping=step_size_damping,
+            step_size_damping=step_size_damping, adapt_damping=adapt_damping,
         )
         self.summary = val.check_bool("summary", summary)
         self.lr = lr
@@ -280,7 +283,8 @@ class KFACCallbackBody(_CallbackBase):
             return self.preconditioner
         pl_module = trainer.lightning_module
         _refuse_uninitialized_lazy_layers(pl_module)
-        if self.options.step_size is not None and not callable(getattr(pl_module, "kfac_loss_parts", None)):
+        if ((self.options.step_size is not None or self.options.adapt_damping)
+                and not callable(getattr(pl_module, "kfac_loss_parts", None))):
             self._loss_parts(pl_module)  # raises, naming what to define: before the first step, not at it
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         self.preconditioner = pre = KFACPreconditioner(
@@ -427,7 +431,8 @@ class KFACCallbackBody(_CallbackBase):
     def _loss_parts(self, pl_module: pl.LightningModule) -> Any:
         fn = getattr(pl_module, "kfac_loss_parts", None)
         if not callable(fn):
-            raise ValueError(f"KFAC(step_size={self.options.step_size!r}) needs the loss as a function of the "
+            raise ValueError(f"KFAC(step_size={self.options.step_size!r}, adapt_damping={self.options.adapt_damping}) "
+                             "needs the loss as a function of the "
                              f"model's outputs, and {type(pl_module).__name__} has no kfac_loss_parts: "
                              + LOSS_PARTS_HELP)
         return fn(self._batch)
@@ -443,6 +448,9 @@ class KFACCallbackBody(_CallbackBase):
             metrics["kfac/alpha"] = pre.step_size.alpha
             metrics["kfac/mu"] = pre.step_size.mu
             metrics["kfac/step_size_damping"] = pre.step_size.last_damping
+            metrics["kfac/rho"] = pre.step_size.rho
+            if pre.step_size.damping is not None:
+                metrics["kfac/damping"] = pre.step_size.damping
         window = self._window
         if self.log_step_time and window.steps:
             maxima = window.maxima()
@@ -588,7 +596,7 @@ def _where(trainer: pl.Trainer) -> str:
 _CHECKED = ("damping", "factor_decay", "kl_clip", "lr", "factor_update_steps", "inv_update_steps", "skip_layers",
             "factor_dtype", "inv_dtype", "factor_approx", "inverse_method", "async_inverses", "grafting",
             "max_factor_side", "memory_limit", "summary", "log_step_time", "trace_step", "trace_dir", "step_size",
-            "step_size_every", "step_size_clip", "step_size_damping")
+            "step_size_every", "step_size_clip", "step_size_damping", "adapt_damping")
 
 
 def _folder(name: str, value: object) -> str:
