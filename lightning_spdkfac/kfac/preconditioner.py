@@ -13,6 +13,11 @@ One optimizer step is: hooks collect factor statistics during forward/backward (
 -> ``step()`` turns them into this step's factors, checks they and the gradients are finite,
 updates the running averages -> (on inverse steps) damped inverses -> preconditioned gradients
 -> KL clip -> written back to ``.grad``. The math is in docs/math.md.
+
+This module holds the state, the hooks and ``step()``; the stages are mixins beside it:
+registration.py (which layers, their hooks), factor_updates.py (statistics -> running factors),
+inverse_steps.py (inverses, async_inverses), preconditioning.py (P, KL clip, write-back),
+guard.py (non-finite values) and checkpoint.py (state_dict / load_state_dict).
 """
 
 from __future__ import annotations
