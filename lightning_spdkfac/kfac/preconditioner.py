@@ -13,16 +13,19 @@ One optimizer step is: hooks collect factor statistics during forward/backward (
 -> ``step()`` turns them into this step's factors, checks they and the gradients are finite,
 updates the running averages -> (on inverse steps) damped inverses -> preconditioned gradients
 -> KL clip -> written back to ``.grad``. The math is in docs/math.md.
+
+This module holds the state, the hooks and ``step()``; the stages are mixins beside it:
+registration.py (which layers, their hooks), factor_updates.py (statistics -> running factors),
+inverse_steps.py (inverses, async_inverses), preconditioning.py (P, KL clip, write-back),
+guard.py (non-finite values) and checkpoint.py (state_dict / load_state_dict).
 """
 
 from __future__ import annotations
 
 import re
-import time
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -30,54 +33,31 @@ from torch import nn
 
 from .. import validation as val
 from ..factor_shapes import describe
-from ..telemetry import StepTimer, capped_threads
+from ..telemetry import StepTimer
 from . import factors
-from .attention import module_layers
 from .checkpoint import STATE_VERSION, CheckpointState
-from .distributor import Distributor, FactorKey, PendingInverses, Task
+from .distributor import Distributor
+from .factor_updates import FactorUpdates
 from .gradients import GradAccess
-from .grafting import DEFAULT_BETA2, DEFAULT_EPS, AdamGraftState, graft
+from .grafting import DEFAULT_BETA2, DEFAULT_EPS, AdamGraftState
 from .guard import NonFiniteGuard
 from .hook_tools import autocast_off, eager, in_backward
-from .inverse import (
-    EIGEN_FALLBACK_ACTION,
-    FALLBACK_ACTION,
-    Fallback,
-    eigen_precondition,
-    pi_split,
-    robust_eigens,
-    robust_inverses,
-)
+from .inverse import robust_inverses  # noqa: F401 (tests/test_ops_usability.py patches this name here)
+from .inverse_steps import InverseSteps, _InFlight
 from .layer_state import KFACLayer
-from .layers import (
-    LayerHelper,
-    linear_and_conv_modules,
-    make_helper,
-    shared_parameter_groups,
-    unsupported_reason,
-)
+from .layers import LayerHelper
 from .options import KFACOptions
-from .param_groups import StepGroups, step_groups
+from .param_groups import StepGroups
+from .preconditioning import Preconditioning
+from .registration import LayerRegistration
 from .step_size import LossParts, QuadraticStepSize
-from .summary import KFACSummary, format_bytes, summarize
+from .summary import KFACSummary, summarize
 
 __all__ = ["STATE_VERSION", "KFACLayer", "KFACPreconditioner"]
 
 
-@dataclass
-class _InFlight:
-    """Asynchronous inversions launched on an inverse step, until the next step() swaps them in."""
-
-    pending: PendingInverses
-    layers: dict[int, KFACLayer]  # by index: the layers being inverted
-    damping: float  # the block damping they were computed with (eigen applies it when preconditioning)
-    # Fallback reports the worker made, replayed on the caller's thread at the swap (warnings and counters
-    # are not touched from the worker).
-    reports: list[Callable[[], None]] = field(default_factory=list)
-    compute_seconds: float = 0.0  # inversion time on the worker (inverse_async)
-
-
-class KFACPreconditioner(NonFiniteGuard, CheckpointState):
+class KFACPreconditioner(LayerRegistration, FactorUpdates, InverseSteps, Preconditioning, NonFiniteGuard,
+                         CheckpointState):
     """K-FAC for the ``nn.Linear``, ``nn.Conv1d/2d/3d``, ``nn.Embedding`` and ``nn.MultiheadAttention`` layers of a
     model (docs/math.md, "Layers and rows"), usable with any optimizer.
 
@@ -215,86 +195,10 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
                                                o.step_size_damping, o.adapt_damping, self._set_damping)
         self._begin_step()
 
-    # ------------------------------------------------------------------ registration
-    def _register(self, model: nn.Module) -> None:
-        seen_types = []
-        candidates: list[tuple[str, nn.Module, LayerHelper]] = []
-        of_type: list[str] = []  # layers skipped for their type: named in one warning
-        for module_name, module in model.named_modules():
-            seen_types.append(type(module).__name__)
-            cls = type(module).__name__
-            refused: list[str] = []  # this module's refused layers (an attention: itself and its out_proj)
-            for name, hooked, helper, reason in module_layers(module_name, module):
-                if name in self.skipped:  # (the out_proj of a refused attention)
-                    continue
-                if helper is None:
-                    assert reason is not None  # module_layers lists a module without a helper with its reason
-                    self._skip(name, hooked, reason)
-                    refused.append(name)
-                    continue
-                if any(p.search(name) or p.search(cls) for p in self.skip_layers):
-                    self._skip(name, hooked, "matched skip_layers")
-                    continue
-                # A layer frozen now is registered too: frozen layers are left alone step by step (trainable()), and
-                # one frozen at setup may be unfrozen later (BackboneFinetuning, a warm-up): it then gets K-FAC like
-                # the others. (Distributed, its factor slots travel, empty, while it is frozen: exclude a layer that
-                # stays frozen for the whole run with skip_layers.)
-                candidates.append((name, hooked, helper))
-            if refused and unsupported_reason(module) is not None:
-                of_type.append(f"{module_name!r} ({cls}: {self.skipped[module_name]})")
-            elif refused:
-                names = ", ".join(repr(n) for n in refused)
-                warnings.warn(f"K-FAC skips layer{'s' if len(refused) > 1 else ''} {names}: "
-                              f"{self.skipped[refused[0]]}", stacklevel=3)
-        if of_type:
-            warnings.warn("K-FAC does not support these layers and leaves them to the optimizer unpreconditioned: "
-                          + "; ".join(of_type), stacklevel=3)
-        for group, why in shared_parameter_groups(model, candidates):
-            if why is not None:
-                names = ", ".join(repr(n) for n, _, _ in group)
-                warnings.warn(f"K-FAC skips layer{'s' if len(group) > 1 else ''} {names}: {why}", stacklevel=3)
-                for name, module, _ in group:
-                    self._skip(name, module, why)
-                continue
-            # One K-FAC block for modules that share all their parameters (one module: the usual case),
-            # named after the first; each module's calls add to its factors with that module's own
-            # geometry, like the calls of one layer called several times per forward.
-            name, _, helper = group[0]
-            reduce = helper.reducible and (
-                self.factor_approx == "reduce" or (self.factor_approx == "auto" and helper.auto_reduce))
-            a_shape, g_shape = helper.factor_shapes(self.options.max_factor_side)
-            layer = KFACLayer(name=name, helper=helper, index=len(self.layers), reduce=reduce, a_shape=a_shape,
-                              g_shape=g_shape)
-            for _, module, module_helper in group:
-                layer.handles.append(module.register_forward_hook(self._make_forward_hook(layer, module_helper)))
-                self._known[id(module)] = (module, None)
-            self.layers[name] = layer
-        if not self.layers:
-            found = ", ".join(sorted(set(seen_types)))
-            detail = "; ".join(f"{n or '<root>'}: {r}" for n, r in self.skipped.items())
-            raise ValueError(
-                "KFACPreconditioner found no supported layer (nn.Linear, nn.Conv1d/2d/3d, nn.MultiheadAttention) in "
-                "model; "
-                f"module types found: {found}" + (f"; skipped: {detail}" if detail else "")
-            )
-
     def summary(self) -> KFACSummary:
         """What K-FAC preconditions and what it leaves to the optimizer, with the layout and the bytes of every
         block (``print(pre.summary())`` shows the table; :mod:`lightning_spdkfac.kfac.summary`)."""
         return summarize(self)
-
-    def _check_memory(self) -> None:
-        """Stop at setup, before any factor is allocated, when the K-FAC memory would exceed ``memory_limit``."""
-        limit = self.options.memory_limit
-        if limit is None:
-            return
-        s = self.summary()
-        if s.total_bytes > int(limit):
-            raise MemoryError(
-                f"K-FAC would need {format_bytes(s.total_bytes)} on this rank, above memory_limit="
-                f"{format_bytes(int(limit))}; nothing was allocated. Raise memory_limit, lower max_factor_side "
-                "(larger sides are then kept diagonal), skip the largest layers with skip_layers, or use "
-                "schedule='dpkfac' (each rank holds its own layers only). The K-FAC summary:\n" + str(s))
 
     def state_bytes(self) -> int:
         """Bytes of K-FAC state this rank holds now: running factors and inverses (eigen payloads) of its layers
@@ -324,39 +228,6 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
         layers = [f"{ly.name}({describe(ly.a_shape)};{describe(ly.g_shape)}{', reduce' if ly.reduce else ''})"
                   for ly in self.layers.values()]
         return ", ".join(f"{k}={v}" for k, v in fields.items()) + "; layers: " + " ".join(layers)
-
-    def _skip(self, name: str, module: nn.Module, reason: str) -> None:
-        self.skipped[name] = reason
-        self._known[id(module)] = (module, reason)
-
-    def _check_layers(self) -> None:
-        """Supported layers that got trainable after registration, or joined the model after it.
-
-        A layer added to the model (or put in place of a registered one: ``model.fc = nn.Linear(...)``) after
-        the preconditioner was built has no hooks, so its gradient would reach the optimizer
-        unpreconditioned while its predecessor keeps its factors: one RuntimeError naming it. Only layers
-        that train count: some parameter requires grad and has a gradient (wherever the gradients are not
-        ``param.grad``, requiring grad is enough). One pass over the model's modules, called on factor steps.
-        """
-        plain_grads = type(self.grad_access) is GradAccess
-        added = []
-        for module in linear_and_conv_modules(self.model):
-            if id(module) in self._known:
-                continue
-            if not any(p.requires_grad and (p.grad is not None or not plain_grads)
-                       for p in module.parameters(recurse=False)):
-                continue
-            if make_helper(module)[0] is not None:
-                added.append(module)
-        if added:
-            names = [n for n, m in self.model.named_modules() if any(m is a for a in added)]
-            raise RuntimeError(
-                f"K-FAC: layer(s) {', '.join(repr(n) for n in names)} joined the model after the KFACPreconditioner "
-                "was built (added, or put in place of a registered layer), so K-FAC has no hooks on them and their "
-                "gradients would reach the optimizer unpreconditioned. Build the preconditioner once the model is "
-                "final (with the KFAC callback: create the layers in the LightningModule's __init__ and do not "
-                "replace them during fit), or freeze these layers if they are not trained"
-            )
 
     def remove_hooks(self) -> None:
         """Detach all hooks from the model (the preconditioner is unusable afterwards).
@@ -527,353 +398,6 @@ class KFACPreconditioner(NonFiniteGuard, CheckpointState):
         if (layer, key) not in self._warned:
             self._warned.add((layer, key))
             warnings.warn(message, stacklevel=3)
-
-    def _collected_layers(self) -> list[KFACLayer]:
-        """The layers whose statistics of this step make a factor update: as many backward as forward
-        calls, over at least one row. A layer that saw only empty inputs (0 rows: an expert no example
-        was routed to, an empty batch) contributes nothing this step, quietly, like a layer that did not
-        run; a call-count mismatch warns once per layer (a key of its own: an empty step hides nothing)."""
-        ready = []
-        for layer in self.layers.values():
-            if layer.a_calls == 0 and layer.g_calls == 0:
-                continue
-            if layer.a_calls == layer.g_calls and layer.rows == 0:
-                continue
-            if layer.a_calls != layer.g_calls:
-                self._warn_once(
-                    layer.name,
-                    "calls",
-                    f"K-FAC layer {layer.name!r}: {layer.a_calls} forward call(s) but {layer.g_calls} "
-                    "backward call(s) in one step (a forward whose output got no gradient?); "
-                    "its factors are not updated on such steps",
-                )
-                continue
-            ready.append(layer)
-        return ready
-
-    def _update_factors(self, k: int) -> None:
-        ready = self._collected_layers()
-        if not ready:
-            return
-        g_scale = self._g_scale()
-        diagonals = [d for layer in ready for d in layer.gram_diagonals()]
-        labels = [(layer, which, False) for layer in ready for which in ("A", "G")]
-        if not self._check_finite(diagonals, labels):
-            return
-        decay = val.resolve("factor_decay", self.factor_decay, k, val.DECAY)
-        for layer in ready:
-            layer.update_factors(decay, g_scale)
-
-    def _update_factors_distributed(self, k: int) -> None:
-        """Step factors averaged over ranks by the distributor, then the running averages."""
-        g_scale = self._g_scale()
-        complete = set(self._collected_layers())
-        local: dict[FactorKey, torch.Tensor | None] = {}
-        for layer in self.layers.values():
-            for which, submitted in layer.submitted.items():
-                now = layer.a_calls if which == "A" else layer.g_calls
-                if now != submitted:
-                    raise RuntimeError(
-                        f"K-FAC layer {layer.name!r}: its {which} factor was sent after {submitted} call(s), "
-                        f"but the step ended after {now}; pipelined factor reduction needs the same number "
-                        "of calls of a layer in every step (turn pipelining off for this model)"
-                    )
-            if "A" not in layer.submitted:
-                local[(layer.index, "A")] = layer.step_a() if layer in complete else None
-            if "G" not in layer.submitted:
-                local[(layer.index, "G")] = layer.step_g(g_scale) if layer in complete else None
-        reduced = self.distributor.reduce_factors(local)
-        with self.timer.phase("factor_update"):
-            self._fold_reduced(reduced, k)
-
-    def _fold_reduced(self, reduced: dict[FactorKey, torch.Tensor | None], k: int) -> None:
-        ready = []
-        for layer in self.layers.values():
-            A, G = reduced[(layer.index, "A")], reduced[(layer.index, "G")]
-            if A is not None and G is not None:
-                ready.append((layer, A, G))
-        if not ready and self._owners is None:
-            return
-        # Reduced factors and DDP-averaged gradients are identical on every rank: so is this test. Under
-        # distributed preconditioning a rank receives its own layers' factors only; the verdict is agreed on
-        # (every rank, every factor step, even one that received nothing), so every rank skips together.
-        diagonals = [factors.trace_sum(m) for _, A, G in ready for m in (A, G)]
-        labels = [(layer, which, True) for layer, _, _ in ready for which in ("A", "G")]
-        agree = self.distributor.agree if self._owners is not None else None  # type: ignore[attr-defined]
-        if not self._check_finite(diagonals, labels, agree) or not ready:
-            return
-        decay = val.resolve("factor_decay", self.factor_decay, k, val.DECAY)
-        for layer, A, G in ready:
-            layer.fold(A, G, decay)
-
-    def _update_inverses(self, k: int) -> None:
-        due = k % self.inv_update_steps == 0
-        todo = [ly for ly in self.layers.values() if ly.A is not None and (due or ly.A_inv is None)]
-        self.last_step_inverted = bool(todo)
-        if not todo:
-            return
-        damping = val.resolve("damping", self.damping, k, val.NONNEGATIVE)
-        if self.distributor.use_async_inverses():
-            # A layer's first inverses are computed now (there is nothing to precondition with yet); the others
-            # are recomputed off this thread while this step preconditions with the ones held.
-            now = [ly for ly in todo if ly.A_inv is None]
-            later = [ly for ly in todo if ly.A_inv is not None]
-            if later:
-                self._launch_inverses(k, damping, later)
-            todo = now
-            if not todo:
-                return
-        by_index = {ly.index: ly for ly in todo}
-        invert = (self._eigen_fn(k, by_index, self._report_now) if self._eigen
-                  else self._cholesky_fn(k, damping, todo, by_index, self._report_now))
-        for ly in todo:
-            ly.inv_damping = damping  # eigen applies it when preconditioning, until the next inverse step
-
-        arrived: set[tuple[int, str]] = set()
-
-        def on_ready(index: int, which: str, inverse: torch.Tensor) -> None:
-            layer = by_index[index]
-            setattr(layer, f"{which}_inv", inverse)
-            arrived.add((index, which))
-            if (index, "A") in arrived and (index, "G") in arrived:
-                # Both inverses are here: precondition this layer now, while others still arrive.
-                with self.timer.phase("precondition"):
-                    self._precondition_layer(layer)
-
-        tasks = [(ly.index, which, getattr(ly, which)) for ly in todo for which in ("A", "G")]
-        self.distributor.invert(tasks, invert, on_ready)
-
-    def _report_now(self, report: Callable[[], None]) -> None:
-        report()
-
-    @contextmanager
-    def _inverse_timing(self, flight: _InFlight | None) -> Iterator[None]:
-        """The inversion phase: on this thread a timer phase (``inverse_compute``); on the worker the thread
-        cap and a plain clock into ``flight`` (the timer belongs to the caller's thread)."""
-        if flight is None:
-            with self.timer.phase("inverse_compute"):
-                yield
-            return
-        with capped_threads(self.timer.thread_cap):
-            t0 = time.perf_counter()
-            try:
-                yield
-            finally:
-                flight.compute_seconds += time.perf_counter() - t0
-
-    def _launch_inverses(self, k: int, damping: float, layers: list[KFACLayer]) -> None:
-        """Start the inversions of ``layers`` on the distributor's worker (async_inverses); see _settle_inverses."""
-        by_index = {ly.index: ly for ly in layers}
-        flight = _InFlight(pending=None, layers=by_index, damping=damping)  # type: ignore[arg-type]
-        invert = (self._eigen_fn(k, by_index, flight.reports.append, flight) if self._eigen
-                  else self._cholesky_fn(k, damping, layers, by_index, flight.reports.append, flight))
-        # The worker reads these factors; they are not modified before the next step() settles it.
-        tasks = [(ly.index, which, getattr(ly, which)) for ly in layers for which in ("A", "G")]
-        flight.pending = self.distributor.invert_async(tasks, invert)
-        self._in_flight = flight
-
-    def _settle_inverses(self, keep: bool = True) -> None:
-        """Swap in the inverses of the asynchronous inversions in flight (waiting for what is not done), or,
-        with ``keep=False``, wait for them and drop them. Their worker's errors are raised here, with ``keep``;
-        either way nothing is left in flight and the inverses held stay consistent (all of one inverse step's
-        layers swapped in, or none)."""
-        flight, self._in_flight = self._in_flight, None
-        if flight is None:
-            return
-        t0 = time.perf_counter()
-        try:
-            results = flight.pending.wait()
-        except BaseException:
-            if keep:
-                raise
-            return
-        finally:
-            self.timer.add("inverse_wait", time.perf_counter() - t0)
-        if not keep:
-            return
-        self.timer.add("inverse_async", flight.compute_seconds)
-        for report in flight.reports:
-            report()
-        for index, which, inverse in results:
-            setattr(flight.layers[index], f"{which}_inv", inverse)
-        for layer in flight.layers.values():
-            layer.inv_damping = flight.damping
-
-    def _cholesky_fn(self, k: int, damping: float, todo: list[KFACLayer], by_index: dict[int, KFACLayer],
-                     report: Callable[[Callable[[], None]], None],
-                     flight: _InFlight | None = None) -> Callable[[list[Task]], list[torch.Tensor]]:
-        """The distributor's ``invert_fn`` for inverse_method="cholesky": damped inverses, pi-balanced split.
-        ``report`` takes each fallback report (run now, or kept for the swap of ``flight``'s inverses)."""
-        split = self._factor_dampings(todo, damping)  # (on this thread: the factors are read before any launch)
-
-        def invert(tasks: list[Task]) -> list[torch.Tensor]:
-            dampings = [split[(index, which)] for index, which, _ in tasks]
-            with self._inverse_timing(flight):
-                inverses, fallbacks = robust_inverses([t[2] for t in tasks], dampings, self.inv_dtype)
-            if fallbacks:
-                report(lambda: self._report_fallbacks(fallbacks, tasks, by_index, "inverse", lambda fb, which: (
-                    f"Cholesky of the damped {which} factor failed at step {k} (damping {damping:g}, "
-                    f"{float(dampings[fb.index]):.3g} on this factor): {fb.reason}; "
-                    + FALLBACK_ACTION[fb.level].format(damping=fb.damping))))
-            return inverses
-
-        return invert
-
-    def _eigen_fn(self, k: int, by_index: dict[int, KFACLayer], report: Callable[[Callable[[], None]], None],
-                  flight: _InFlight | None = None) -> Callable[[list[Task]], list[torch.Tensor]]:
-        """The distributor's ``invert_fn`` for inverse_method="eigen": eigen payloads (kfac/inverse.py)."""
-
-        def invert(tasks: list[Task]) -> list[torch.Tensor]:
-            with self._inverse_timing(flight):
-                payloads, fallbacks = robust_eigens([t[2] for t in tasks], self.inv_dtype)
-            if fallbacks:
-                report(lambda: self._report_fallbacks(fallbacks, tasks, by_index, "eigen", lambda fb, which: (
-                    f"the eigendecomposition of the {which} factor failed at step {k} (inv_dtype "
-                    f"{self.inv_dtype}): {fb.reason}; " + EIGEN_FALLBACK_ACTION[fb.level])))
-            return payloads
-
-        return invert
-
-    def _report_fallbacks(self, fallbacks: list[Fallback], tasks: list[Task], by_index: dict[int, KFACLayer],
-                          kind: str, describe: Callable[[Fallback, str], str]) -> None:
-        """Count the inversions that fell back and warn once per layer and level (kfac/inverse.py)."""
-        self.inverse_fallbacks += len(fallbacks)
-        for fb in fallbacks:
-            index, which, _ = tasks[fb.index]
-            name = by_index[index].name
-            self._warn_once(name, f"{kind}-{fb.level}", f"K-FAC layer {name!r}: " + describe(fb, which))
-
-    @staticmethod
-    def _factor_dampings(layers: list[KFACLayer], damping: float) -> dict[tuple[int, str], torch.Tensor]:
-        """(layer index, "A"/"G") -> the damping added to that factor: the pi-balanced split of ``damping``.
-
-        Every rank holds the same reduced factors, so every rank computes the same split; no host sync.
-        """
-        out: dict[tuple[int, str], torch.Tensor] = {}
-        for ly in layers:
-            assert ly.A is not None and ly.G is not None  # set together
-            out[(ly.index, "A")], out[(ly.index, "G")] = pi_split(ly.A, ly.G, damping)
-        return out
-
-    def _precondition_layer(self, layer: KFACLayer) -> None:
-        """P = G_inv [dW, db] A_inv (or its eigen form) for one layer, kept until the KL clip of the step is known."""
-        # Not whether this rank ran the layer, which is local (data-dependent control flow): the gradient,
-        # the inverses and the optimizer's groups are the same on every rank; deciding on them keeps every
-        # rank preconditioning the same layers, and the KL clip the same sum.
-        if layer.index in self._preconditioned or layer.A_inv is None or not self._grads_finite:
-            return
-        g = self._step_grad(layer)
-        if g is None:
-            return
-        assert layer.G_inv is not None  # the inverses are set together (both arrive before this is called)
-        # The last dim: n for an n x n inverse, an (n+1) x n eigen payload and a diagonal one alike.
-        if layer.A_inv.shape[-1] != g.shape[-1] or layer.G_inv.shape[-1] != g.shape[-2]:
-            return  # the layer changed shape since its factors were taken
-        gi = g.to(self.inv_dtype)
-        if self._eigen:
-            assert layer.inv_damping is not None  # set with the payloads
-            p = eigen_precondition(gi, layer.A_inv, layer.G_inv, layer.inv_damping)
-        else:
-            p = factors.apply_inverses(layer.G_inv, gi, layer.A_inv)
-        self._preconditioned[layer.index] = (layer, p, gi)
-        if self._owners is not None:  # its broadcast starts now, while the next layer is worked on
-            self.distributor.offer(layer.index, p)  # type: ignore[attr-defined]
-
-    def _step_grad(self, layer: KFACLayer) -> torch.Tensor | None:
-        """The layer's gradient matrix if this step may precondition it, else None; decided on what every rank
-        sees alike (the optimizer's groups, requires_grad, the reduced gradient)."""
-        if self._stepping is not None and layer.index not in self._stepping:
-            return None  # another optimizer (or none) steps this layer
-        if not layer.trainable():  # frozen after its forward: its (stale or absent) gradient is left as is
-            return None
-        return layer.helper.grad_matrix(self._grads)
-
-    def _begin_share(self) -> None:
-        """Distributed preconditioning: name the layers whose P this step exchanges (those _step_grad admits, so
-        every P an owner computes is in the round), keeping their gradients for _gather_preconditioned."""
-        self._shared_grads = {}
-        for layer in self.layers.values():
-            g = self._step_grad(layer)
-            if g is not None:
-                self._shared_grads[layer.index] = (layer, g)
-        self.distributor.begin_share(list(self._shared_grads))  # type: ignore[attr-defined]
-
-    def _gather_preconditioned(self) -> None:
-        """Distributed preconditioning: every exchanged layer's P from its owner (the owner's own tensor here)."""
-        shared = self.distributor.finish_share()  # type: ignore[attr-defined]
-        for index, p in shared.items():
-            if p is not None and index not in self._preconditioned:
-                layer, g = self._shared_grads[index]
-                self._preconditioned[index] = (layer, p, g.to(self.inv_dtype))
-        self._shared_grads = {}
-
-    def _precondition(self, k: int) -> None:
-        for layer in self.layers.values():
-            self._precondition_layer(layer)
-        if self._owners is not None:
-            self._gather_preconditioned()
-        done, self._preconditioned = self._preconditioned, {}
-        if not done:
-            return
-        # Layer order, not arrival order: the KL sum must add up in the same order on every rank
-        # (arrival order depends on which inverses a rank owns), or the replicas drift apart.
-        todo, precs, grads = zip(*(done[i] for i in sorted(done)))
-        if self.options.grafting is not None:
-            states = ([self._graft_states.setdefault(ly.index, AdamGraftState()) for ly in todo]
-                      if self.options.grafting == "adam" else None)
-            beta2, eps = self._graft_hparams
-            precs = tuple(graft(self.options.grafting, precs, grads, states, beta2, eps))
-        scale = None
-        if self.kl_clip is not None:
-            scale = self._kl_scale(k, todo, precs, grads)
-        for layer, p in zip(todo, precs):
-            layer.helper.write_grad(p, scale, self._grads)
-
-    def _kl_scale(self, k: int, layers: tuple[KFACLayer, ...], precs: tuple[torch.Tensor, ...],
-                  grads: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        """nu = min(1, sqrt(kl_clip / sum_l lr_l^2 p_l.g_l)), each layer at its own learning rate; no host sync.
-
-        In float64: an extreme learning rate (1e20) squared overflows float32 to inf, which would
-        clip the update to zero instead of bounding it.
-        """
-        assert self.kl_clip is not None  # (called only with the clip on)
-        kl_clip = val.resolve("kl_clip", self.kl_clip, k, val.POSITIVE)
-        dots = torch.stack([torch.vdot(p.flatten(), g.flatten()) for p, g in zip(precs, grads)]).double()
-        # Gradients still carrying a loss scale S give S^2 times the true p.g.
-        unscale = 1.0 / self.grad_access.loss_scale() ** 2
-        if self.lr is not None or self._stepping is None:
-            assert self.lr is not None  # step() refused a step with neither
-            lr = val.resolve("lr", self.lr, k, val.NONNEGATIVE)
-            vg = dots.sum().abs() * (lr * lr * unscale)
-        else:
-            lrs = self._stepping
-            weights = torch.tensor([lrs[ly.index] ** 2 * unscale for ly in layers], dtype=torch.float64,
-                                   device=dots.device)
-            vg = (dots * weights).sum().abs()
-        # vg == 0 (lr 0, zero gradients) gives inf -> 1.
-        return torch.sqrt(kl_clip / vg).clamp(max=1.0).to(precs[0].dtype)
-
-    def _select(self, optimizer: torch.optim.Optimizer | None) -> None:
-        """Which layers this step preconditions, at which learning rates (``_stepping``)."""
-        if optimizer is None:
-            if self.kl_clip is not None and self.lr is None:
-                raise ValueError(
-                    "KFACPreconditioner: the KL clip needs the learning rate of each step; call "
-                    "step(optimizer) with the optimizer about to step (each layer then uses its param group's "
-                    "lr), or pass lr= (a number or a callable of the step), or kl_clip=None")
-            self._stepping = None
-            self._graft_hparams = (DEFAULT_BETA2, DEFAULT_EPS)
-            return
-        if self.options.grafting == "adam":  # Adam's beta2 and eps, when the optimizer has them
-            group0 = optimizer.param_groups[0] if getattr(optimizer, "param_groups", None) else {}
-            betas, eps = group0.get("betas"), group0.get("eps")
-            self._graft_hparams = ((float(betas[1]), float(eps)) if isinstance(betas, (tuple, list)) and eps is not None
-                                   else (DEFAULT_BETA2, DEFAULT_EPS))
-        groups = self._step_groups.get(id(optimizer))
-        if groups is None or not groups.current(optimizer):
-            layers = [(ly.index, ly.name, ly.helper.params()) for ly in self.layers.values()]
-            groups = self._step_groups[id(optimizer)] = step_groups(optimizer, layers)
-        self._stepping = groups.lrs()
 
     def _prepare_step_size(self, optimizer: torch.optim.Optimizer | None, loss_parts: LossParts | None) -> None:
         assert self.step_size is not None

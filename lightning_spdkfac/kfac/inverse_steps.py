@@ -1,0 +1,213 @@
+"""The inverse steps of the preconditioner: damped inverses (Cholesky) or eigen payloads of the running
+factors, every ``inv_update_steps`` (and a layer's first), on this thread or asynchronously (``async_inverses``:
+launched by one step, swapped in at the start of the next), with the fallbacks counted and reported.
+
+:class:`InverseSteps` is a part of :class:`~lightning_spdkfac.kfac.KFACPreconditioner`; the math is in
+kfac/inverse.py and docs/math.md.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from .. import validation as val
+from ..telemetry import StepTimer, capped_threads
+from .distributor import Distributor, PendingInverses, Task
+from .inverse import (
+    EIGEN_FALLBACK_ACTION,
+    FALLBACK_ACTION,
+    Fallback,
+    pi_split,
+    robust_eigens,
+    robust_inverses,
+)
+from .layer_state import KFACLayer
+
+
+@dataclass
+class _InFlight:
+    """Asynchronous inversions launched on an inverse step, until the next step() swaps them in."""
+
+    pending: PendingInverses
+    layers: dict[int, KFACLayer]  # by index: the layers being inverted
+    damping: float  # the block damping they were computed with (eigen applies it when preconditioning)
+    # Fallback reports the worker made, replayed on the caller's thread at the swap (warnings and counters
+    # are not touched from the worker).
+    reports: list[Callable[[], None]] = field(default_factory=list)
+    compute_seconds: float = 0.0  # inversion time on the worker (inverse_async)
+
+
+class InverseSteps:
+    """``_update_inverses`` / ``_settle_inverses`` of the preconditioner (a mixin: the attributes are its)."""
+
+    layers: dict[str, KFACLayer]
+    damping: val.HParam
+    inv_update_steps: int
+    inv_dtype: torch.dtype
+    distributor: Distributor
+    timer: StepTimer
+    inverse_fallbacks: int
+    last_step_inverted: bool
+    _eigen: bool
+    _in_flight: _InFlight | None
+
+    if TYPE_CHECKING:  # the preconditioner's (declared for the type checker only: nothing here at run time)
+
+        def _warn_once(self, layer: str, key: str, message: str) -> None: ...
+
+        def _precondition_layer(self, layer: KFACLayer) -> None: ...
+
+    def _update_inverses(self, k: int) -> None:
+        due = k % self.inv_update_steps == 0
+        todo = [ly for ly in self.layers.values() if ly.A is not None and (due or ly.A_inv is None)]
+        self.last_step_inverted = bool(todo)
+        if not todo:
+            return
+        damping = val.resolve("damping", self.damping, k, val.NONNEGATIVE)
+        if self.distributor.use_async_inverses():
+            # A layer's first inverses are computed now (there is nothing to precondition with yet); the others
+            # are recomputed off this thread while this step preconditions with the ones held.
+            now = [ly for ly in todo if ly.A_inv is None]
+            later = [ly for ly in todo if ly.A_inv is not None]
+            if later:
+                self._launch_inverses(k, damping, later)
+            todo = now
+            if not todo:
+                return
+        by_index = {ly.index: ly for ly in todo}
+        invert = (self._eigen_fn(k, by_index, self._report_now) if self._eigen
+                  else self._cholesky_fn(k, damping, todo, by_index, self._report_now))
+        for ly in todo:
+            ly.inv_damping = damping  # eigen applies it when preconditioning, until the next inverse step
+
+        arrived: set[tuple[int, str]] = set()
+
+        def on_ready(index: int, which: str, inverse: torch.Tensor) -> None:
+            layer = by_index[index]
+            setattr(layer, f"{which}_inv", inverse)
+            arrived.add((index, which))
+            if (index, "A") in arrived and (index, "G") in arrived:
+                # Both inverses are here: precondition this layer now, while others still arrive.
+                with self.timer.phase("precondition"):
+                    self._precondition_layer(layer)
+
+        tasks = [(ly.index, which, getattr(ly, which)) for ly in todo for which in ("A", "G")]
+        self.distributor.invert(tasks, invert, on_ready)
+
+    def _report_now(self, report: Callable[[], None]) -> None:
+        report()
+
+    @contextmanager
+    def _inverse_timing(self, flight: _InFlight | None) -> Iterator[None]:
+        """The inversion phase: on this thread a timer phase (``inverse_compute``); on the worker the thread
+        cap and a plain clock into ``flight`` (the timer belongs to the caller's thread)."""
+        if flight is None:
+            with self.timer.phase("inverse_compute"):
+                yield
+            return
+        with capped_threads(self.timer.thread_cap):
+            t0 = time.perf_counter()
+            try:
+                yield
+            finally:
+                flight.compute_seconds += time.perf_counter() - t0
+
+    def _launch_inverses(self, k: int, damping: float, layers: list[KFACLayer]) -> None:
+        """Start the inversions of ``layers`` on the distributor's worker (async_inverses); see _settle_inverses."""
+        by_index = {ly.index: ly for ly in layers}
+        flight = _InFlight(pending=None, layers=by_index, damping=damping)  # type: ignore[arg-type]
+        invert = (self._eigen_fn(k, by_index, flight.reports.append, flight) if self._eigen
+                  else self._cholesky_fn(k, damping, layers, by_index, flight.reports.append, flight))
+        # The worker reads these factors; they are not modified before the next step() settles it.
+        tasks = [(ly.index, which, getattr(ly, which)) for ly in layers for which in ("A", "G")]
+        flight.pending = self.distributor.invert_async(tasks, invert)
+        self._in_flight = flight
+
+    def _settle_inverses(self, keep: bool = True) -> None:
+        """Swap in the inverses of the asynchronous inversions in flight (waiting for what is not done), or,
+        with ``keep=False``, wait for them and drop them. Their worker's errors are raised here, with ``keep``;
+        either way nothing is left in flight and the inverses held stay consistent (all of one inverse step's
+        layers swapped in, or none)."""
+        flight, self._in_flight = self._in_flight, None
+        if flight is None:
+            return
+        t0 = time.perf_counter()
+        try:
+            results = flight.pending.wait()
+        except BaseException:
+            if keep:
+                raise
+            return
+        finally:
+            self.timer.add("inverse_wait", time.perf_counter() - t0)
+        if not keep:
+            return
+        self.timer.add("inverse_async", flight.compute_seconds)
+        for report in flight.reports:
+            report()
+        for index, which, inverse in results:
+            setattr(flight.layers[index], f"{which}_inv", inverse)
+        for layer in flight.layers.values():
+            layer.inv_damping = flight.damping
+
+    def _cholesky_fn(self, k: int, damping: float, todo: list[KFACLayer], by_index: dict[int, KFACLayer],
+                     report: Callable[[Callable[[], None]], None],
+                     flight: _InFlight | None = None) -> Callable[[list[Task]], list[torch.Tensor]]:
+        """The distributor's ``invert_fn`` for inverse_method="cholesky": damped inverses, pi-balanced split.
+        ``report`` takes each fallback report (run now, or kept for the swap of ``flight``'s inverses)."""
+        split = self._factor_dampings(todo, damping)  # (on this thread: the factors are read before any launch)
+
+        def invert(tasks: list[Task]) -> list[torch.Tensor]:
+            dampings = [split[(index, which)] for index, which, _ in tasks]
+            with self._inverse_timing(flight):
+                inverses, fallbacks = robust_inverses([t[2] for t in tasks], dampings, self.inv_dtype)
+            if fallbacks:
+                report(lambda: self._report_fallbacks(fallbacks, tasks, by_index, "inverse", lambda fb, which: (
+                    f"Cholesky of the damped {which} factor failed at step {k} (damping {damping:g}, "
+                    f"{float(dampings[fb.index]):.3g} on this factor): {fb.reason}; "
+                    + FALLBACK_ACTION[fb.level].format(damping=fb.damping))))
+            return inverses
+
+        return invert
+
+    def _eigen_fn(self, k: int, by_index: dict[int, KFACLayer], report: Callable[[Callable[[], None]], None],
+                  flight: _InFlight | None = None) -> Callable[[list[Task]], list[torch.Tensor]]:
+        """The distributor's ``invert_fn`` for inverse_method="eigen": eigen payloads (kfac/inverse.py)."""
+
+        def invert(tasks: list[Task]) -> list[torch.Tensor]:
+            with self._inverse_timing(flight):
+                payloads, fallbacks = robust_eigens([t[2] for t in tasks], self.inv_dtype)
+            if fallbacks:
+                report(lambda: self._report_fallbacks(fallbacks, tasks, by_index, "eigen", lambda fb, which: (
+                    f"the eigendecomposition of the {which} factor failed at step {k} (inv_dtype "
+                    f"{self.inv_dtype}): {fb.reason}; " + EIGEN_FALLBACK_ACTION[fb.level])))
+            return payloads
+
+        return invert
+
+    def _report_fallbacks(self, fallbacks: list[Fallback], tasks: list[Task], by_index: dict[int, KFACLayer],
+                          kind: str, describe: Callable[[Fallback, str], str]) -> None:
+        """Count the inversions that fell back and warn once per layer and level (kfac/inverse.py)."""
+        self.inverse_fallbacks += len(fallbacks)
+        for fb in fallbacks:
+            index, which, _ = tasks[fb.index]
+            name = by_index[index].name
+            self._warn_once(name, f"{kind}-{fb.level}", f"K-FAC layer {name!r}: " + describe(fb, which))
+
+    @staticmethod
+    def _factor_dampings(layers: list[KFACLayer], damping: float) -> dict[tuple[int, str], torch.Tensor]:
+        """(layer index, "A"/"G") -> the damping added to that factor: the pi-balanced split of ``damping``.
+
+        Every rank holds the same reduced factors, so every rank computes the same split; no host sync.
+        """
+        out: dict[tuple[int, str], torch.Tensor] = {}
+        for ly in layers:
+            assert ly.A is not None and ly.G is not None  # set together
+            out[(ly.index, "A")], out[(ly.index, "G")] = pi_split(ly.A, ly.G, damping)
+        return out

@@ -1,0 +1,164 @@
+"""Preconditioning of a step: P = G_inv [dW, db] A_inv per layer (or its eigen form), exchanged from each
+layer's owner under distributed preconditioning, grafted, KL-clipped and written back to the gradients, for the
+layers the stepping optimizer holds.
+
+:class:`Preconditioning` is a part of :class:`~lightning_spdkfac.kfac.KFACPreconditioner`; the math is in
+docs/math.md.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .. import validation as val
+from . import factors
+from .distributor import Distributor
+from .gradients import GradAccess
+from .grafting import DEFAULT_BETA2, DEFAULT_EPS, AdamGraftState, graft
+from .inverse import eigen_precondition
+from .layer_state import KFACLayer
+from .options import KFACOptions
+from .param_groups import StepGroups, step_groups
+
+
+class Preconditioning:
+    """``_precondition`` / ``_select`` of the preconditioner (a mixin: the attributes are its)."""
+
+    layers: dict[str, KFACLayer]
+    options: KFACOptions
+    kl_clip: val.HParam | None
+    lr: val.HParam | None
+    inv_dtype: torch.dtype
+    distributor: Distributor
+    grad_access: GradAccess
+    _eigen: bool
+    _owners: tuple[int, ...] | None
+    _grads: dict[nn.Parameter, torch.Tensor | None]
+    _grads_finite: bool
+    _preconditioned: dict[int, tuple[KFACLayer, torch.Tensor, torch.Tensor]]
+    _shared_grads: dict[int, tuple[KFACLayer, torch.Tensor]]
+    _stepping: dict[int, float] | None
+    _step_groups: dict[int, StepGroups]
+    _graft_states: dict[int, AdamGraftState]
+    _graft_hparams: tuple[float, float]
+
+    def _precondition_layer(self, layer: KFACLayer) -> None:
+        """P = G_inv [dW, db] A_inv (or its eigen form) for one layer, kept until the KL clip of the step is known."""
+        # Not whether this rank ran the layer, which is local (data-dependent control flow): the gradient,
+        # the inverses and the optimizer's groups are the same on every rank; deciding on them keeps every
+        # rank preconditioning the same layers, and the KL clip the same sum.
+        if layer.index in self._preconditioned or layer.A_inv is None or not self._grads_finite:
+            return
+        g = self._step_grad(layer)
+        if g is None:
+            return
+        assert layer.G_inv is not None  # the inverses are set together (both arrive before this is called)
+        # The last dim: n for an n x n inverse, an (n+1) x n eigen payload and a diagonal one alike.
+        if layer.A_inv.shape[-1] != g.shape[-1] or layer.G_inv.shape[-1] != g.shape[-2]:
+            return  # the layer changed shape since its factors were taken
+        gi = g.to(self.inv_dtype)
+        if self._eigen:
+            assert layer.inv_damping is not None  # set with the payloads
+            p = eigen_precondition(gi, layer.A_inv, layer.G_inv, layer.inv_damping)
+        else:
+            p = factors.apply_inverses(layer.G_inv, gi, layer.A_inv)
+        self._preconditioned[layer.index] = (layer, p, gi)
+        if self._owners is not None:  # its broadcast starts now, while the next layer is worked on
+            self.distributor.offer(layer.index, p)  # type: ignore[attr-defined]
+
+    def _step_grad(self, layer: KFACLayer) -> torch.Tensor | None:
+        """The layer's gradient matrix if this step may precondition it, else None; decided on what every rank
+        sees alike (the optimizer's groups, requires_grad, the reduced gradient)."""
+        if self._stepping is not None and layer.index not in self._stepping:
+            return None  # another optimizer (or none) steps this layer
+        if not layer.trainable():  # frozen after its forward: its (stale or absent) gradient is left as is
+            return None
+        return layer.helper.grad_matrix(self._grads)
+
+    def _begin_share(self) -> None:
+        """Distributed preconditioning: name the layers whose P this step exchanges (those _step_grad admits, so
+        every P an owner computes is in the round), keeping their gradients for _gather_preconditioned."""
+        self._shared_grads = {}
+        for layer in self.layers.values():
+            g = self._step_grad(layer)
+            if g is not None:
+                self._shared_grads[layer.index] = (layer, g)
+        self.distributor.begin_share(list(self._shared_grads))  # type: ignore[attr-defined]
+
+    def _gather_preconditioned(self) -> None:
+        """Distributed preconditioning: every exchanged layer's P from its owner (the owner's own tensor here)."""
+        shared = self.distributor.finish_share()  # type: ignore[attr-defined]
+        for index, p in shared.items():
+            if p is not None and index not in self._preconditioned:
+                layer, g = self._shared_grads[index]
+                self._preconditioned[index] = (layer, p, g.to(self.inv_dtype))
+        self._shared_grads = {}
+
+    def _precondition(self, k: int) -> None:
+        for layer in self.layers.values():
+            self._precondition_layer(layer)
+        if self._owners is not None:
+            self._gather_preconditioned()
+        done, self._preconditioned = self._preconditioned, {}
+        if not done:
+            return
+        # Layer order, not arrival order: the KL sum must add up in the same order on every rank
+        # (arrival order depends on which inverses a rank owns), or the replicas drift apart.
+        todo, precs, grads = zip(*(done[i] for i in sorted(done)))
+        if self.options.grafting is not None:
+            states = ([self._graft_states.setdefault(ly.index, AdamGraftState()) for ly in todo]
+                      if self.options.grafting == "adam" else None)
+            beta2, eps = self._graft_hparams
+            precs = tuple(graft(self.options.grafting, precs, grads, states, beta2, eps))
+        scale = None
+        if self.kl_clip is not None:
+            scale = self._kl_scale(k, todo, precs, grads)
+        for layer, p in zip(todo, precs):
+            layer.helper.write_grad(p, scale, self._grads)
+
+    def _kl_scale(self, k: int, layers: tuple[KFACLayer, ...], precs: tuple[torch.Tensor, ...],
+                  grads: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """nu = min(1, sqrt(kl_clip / sum_l lr_l^2 p_l.g_l)), each layer at its own learning rate; no host sync.
+
+        In float64: an extreme learning rate (1e20) squared overflows float32 to inf, which would
+        clip the update to zero instead of bounding it.
+        """
+        assert self.kl_clip is not None  # (called only with the clip on)
+        kl_clip = val.resolve("kl_clip", self.kl_clip, k, val.POSITIVE)
+        dots = torch.stack([torch.vdot(p.flatten(), g.flatten()) for p, g in zip(precs, grads)]).double()
+        # Gradients still carrying a loss scale S give S^2 times the true p.g.
+        unscale = 1.0 / self.grad_access.loss_scale() ** 2
+        if self.lr is not None or self._stepping is None:
+            assert self.lr is not None  # step() refused a step with neither
+            lr = val.resolve("lr", self.lr, k, val.NONNEGATIVE)
+            vg = dots.sum().abs() * (lr * lr * unscale)
+        else:
+            lrs = self._stepping
+            weights = torch.tensor([lrs[ly.index] ** 2 * unscale for ly in layers], dtype=torch.float64,
+                                   device=dots.device)
+            vg = (dots * weights).sum().abs()
+        # vg == 0 (lr 0, zero gradients) gives inf -> 1.
+        return torch.sqrt(kl_clip / vg).clamp(max=1.0).to(precs[0].dtype)
+
+    def _select(self, optimizer: torch.optim.Optimizer | None) -> None:
+        """Which layers this step preconditions, at which learning rates (``_stepping``)."""
+        if optimizer is None:
+            if self.kl_clip is not None and self.lr is None:
+                raise ValueError(
+                    "KFACPreconditioner: the KL clip needs the learning rate of each step; call "
+                    "step(optimizer) with the optimizer about to step (each layer then uses its param group's "
+                    "lr), or pass lr= (a number or a callable of the step), or kl_clip=None")
+            self._stepping = None
+            self._graft_hparams = (DEFAULT_BETA2, DEFAULT_EPS)
+            return
+        if self.options.grafting == "adam":  # Adam's beta2 and eps, when the optimizer has them
+            group0 = optimizer.param_groups[0] if getattr(optimizer, "param_groups", None) else {}
+            betas, eps = group0.get("betas"), group0.get("eps")
+            self._graft_hparams = ((float(betas[1]), float(eps)) if isinstance(betas, (tuple, list)) and eps is not None
+                                   else (DEFAULT_BETA2, DEFAULT_EPS))
+        groups = self._step_groups.get(id(optimizer))
+        if groups is None or not groups.current(optimizer):
+            layers = [(ly.index, ly.name, ly.helper.params()) for ly in self.layers.values()]
+            groups = self._step_groups[id(optimizer)] = step_groups(optimizer, layers)
+        self._stepping = groups.lrs()

@@ -1,0 +1,158 @@
+"""Layer registration of the preconditioner: which modules get K-FAC, and the checks that keep it so.
+
+:class:`LayerRegistration` is a part of :class:`~lightning_spdkfac.kfac.KFACPreconditioner`: at setup it walks the
+model, skips (and warns about) the layers K-FAC cannot or must not take, gives every registered layer its
+:class:`~lightning_spdkfac.kfac.layer_state.KFACLayer` and forward hooks, and stops when the K-FAC memory would
+exceed ``memory_limit``; on factor steps it refuses a trainable layer that joined the model after setup.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from ..vocabulary import FactorApproxName
+from .attention import module_layers
+from .gradients import GradAccess
+from .layer_state import KFACLayer
+from .layers import (
+    LayerHelper,
+    linear_and_conv_modules,
+    make_helper,
+    shared_parameter_groups,
+    unsupported_reason,
+)
+from .options import KFACOptions
+from .summary import KFACSummary, format_bytes
+
+
+class LayerRegistration:
+    """``_register`` / ``_check_layers`` of the preconditioner (a mixin: the attributes are its)."""
+
+    model: nn.Module
+    options: KFACOptions
+    skip_layers: tuple[re.Pattern[str], ...]
+    factor_approx: FactorApproxName
+    grad_access: GradAccess
+    layers: dict[str, KFACLayer]
+    skipped: dict[str, str]
+    _known: dict[int, tuple[nn.Module, str | None]]
+
+    if TYPE_CHECKING:  # the preconditioner's (declared for the type checker only: nothing here at run time)
+
+        def _make_forward_hook(self, layer: KFACLayer,
+                               helper: LayerHelper) -> Callable[[nn.Module, tuple[Any, ...], Any], None]: ...
+
+        def summary(self) -> KFACSummary: ...
+
+    def _register(self, model: nn.Module) -> None:
+        seen_types = []
+        candidates: list[tuple[str, nn.Module, LayerHelper]] = []
+        of_type: list[str] = []  # layers skipped for their type: named in one warning
+        for module_name, module in model.named_modules():
+            seen_types.append(type(module).__name__)
+            cls = type(module).__name__
+            refused: list[str] = []  # this module's refused layers (an attention: itself and its out_proj)
+            for name, hooked, helper, reason in module_layers(module_name, module):
+                if name in self.skipped:  # (the out_proj of a refused attention)
+                    continue
+                if helper is None:
+                    assert reason is not None  # module_layers lists a module without a helper with its reason
+                    self._skip(name, hooked, reason)
+                    refused.append(name)
+                    continue
+                if any(p.search(name) or p.search(cls) for p in self.skip_layers):
+                    self._skip(name, hooked, "matched skip_layers")
+                    continue
+                # A layer frozen now is registered too: frozen layers are left alone step by step (trainable()), and
+                # one frozen at setup may be unfrozen later (BackboneFinetuning, a warm-up): it then gets K-FAC like
+                # the others. (Distributed, its factor slots travel, empty, while it is frozen: exclude a layer that
+                # stays frozen for the whole run with skip_layers.)
+                candidates.append((name, hooked, helper))
+            if refused and unsupported_reason(module) is not None:
+                of_type.append(f"{module_name!r} ({cls}: {self.skipped[module_name]})")
+            elif refused:
+                names = ", ".join(repr(n) for n in refused)
+                warnings.warn(f"K-FAC skips layer{'s' if len(refused) > 1 else ''} {names}: "
+                              f"{self.skipped[refused[0]]}", stacklevel=3)
+        if of_type:
+            warnings.warn("K-FAC does not support these layers and leaves them to the optimizer unpreconditioned: "
+                          + "; ".join(of_type), stacklevel=3)
+        for group, why in shared_parameter_groups(model, candidates):
+            if why is not None:
+                names = ", ".join(repr(n) for n, _, _ in group)
+                warnings.warn(f"K-FAC skips layer{'s' if len(group) > 1 else ''} {names}: {why}", stacklevel=3)
+                for name, module, _ in group:
+                    self._skip(name, module, why)
+                continue
+            # One K-FAC block for modules that share all their parameters (one module: the usual case),
+            # named after the first; each module's calls add to its factors with that module's own
+            # geometry, like the calls of one layer called several times per forward.
+            name, _, helper = group[0]
+            reduce = helper.reducible and (
+                self.factor_approx == "reduce" or (self.factor_approx == "auto" and helper.auto_reduce))
+            a_shape, g_shape = helper.factor_shapes(self.options.max_factor_side)
+            layer = KFACLayer(name=name, helper=helper, index=len(self.layers), reduce=reduce, a_shape=a_shape,
+                              g_shape=g_shape)
+            for _, module, module_helper in group:
+                layer.handles.append(module.register_forward_hook(self._make_forward_hook(layer, module_helper)))
+                self._known[id(module)] = (module, None)
+            self.layers[name] = layer
+        if not self.layers:
+            found = ", ".join(sorted(set(seen_types)))
+            detail = "; ".join(f"{n or '<root>'}: {r}" for n, r in self.skipped.items())
+            raise ValueError(
+                "KFACPreconditioner found no supported layer (nn.Linear, nn.Conv1d/2d/3d, nn.MultiheadAttention) in "
+                "model; "
+                f"module types found: {found}" + (f"; skipped: {detail}" if detail else "")
+            )
+
+    def _check_memory(self) -> None:
+        """Stop at setup, before any factor is allocated, when the K-FAC memory would exceed ``memory_limit``."""
+        limit = self.options.memory_limit
+        if limit is None:
+            return
+        s = self.summary()
+        if s.total_bytes > int(limit):
+            raise MemoryError(
+                f"K-FAC would need {format_bytes(s.total_bytes)} on this rank, above memory_limit="
+                f"{format_bytes(int(limit))}; nothing was allocated. Raise memory_limit, lower max_factor_side "
+                "(larger sides are then kept diagonal), skip the largest layers with skip_layers, or use "
+                "schedule='dpkfac' (each rank holds its own layers only). The K-FAC summary:\n" + str(s))
+
+    def _skip(self, name: str, module: nn.Module, reason: str) -> None:
+        self.skipped[name] = reason
+        self._known[id(module)] = (module, reason)
+
+    def _check_layers(self) -> None:
+        """Supported layers that got trainable after registration, or joined the model after it.
+
+        A layer added to the model (or put in place of a registered one: ``model.fc = nn.Linear(...)``) after
+        the preconditioner was built has no hooks, so its gradient would reach the optimizer
+        unpreconditioned while its predecessor keeps its factors: one RuntimeError naming it. Only layers
+        that train count: some parameter requires grad and has a gradient (wherever the gradients are not
+        ``param.grad``, requiring grad is enough). One pass over the model's modules, called on factor steps.
+        """
+        plain_grads = type(self.grad_access) is GradAccess
+        added = []
+        for module in linear_and_conv_modules(self.model):
+            if id(module) in self._known:
+                continue
+            if not any(p.requires_grad and (p.grad is not None or not plain_grads)
+                       for p in module.parameters(recurse=False)):
+                continue
+            if make_helper(module)[0] is not None:
+                added.append(module)
+        if added:
+            names = [n for n, m in self.model.named_modules() if any(m is a for a in added)]
+            raise RuntimeError(
+                f"K-FAC: layer(s) {', '.join(repr(n) for n in names)} joined the model after the KFACPreconditioner "
+                "was built (added, or put in place of a registered layer), so K-FAC has no hooks on them and their "
+                "gradients would reach the optimizer unpreconditioned. Build the preconditioner once the model is "
+                "final (with the KFAC callback: create the layers in the LightningModule's __init__ and do not "
+                "replace them during fit), or freeze these layers if they are not trained"
+            )
