@@ -172,11 +172,12 @@ def _threads_inside_kfac(monkeypatch, threads: int) -> tuple[set[int], int]:
     """torch's intra-op threads seen by K-FAC's inversions and factor hooks, and after the step."""
     from torch import nn
 
+    import lightning_spdkfac.kfac.inverse_steps as inverse_steps
     import lightning_spdkfac.kfac.preconditioner as prec
     from lightning_spdkfac import KFACPreconditioner
 
     seen: set[int] = set()
-    real_inverses, real_accumulate = prec.robust_inverses, prec.KFACPreconditioner._accumulate_a
+    real_inverses, real_accumulate = inverse_steps.robust_inverses, prec.KFACPreconditioner._accumulate_a
 
     def inverses(*args, **kwargs):
         seen.add(torch.get_num_threads())
@@ -186,7 +187,7 @@ def _threads_inside_kfac(monkeypatch, threads: int) -> tuple[set[int], int]:
         seen.add(torch.get_num_threads())
         return real_accumulate(self, *args, **kwargs)
 
-    monkeypatch.setattr(prec, "robust_inverses", inverses)
+    monkeypatch.setattr(inverse_steps, "robust_inverses", inverses)  # where the inversions call it
     monkeypatch.setattr(prec.KFACPreconditioner, "_accumulate_a", accumulate)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)

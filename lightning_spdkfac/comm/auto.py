@@ -232,6 +232,9 @@ class AutoDistributor(Distributor):
                      invert_fn: Callable[[list[Task]], list[torch.Tensor]]) -> PendingInverses:
         return self.candidates[self.active].invert_async(tasks, invert_fn)
 
+    def average_scalars(self, values: torch.Tensor) -> torch.Tensor:
+        return self.candidates[self.active].average_scalars(values)
+
     def close(self) -> None:
         self.candidates[0].close()  # the shared asynchronous group
         for c in self.candidates[1:]:

@@ -323,6 +323,15 @@ class SPDDistributor(Distributor):
         own = self.options.async_inverses
         return self.async_inverses if own is None or own == "auto" else own
 
+    def average_scalars(self, values: torch.Tensor) -> torch.Tensor:
+        """One all-reduce on the factor process group, from the caller's thread between steps (its factor
+        reductions are done by then; asynchronous inverse broadcasts use a group of their own)."""
+        if not self._dist or self.world_size == 1:
+            return values
+        buf = values.to(device=self.device, dtype=torch.float64)
+        dist.all_reduce(buf, group=self.process_group)
+        return (buf / self.world_size).to(values.device)
+
     def close(self) -> None:
         if self._async_group is not None and dist.is_initialized():
             dist.destroy_process_group(self._async_group)

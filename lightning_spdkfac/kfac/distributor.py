@@ -207,5 +207,10 @@ class Distributor:
 
         return PendingInverses(run, tasks[0][2].device)
 
+    def average_scalars(self, values: torch.Tensor) -> torch.Tensor:
+        """The mean over the ranks of a few float64 numbers (the step-size rule's per-rank curvature terms and loss
+        change), the same tensor on every rank; one process: ``values`` itself."""
+        return values
+
     def close(self) -> None:
         """The preconditioner is done with this distributor (its hooks are removed): release what it holds."""

@@ -42,7 +42,6 @@ from .gradients import GradAccess
 from .grafting import DEFAULT_BETA2, DEFAULT_EPS, AdamGraftState
 from .guard import NonFiniteGuard
 from .hook_tools import autocast_off, eager, in_backward
-from .inverse import robust_inverses  # noqa: F401 (tests/test_ops_usability.py patches this name here)
 from .inverse_steps import InverseSteps, _InFlight
 from .layer_state import KFACLayer
 from .layers import LayerHelper
@@ -407,7 +406,7 @@ class KFACPreconditioner(LayerRegistration, FactorUpdates, InverseSteps, Precond
                              "optimizer about to step, or set step_size=None and adapt_damping=False")
         damping = val.resolve("damping", self.damping, self.steps, val.NONNEGATIVE)
         self.step_size.prepare(self.model, optimizer, self.steps, damping, loss_parts,
-                               self.grad_access.loss_scale(), self.distributor.world_size, self._hooks_paused)
+                               self.grad_access.loss_scale(), self.distributor.average_scalars, self._hooks_paused)
 
     def _set_damping(self, value: float) -> None:
         """adapt_damping: the Levenberg-Marquardt rule's new damping, used from the next inversion on."""

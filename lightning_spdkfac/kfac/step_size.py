@@ -16,7 +16,8 @@ the model on the plane of ``u`` and ``delta`` (a 2x2 solve; a second tangent).
 
 The model is measured every ``step_size_every`` steps and its ``alpha`` (and ``mu``) is reused in between, clipped
 to ``step_size_clip`` (``mu`` to ``[0, 1)``). Under DDP the only rank-dependent numbers (the curvature terms of
-each rank's batch) are averaged with one all-reduce of three scalars, so every rank computes the same ``alpha``
+each rank's batch) are averaged with one all-reduce of three scalars (``Distributor.average_scalars``: this module
+never touches torch.distributed), so every rank computes the same ``alpha``
 and the replicas stay bitwise equal. See docs/math.md, "The step size".
 
 The model needs the loss as a function of the model's outputs, which K-FAC cannot see: a ``loss_parts`` pair
@@ -36,7 +37,6 @@ from typing import Any
 
 import torch
 import torch.autograd.forward_ad as fwAD
-import torch.distributed as dist
 from torch import nn
 from torch.func import functional_call
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -164,7 +164,8 @@ class QuadraticStepSize:
 
     # ---------------------------------------------------------------- before the optimizer step
     def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer, step: int, damping: float,
-                loss_parts: LossParts | None, loss_scale: float, world_size: int,
+                loss_parts: LossParts | None, loss_scale: float,
+                average: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
                 paused: Callable[[], AbstractContextManager[None]] = nullcontext) -> None:
         """Snapshot what the rescaling needs (parameters, and on a measuring step the gradient), then arm the
         optimizer's post-step hook. Called by ``KFACPreconditioner.step`` before it preconditions."""
@@ -181,7 +182,7 @@ class QuadraticStepSize:
             "model": model, "named": named, "measure": measure, "damping": damping,
             "old": [p.detach().clone() for _, p in named],
             "grads": [None if p.grad is None else p.grad.detach().clone() for _, p in named] if measure else None,
-            "loss_parts": loss_parts if measure else None, "loss_scale": loss_scale, "world_size": world_size,
+            "loss_parts": loss_parts if measure else None, "loss_scale": loss_scale, "average": average,
             "paused": paused,
         }
         key = id(optimizer)
@@ -237,11 +238,7 @@ class QuadraticStepSize:
             z_new = functional_call(terms["call"], {**buffers, **params}, ())
             new_loss = pend["loss_parts"][1](z_new.detach())
         change = torch.stack([new_loss.detach().double().reshape(()) - terms["old_loss"]])
-        if pend["world_size"] > 1:
-            change = change.to(pend["old"][0].device)
-            dist.all_reduce(change)
-            change = change / pend["world_size"]
-        actual = float(change.cpu()[0])
+        actual = float(pend["average"](change).cpu()[0])
         if not (math.isfinite(actual) and math.isfinite(predicted)) or predicted >= 0.0:
             self.rho = math.nan  # no predicted decrease: nothing to compare with
             return
@@ -284,12 +281,7 @@ class QuadraticStepSize:
         curv = [_dot([jts[0]], [hjts[0]])]
         if prev is not None:
             curv += [_dot([jts[0]], [hjts[1]]), _dot([jts[1]], [hjts[1]])]
-        c = torch.stack(curv)
-        if pend["world_size"] > 1:
-            c = c.to(old[0].device)
-            dist.all_reduce(c)
-            c = c / pend["world_size"]
-        c = c.cpu()
+        c = pend["average"](torch.stack(curv)).cpu()
         scale = pend["loss_scale"]
         g = [grads[i] for i in keep]
         uk = [u[i] for i in keep]
