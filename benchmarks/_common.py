@@ -308,14 +308,14 @@ def fresh_run_dir(tag: str) -> str:
             path = f"{base}-{n}"
 
 
-def write_json(path: str, payload: dict) -> None:
+def write_json(path: str, payload: dict, indent: int = 2) -> None:
     def default(o):
         if hasattr(o, "__dataclass_fields__"):
             return asdict(o)
         raise TypeError(f"not JSON serializable: {type(o).__name__}")
 
     with open(path, "w") as f:
-        json.dump(payload, f, indent=2, default=default)
+        json.dump(payload, f, indent=indent, default=default)
         f.write("\n")
 
 

@@ -89,7 +89,17 @@ import traceback
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _common import env_info, format_table, fresh_run_dir, write_json
+from _common import (
+    bench_parser,
+    env_info,
+    format_table,
+    fresh_run_dir,
+    interleave,
+    parse,
+    pyplot,
+    save_png,
+    write_json,
+)
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -392,7 +402,6 @@ def worker(rank: int, world: int, cfg: dict) -> dict:
     data = make_data(rank, cfg["batch"], cfg["n_batches"], cfg["seed"])
     group = dist.new_group()  # K-FAC's own collectives never interleave with DDP's
     out: dict = {"inv": {}}
-    t_start = time.perf_counter()
     for inv in cfg["inv_update_steps"]:
         warmup = -(-max(cfg["warmup"], cfg["profile_steps"][1] + 2) // inv) * inv
         block = -(-cfg["steps"] // inv) * inv
@@ -425,23 +434,19 @@ def worker(rank: int, world: int, cfg: dict) -> dict:
             f"timing {cfg['blocks']} rounds x {block} steps",
         )
         records: dict[str, list[list[list[float]]]] = {name: [] for name in runners}
-        names = list(runners)
-        gc.collect()
-        for b in range(cfg["blocks"]):
-            tb = time.perf_counter()
-            for j in range(len(names)):
-                name = names[(b + j) % len(names)]
-                r = runners[name]
+
+        def timed_block(r: Runner, into: list, steps: int):
+            def run_block() -> None:
                 recs = []
-                for _ in range(block):
+                for _ in range(steps):
                     dist.barrier()
                     recs.append(r.step())
-                records[name].append(recs)
-            _say(
-                rank,
-                f"  round {b + 1}/{cfg['blocks']}: {time.perf_counter() - tb:.1f} s "
-                f"(elapsed {time.perf_counter() - t_start:.0f} s)",
-            )
+                into.append(recs)
+            return run_block
+
+        # one block per configuration per round, the order rotating from round to round
+        interleave({name: timed_block(r, records[name], block) for name, r in runners.items()}, cfg["blocks"],
+                   label="  round", progress=rank == 0)
         comm = {name: standalone_comm(p, group, cfg["comm_repeats"]) for name, p in plans.items()}
         out["inv"][inv] = {
             "seconds": {
@@ -809,10 +814,7 @@ def print_report(res: dict, args) -> None:
 
 def plot(res: dict, path: str) -> str:
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        plt = pyplot()
     except ImportError:
         return "matplotlib is not installed: no PNG (pip install matplotlib)"
     fig, axes = plt.subplots(1, len(res), figsize=(6.5 * len(res), 4.8), squeeze=False)
@@ -831,10 +833,7 @@ def plot(res: dict, path: str) -> str:
     axes[0][-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.suptitle("K-FAC iteration time breakdown (small ResNet, gloo, CPU)")
     fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return f"wrote {path}"
+    return f"wrote {save_png(fig, path, dpi=120)}"
 
 
 # ------------------------------------------------------------------------------ main
@@ -843,66 +842,38 @@ def _int_list(text: str) -> list[int]:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
-    p.add_argument(
-        "--configs",
-        default=",".join(CONFIGS + (DEEPSPEED_CONFIGS if _deepspeed_available() else ())),
-        help="comma-separated subset of " + ",".join(CONFIGS + DEEPSPEED_CONFIGS + EXTRA_CONFIGS)
-        + " (default: the first " + str(len(CONFIGS)) + ", plus the ds* ones when deepspeed is installed)",
-    )
+    p = bench_parser(__doc__.split("\n\n")[0], threads=1, seed=0,
+                     out="folder for iteration_time.json and .png (default: a fresh benchmarks/results/run-*/)",
+                     refresh="write the committed benchmarks/results/iteration_time.{json,png} the README shows "
+                             "(unless --json/--png say otherwise)")
+    every = CONFIGS + DEEPSPEED_CONFIGS + EXTRA_CONFIGS
+    p.add_argument("--configs", default=",".join(CONFIGS + (DEEPSPEED_CONFIGS if _deepspeed_available() else ())),
+                   help=f"comma-separated subset of {','.join(every)} (default: the first {len(CONFIGS)}, plus "
+                        "the ds* ones when deepspeed is installed)")
     p.add_argument("--inv-update-steps", default="1,10", help="comma-separated inverse periods, each a table")
     p.add_argument("--blocks", type=int, default=8, help="timing rounds (each: one block per configuration)")
-    p.add_argument(
-        "--steps", type=int, default=5, help="steps per block, rounded up to a multiple of inv_update_steps"
-    )
-    p.add_argument(
-        "--warmup",
-        type=int,
-        default=10,
-        help="warm-up steps per configuration (at least profile_steps[1] + 2; rounded up to whole "
-        "inverse periods)",
-    )
+    p.add_argument("--steps", type=int, default=5, help="steps per block, rounded up to a multiple of inv_update_steps")
+    p.add_argument("--warmup", type=int, default=10, help="warm-up steps per configuration (at least "
+                   "profile_steps[1] + 2; rounded up to whole inverse periods)")
     p.add_argument("--profile-steps", default="2,6", help="SPD profiling window (factor steps start,end)")
     p.add_argument("--batch", type=int, default=32, help="batch per rank")
-    p.add_argument(
-        "--n-batches",
-        type=int,
-        default=64,
-        help="distinct synthetic batches per rank, cycled (many: random labels are not memorized)",
-    )
+    p.add_argument("--n-batches", type=int, default=64,
+                   help="distinct synthetic batches per rank, cycled (many: random labels are not memorized)")
     p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--lr", type=float, default=0.01, help="SGD learning rate (momentum 0.9)")
-    p.add_argument(
-        "--damping",
-        type=float,
-        default=0.03,
-        help="K-FAC damping (1e-3 and 1e-2 diverge on this model and data within ~60 steps, and "
-        "failed Cholesky factorizations fall back to slow eigendecompositions)",
-    )
-    p.add_argument(
-        "--comm-repeats",
-        type=int,
-        default=5,
-        help="repeats of the standalone timing of each plan's fused all-reduces",
-    )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--damping", type=float, default=0.03,
+                   help="K-FAC damping (1e-3 and 1e-2 diverge on this model and data within ~60 steps, and "
+                        "failed Cholesky factorizations fall back to slow eigendecompositions)")
+    p.add_argument("--comm-repeats", type=int, default=5,
+                   help="repeats of the standalone timing of each plan's fused all-reduces")
     p.add_argument("--timeout", type=float, default=1200.0, help="bound on the whole distributed run (s)")
     p.add_argument("--json", metavar="OUT", default=None,
                    help="write all numbers as JSON (default: iteration_time.json in a fresh benchmarks/results/run-*/)")
-    p.add_argument(
-        "--png",
-        metavar="OUT",
-        default=None,
-        help="stacked-bar chart of the breakdown ('' for none; needs matplotlib; default: iteration_time.png "
-        "in a fresh benchmarks/results/run-*/)",
-    )
-    p.add_argument("--refresh", action="store_true",
-                   help="write the committed benchmarks/results/iteration_time.{json,png} the README shows "
-                   "(unless --json/--png say otherwise)")
-    args = p.parse_args(argv)
+    p.add_argument("--png", metavar="OUT", default=None,
+                   help="stacked-bar chart of the breakdown ('' for none; needs matplotlib; default: "
+                        "iteration_time.png in a fresh benchmarks/results/run-*/)")
+    args = parse(p, argv, quick={"configs": "sgd,spd", "inv_update_steps": "2", "blocks": 2, "steps": 2,
+                                 "warmup": 0, "profile_steps": "0,1", "batch": 4, "n_batches": 2, "comm_repeats": 1})
     args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     bad = [c for c in args.configs if c not in CONFIGS + DEEPSPEED_CONFIGS + EXTRA_CONFIGS]
     if bad or not args.configs or len(set(args.configs)) != len(args.configs):
@@ -936,7 +907,7 @@ def _resolve_outputs(args: argparse.Namespace) -> None:
     """Default outputs: a fresh run folder; the committed files only with --refresh."""
     if args.json is not None and args.png is not None:
         return
-    folder = COMMITTED_RESULTS if args.refresh else fresh_run_dir("iteration_time")
+    folder = args.out or (COMMITTED_RESULTS if args.refresh else fresh_run_dir("iteration_time"))
     if args.json is None:
         args.json = os.path.join(folder, "iteration_time.json")
     if args.png is None:
