@@ -74,6 +74,21 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+# ------------------------------------------------------------------------------ workloads
+def mlp(*widths: int, act: type[nn.Module] = nn.ReLU) -> nn.Sequential:
+    """Linear layers through ``widths`` (``mlp(784, 256, 10)``), ``act`` between them, none after the last."""
+    layers: list[nn.Module] = []
+    for i in range(len(widths) - 1):
+        layers += [act(), nn.Linear(widths[i], widths[i + 1])] if i else [nn.Linear(widths[0], widths[1])]
+    return nn.Sequential(*layers)
+
+
+def random_batches(g: torch.Generator, n: int, batch: int, *shape: int, classes: int = 10) -> list[tuple]:
+    """``n`` batches of normal inputs ``(batch, *shape)`` and uniform labels, drawn from ``g`` in that order."""
+    return [(torch.randn(batch, *shape, generator=g), torch.randint(0, classes, (batch,), generator=g))
+            for _ in range(n)]
+
+
 # ------------------------------------------------------------------------------ shapes
 @dataclass
 class LayerShape:

@@ -33,7 +33,17 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import bench_parser, env_info, interleave, parse, print_table, save_json, set_threads  # noqa: E402
+from _common import (  # noqa: E402
+    bench_parser,
+    env_info,
+    interleave,
+    mlp,
+    parse,
+    print_table,
+    random_batches,
+    save_json,
+    set_threads,
+)
 
 from lightning_spdkfac import KFACPreconditioner  # noqa: E402
 
@@ -44,17 +54,15 @@ def make_model(name: str, width: int = 512) -> tuple[nn.Module, torch.Tensor, to
     g = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
     if name == "mlp":
-        model: nn.Module = nn.Sequential(
-            nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width),
-            nn.ReLU(), nn.Linear(width, 10))
-        x = torch.randn(256, width, generator=g)
+        model: nn.Module = mlp(width, width, width, width, 10)
+        x, y = random_batches(g, 1, 256, width)[0]
     else:
         # imported here: iteration_time imports Lightning (seconds), which the mlp does not need
         from iteration_time import SmallResNet
 
         model = SmallResNet()
-        x = torch.randn(32, 3, 32, 32, generator=g)
-    return model, x, torch.randint(0, 10, (len(x),), generator=g)
+        x, y = random_batches(g, 1, 32, 3, 32, 32)[0]
+    return model, x, y
 
 
 def make_step(model_name: str, async_inverses: bool, width: int = 512) -> tuple[Callable[[], None], KFACPreconditioner]:

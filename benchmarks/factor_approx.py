@@ -33,6 +33,7 @@ from _common import (
     interleaved_blocks,
     parse,
     print_table,
+    random_batches,
     save_json,
     set_seed,
     set_threads,
@@ -130,8 +131,7 @@ def main(argv: list[str] | None = None) -> None:
     set_seed(args.seed)
     base = ResNetCIFAR(blocks=(args.blocks,) * 3)
     g = torch.Generator().manual_seed(args.seed + 1)
-    data = [(torch.randn(args.batch, 3, 32, 32, generator=g), torch.randint(0, 10, (args.batch,), generator=g))
-            for _ in range(args.n_batches)]
+    data = random_batches(g, args.n_batches, args.batch, 3, 32, 32)
     runners = {v: Runner(copy.deepcopy(base), data, args, None if v == "sgd" else v) for v in VARIANTS}
     floors = {v: 1.0 if v == "sgd" else flop_floor(copy.deepcopy(base), data[0][0], v, args.factor_update_steps,
                                                    args.inv_update_steps) for v in VARIANTS}

@@ -212,11 +212,12 @@ def _kfac_flops(pre: KFACPreconditioner, rows: int) -> dict[str, float]:
     return {"precondition": p, "factors": f, "inverses": i}
 
 
-def step_time(reps: int, batch: int, tokens: int, layers: int) -> dict:
+def step_time(reps: int, batch: int, tokens: int, layers: int, width: int = 768, vocab: int = 50257) -> dict:
     tf = _tf()
     set_threads(1)
     torch.manual_seed(0)
-    cfg = tf.GPT2Config(n_layer=layers, n_embd=768, n_head=12, n_positions=max(tokens, 64))
+    cfg = tf.GPT2Config(n_layer=layers, n_embd=width, n_head=width // 64, n_positions=max(tokens, 64),
+                        vocab_size=vocab)
     ids = torch.randint(0, cfg.vocab_size, (batch, tokens))
     data = dict(input_ids=ids, labels=ids)
     base = tf.GPT2LMHeadModel(cfg)
@@ -261,7 +262,7 @@ def step_time(reps: int, batch: int, tokens: int, layers: int) -> dict:
     out = dict(median_s=med, spread_s={k: [min(v), max(v)] for k, v in times.items()}, amortized_kfac_s=amortized,
                ratio=amortized / med["adamw"], adamw_flops=base_flops, kfac_flops=kfac_flops, kfac_added=added,
                batch=batch, tokens=tokens, layers=layers, reps=reps, threads=torch.get_num_threads())
-    print(f"GPT-2 width 768, {layers} layers, batch {batch} x {tokens} tokens, 1 thread, {reps} interleaved reps:")
+    print(f"GPT-2 width {width}, {layers} layers, batch {batch} x {tokens} tokens, 1 thread, {reps} interleaved reps:")
     for k, v in times.items():
         print(f"  {k:13s} median {med[k]:.2f} s (min {min(v):.2f}, max {max(v):.2f})")
     print(f"  K-FAC at the defaults, amortized: {amortized:.2f} s = {out['ratio']:.2f}x the AdamW step "
@@ -297,7 +298,8 @@ def max_side(sides: list[int]) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = bench_parser(__doc__.split("\n\n")[0], quick="a smoke run: two models, tiny step-time shapes", reps=5)
+    p = bench_parser(__doc__.split("\n\n")[0], reps=5,
+                     quick="a smoke run: two models, a 128-wide GPT-2 of one layer for the step time")
     p.add_argument("--only", choices=["coverage", "gpt2-small", "step-time", "max-side"], action="append")
     args = parse(p, argv)
     only = args.only or ["coverage", "gpt2-small", "step-time"]
@@ -310,7 +312,7 @@ def main(argv: list[str] | None = None) -> None:
     if "max-side" in only:
         results["max_side"] = max_side([512, 1024] if args.quick else [1024, 2048, 4096, 4608, 8192])
     if "step-time" in only:
-        results["step_time"] = (step_time(1, 1, 16, 1) if args.quick
+        results["step_time"] = (step_time(1, 1, 16, 1, width=128, vocab=1000) if args.quick
                                 else step_time(args.reps, 8, 256, 2))
     save_json(folder, "results.json", results)
 

@@ -45,8 +45,10 @@ from _common import (
     interleaved_blocks,
     kfac_added_flops,
     layer_shapes,
+    mlp,
     parse,
     print_table,
+    random_batches,
     save_json,
     set_seed,
     set_threads,
@@ -61,14 +63,6 @@ MODELS = ("mlp", "cnn")
 
 
 # ------------------------------------------------------------------------------ models
-def make_mlp() -> nn.Module:
-    return nn.Sequential(
-        nn.Linear(784, 256), nn.ReLU(),
-        nn.Linear(256, 256), nn.ReLU(),
-        nn.Linear(256, 10),
-    )
-
-
 def make_cnn() -> nn.Module:
     """The digits-style CNN (8x8 single-channel inputs)."""
     return nn.Sequential(
@@ -84,18 +78,12 @@ def make_cnn() -> nn.Module:
 def make_model_and_data(name: str, batch: int, n_batches: int, seed: int):
     set_seed(seed)
     if name == "mlp":
-        model, shape = make_mlp(), (784,)
+        model, shape = mlp(784, 256, 256, 10), (784,)
     elif name == "cnn":
         model, shape = make_cnn(), (1, 8, 8)
     else:
         raise ValueError(f"unknown model {name!r}; choose from {MODELS}")
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        data = [
-            (torch.randn(batch, *shape, generator=g), torch.randint(0, 10, (batch,), generator=g))
-            for _ in range(n_batches)
-        ]
-    return model, data
+    return model, random_batches(torch.Generator().manual_seed(seed + 1), n_batches, batch, *shape)
 
 
 # ------------------------------------------------------------------------------ runners

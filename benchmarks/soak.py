@@ -58,7 +58,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _common import Progress, bench_parser, env_info, format_table, fresh_run_dir, parse, write_json
+from _common import Progress, bench_parser, env_info, format_table, fresh_run_dir, mlp, parse, write_json
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -103,8 +103,7 @@ def subnormal_entries(pre: KFACPreconditioner) -> int:
 
 
 def make_model(width: int) -> nn.Module:
-    return nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
-                         nn.Linear(width, 10))
+    return mlp(width, width, width, 10)
 
 
 def worker(rank: int, world: int, cfg: dict) -> dict:

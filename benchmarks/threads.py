@@ -31,7 +31,17 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import bench_parser, env_info, interleave, parse, print_table, save_json, spread  # noqa: E402
+from _common import (  # noqa: E402
+    bench_parser,
+    env_info,
+    interleave,
+    mlp,
+    parse,
+    print_table,
+    random_batches,
+    save_json,
+    spread,
+)
 
 from lightning_spdkfac import KFACPreconditioner  # noqa: E402
 from lightning_spdkfac.demo import DigitsCNN  # noqa: E402
@@ -44,9 +54,8 @@ def make_model(name: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     if name == "mlp":
         torch.manual_seed(0)
-        model: nn.Module = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
-                                         nn.Linear(256, 10))
-        x = torch.randn(128, 256, generator=g)
+        model: nn.Module = mlp(256, 256, 256, 10)
+        return (model, *random_batches(g, 1, 128, 256)[0])
     else:
         torch.manual_seed(0)
         model = DigitsCNN().net  # the demo's CNN: 2 convs, 2 linears

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import bench_parser, env_info, interleave, out_dir, parse, print_table, save_json, spread  # noqa: E402
+from _common import bench_parser, env_info, interleave, mlp, out_dir, parse, print_table, save_json, spread  # noqa: E402
 
 from lightning_spdkfac.lightning import deepspeed as ds_module  # noqa: E402
 from lightning_spdkfac.lightning.deepspeed import DeepSpeedGradAccess  # noqa: E402
@@ -77,12 +77,9 @@ def allreduce_gather(params: list) -> dict:
     return {p: view.view(p.shape) for p, view in zip(params, views)}
 
 
-def mlp(width: int, depth: int) -> nn.Module:
+def model_of(width: int, depth: int) -> nn.Module:
     torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    for _ in range(depth):
-        layers += [nn.Linear(width, width), nn.Tanh()]
-    return nn.Sequential(*layers, nn.Linear(width, 10))
+    return mlp(*[width] * (depth + 1), 10, act=nn.Tanh)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -100,7 +97,7 @@ def rank_main(rank: int, world: int, widths: list[int], depth: int, repeats: int
     deepspeed.init_distributed("gloo")
     out = []
     for width in widths:
-        model = mlp(width, depth)
+        model = model_of(width, depth)
         engine, *_ = deepspeed.initialize(
             args=ap.Namespace(device_rank=-1), model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
             config=dict(train_micro_batch_size_per_gpu=16, zero_optimization=dict(stage=2),
