@@ -58,7 +58,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _common import Progress, bench_parser, env_info, format_table, fresh_run_dir, mlp, parse, write_json
+from _common import Progress, bench_parser, env_info, fresh_run_dir, mlp, parse, print_table, write_json
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -251,23 +251,17 @@ def print_report(results: list[dict], res: dict, args) -> None:
         cols += [(f"rss{k}", f"RSS{k} MiB", ".1f"), (f"ms{k}", f"step{k} ms", ".2f"), (f"kfac{k}", f"kfac{k} ms", ".2f"),
                  (f"obj{k}", f"gc obj{k}", "d"), (f"sub{k}", f"subn{k}", "d")]
     cols += [("replans", "replans", "d"), ("loss", "loss r0", ".3f")]
-    print(format_table(rows, cols))
+    print_table(rows, cols)
     print()
     srows = [{"rank": k, **s} for k, s in res["summary"].items()]
-    print(format_table(srows, [
-        ("rank", "rank", "d"),
-        ("rss_slope_mib_per_1000", "RSS MiB/1000 steps", "+.3f"),
-        ("rss_late_slope_mib_per_1000", "2nd half", "+.3f"),
-        ("rss_last_minus_second_mib", "RSS last-w1 MiB", "+.2f"),
-        ("rss_last_over_first", "RSS last/w0", ".4f"),
-        ("rss_last_over_second", "RSS last/w1", ".4f"),
+    print_table(srows, [
+        ("rank", "rank", "d"), ("rss_slope_mib_per_1000", "RSS MiB/1000 steps", "+.3f"),
+        ("rss_late_slope_mib_per_1000", "2nd half", "+.3f"), ("rss_last_minus_second_mib", "RSS last-w1 MiB", "+.2f"),
+        ("rss_last_over_first", "RSS last/w0", ".4f"), ("rss_last_over_second", "RSS last/w1", ".4f"),
         ("step_ms_slope_per_1000", "step ms/1000 steps", "+.3f"),
-        ("step_ms_slope_percent_per_1000", "step %/1000 steps", "+.2f"),
-        ("step_last_over_first", "step last/w0", ".3f"),
-        ("step_last_over_second", "step last/w1", ".3f"),
-        ("gc_objects_slope_per_1000", "gc obj/1000 steps", "+.1f"),
-        ("replans", "replans", "d"),
-    ]))
+        ("step_ms_slope_percent_per_1000", "step %/1000 steps", "+.2f"), ("step_last_over_first", "step last/w0", ".3f"),
+        ("step_last_over_second", "step last/w1", ".3f"), ("gc_objects_slope_per_1000", "gc obj/1000 steps", "+.1f"),
+        ("replans", "replans", "d")])
     n = len(results[0]["windows"])
     print(f"\nslopes over windows 1..{n - 1} (window 0 is start-up), '2nd half' over windows {n // 2}..{n - 1}; "
           f"verdict thresholds: RSS 2nd-half slope < {args.max_rss_slope:g} MiB and step-time slope < "
