@@ -30,6 +30,7 @@ import os
 import sys
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -93,10 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     seeds = [int(s) for s in args.seeds.split(",")]
     dampings = [float(d) for d in args.dampings.split(",")]
     cases, conventions = args.cases.split(","), args.conventions.split(",")
-    out = None
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        out = open(os.path.join(args.out, "damping_conventions.jsonl"), "w")  # noqa: SIM115 (closed below)
+    lines: list[str] = []
     bar = Progress(len(cases) * len(conventions) * len(dampings), "run")
     try:
         for case in cases:
@@ -109,22 +107,21 @@ def main(argv: list[str] | None = None) -> None:
                         kfac["inverse_method"] = "eigen"
                     runs = [tta.run_one(tta.WORKLOADS[workload], opt, lr, seed, args.epochs or epochs, kfac)
                             for seed in seeds]
-                    line = json.dumps({
+                    lines.append(json.dumps({
                         "case": case, "convention": conv, "damping": damping,
                         "seconds_to_target": [r["seconds_to_target"] for r in runs],
                         "epoch_to_target": [r["epoch_to_target"] for r in runs],
                         "final_metric": [round(r["final_metric"], 4) for r in runs],
                         "diverged": [r["diverged"] for r in runs],
-                    })
-                    print(line, flush=True)
-                    if out is not None:
-                        out.write(line + "\n")
+                    }))
+                    print(lines[-1], flush=True)
                     bar.tick()
     finally:
         KFACPreconditioner._factor_dampings = staticmethod(PI)  # type: ignore[method-assign]
-        if out is not None:
-            out.close()
-            print(f"wrote {out.name}")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        Path(args.out, "damping_conventions.jsonl").write_text("".join(line + "\n" for line in lines))
+        print(f"wrote {Path(args.out, 'damping_conventions.jsonl')}")
 
 
 if __name__ == "__main__":

@@ -613,7 +613,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--png", default=None,
                    help="the picture ('' for none; default: timeline.png in a fresh benchmarks/results/run-*/)")
     p.add_argument("--timeout", type=float, default=600.0, help="bound on the distributed run (s)")
-    args = parse(p, argv, quick={"attempts": 1, "batch": 8, "n_batches": 4})  # the same steps: SPD must be planned
+    # --quick: one attempt of the same run (fewer steps or batches leave the traced step in SPD's profiling window)
+    args = parse(p, argv, quick={"attempts": 1})
     try:
         ps = [int(v) for v in args.profile_steps.split(",")]
     except ValueError:
