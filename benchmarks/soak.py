@@ -118,7 +118,8 @@ def worker(rank: int, world: int, cfg: dict) -> dict:
     options = SPDOptions.from_schedule("spd", profile_steps=tuple(cfg["profile_steps"]),
                                        replan_every=cfg["replan_every"] or None)
     distributor = SPDDistributor(options, process_group=dist.new_group())
-    pre = KFACPreconditioner(model, damping=cfg["damping"], inv_update_steps=cfg["inv_update_steps"],
+    pre = KFACPreconditioner(model, damping=cfg["damping"], factor_update_steps=1,  # every step, as documented
+                             inv_update_steps=cfg["inv_update_steps"],
                              lr=lambda step: opt.param_groups[0]["lr"], distributor=distributor)
     windows: list[dict] = []
     step_s: list[float] = []

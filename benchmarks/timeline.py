@@ -5,7 +5,7 @@ about a minute on 2 cores: 3 independent runs of ~20 s, the least disturbed one 
 the small ResNet of ``benchmarks/iteration_time.py`` (same model, synthetic CIFAR-shaped data, 32
 images per rank, SGD lr 0.01 momentum 0.9, K-FAC damping 0.03) for 13 steps with the Lightning
 ``Trainer`` on ``--world-size`` gloo processes (one torch thread each), strategy
-``SPDKFACStrategy(schedule="spd", profile_steps=(2, 5))`` and callback ``KFAC(inv_update_steps=4,
+``SPDKFACStrategy(schedule="spd", profile_steps=(2, 5))`` and callback ``KFAC(factor_update_steps=1, inv_update_steps=4,
 trace_step=12)``: optimizer step 12 comes after the SPD profiling window (the fusion plan is fixed,
 factor all-reduces are pipelined) and is an inverse-update step (inversions and inverse broadcasts
 happen). The callback records that step with the PyTorch profiler and writes one Chrome trace per
@@ -250,7 +250,10 @@ def worker(rank: int, world: int, cfg: dict) -> dict:
 
     data = make_data(rank, cfg["batch"], cfg["n_batches"], cfg["seed"])
     loader = torch.utils.data.DataLoader(data, batch_size=None, shuffle=False)
-    kfac = KFAC(damping=cfg["damping"], inv_update_steps=cfg["inv_update_steps"], trace_step=cfg["step"],
+    # factors every step, as when docs/timeline.png was drawn (the library's default became 5: SPD's profiling
+    # window, in factor steps, would then run past the traced step)
+    kfac = KFAC(damping=cfg["damping"], factor_update_steps=1, inv_update_steps=cfg["inv_update_steps"],
+                trace_step=cfg["step"],
                 trace_dir=cfg["trace_dir"], log_step_time=False)
     probe = Probe(kfac)
     trainer = pl.Trainer(
@@ -613,8 +616,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--png", default=None,
                    help="the picture ('' for none; default: timeline.png in a fresh benchmarks/results/run-*/)")
     p.add_argument("--timeout", type=float, default=600.0, help="bound on the distributed run (s)")
-    # --quick: one attempt of the same run (fewer steps or batches leave the traced step in SPD's profiling window)
-    args = parse(p, argv, quick={"attempts": 1})
+    args = parse(p, argv, quick={"attempts": 1, "batch": 8, "n_batches": 4})
     try:
         ps = [int(v) for v in args.profile_steps.split(",")]
     except ValueError:
