@@ -1,4 +1,12 @@
-"""Helpers shared by the benchmarks: layer shapes, FLOP accounting, interleaved block timing, tables.
+"""The benchmark harness: every script in benchmarks/ is its workloads, its configurations and its table.
+
+This module owns what they share: the command line (:func:`bench_parser`, :func:`parse` with its ``--quick``
+overrides), the torch thread setting (:func:`set_threads`), interleaved repetition (:func:`interleave`: runs of
+several configurations alternated repeat by repeat, with progress lines; :func:`interleaved_blocks`), medians
+and spread (:func:`spread`, :func:`summarize`), result folders (:func:`out_dir`, :func:`fresh_run_dir`: a new
+``benchmarks/results/run-<stamp>-<name>/`` unless ``--out`` or ``--refresh`` says otherwise), JSON and PNG
+output (:func:`save_json`, :func:`write_json`, :func:`pyplot`, :func:`save_png`), tables (:func:`print_table`,
+:func:`format_table`) and progress lines (:class:`Progress`). Below them: layer shapes and FLOP accounting.
 
 FLOP convention (one multiply-add = 2 FLOPs; a GEMM of (m x k) by (k x n) = 2*m*n*k):
 
@@ -18,15 +26,18 @@ FLOP convention (one multiply-add = 2 FLOPs; a GEMM of (m x k) by (k x n) = 2*m*
 
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import os
 import platform
 import random
 import statistics
+import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import asdict, dataclass
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -61,6 +72,21 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown"
+
+
+# ------------------------------------------------------------------------------ workloads
+def mlp(*widths: int, act: type[nn.Module] = nn.ReLU) -> nn.Sequential:
+    """Linear layers through ``widths`` (``mlp(784, 256, 10)``), ``act`` between them, none after the last."""
+    layers: list[nn.Module] = []
+    for i in range(len(widths) - 1):
+        layers += [act(), nn.Linear(widths[i], widths[i + 1])] if i else [nn.Linear(widths[0], widths[1])]
+    return nn.Sequential(*layers)
+
+
+def random_batches(g: torch.Generator, n: int, batch: int, *shape: int, classes: int = 10) -> list[tuple]:
+    """``n`` batches of normal inputs ``(batch, *shape)`` and uniform labels, drawn from ``g`` in that order."""
+    return [(torch.randn(batch, *shape, generator=g), torch.randint(0, classes, (batch,), generator=g))
+            for _ in range(n)]
 
 
 # ------------------------------------------------------------------------------ shapes
@@ -159,23 +185,64 @@ def kfac_added_flops(
 
 
 # ------------------------------------------------------------------------------ timing
+K = TypeVar("K", bound=Hashable)
+
+
+def interleave(configs: Mapping[K, Callable[[], float | None]], reps: int, order: str = "rotate",
+               label: str = "repeat", progress: bool = True) -> dict[K, list[float]]:
+    """Run every configuration once per repeat, alternated repeat by repeat; each one's values in repeat order.
+
+    A configuration's call returns the value to record (seconds it measured itself), or None to record the
+    wall seconds of the call. ``order``: ``"rotate"`` (repeat r starts at the r-th configuration, so that a
+    slow spell of a shared machine does not always hit the same one), ``"alternate"`` (forwards, then
+    backwards) or ``"fixed"``. A progress line per repeat goes to stderr unless ``progress`` is False.
+    """
+    keys = list(configs)
+    out: dict[K, list[float]] = {k: [] for k in keys}
+    bar = Progress(reps, label) if progress else None
+    gc.collect()
+    for rep in range(reps):
+        if order == "rotate":
+            turn = keys[rep % len(keys):] + keys[:rep % len(keys)]
+        elif order == "alternate":
+            turn = keys if rep % 2 == 0 else keys[::-1]
+        else:
+            turn = keys
+        for k in turn:
+            t0 = time.perf_counter()
+            value = configs[k]()
+            out[k].append(time.perf_counter() - t0 if value is None else value)
+        if bar is not None:
+            bar.tick()
+    return out
+
+
 def interleaved_blocks(
-    steps: dict[str, Callable[[], None]], blocks: int, steps_per_block: int
+    steps: dict[str, Callable[[], None]], blocks: int, steps_per_block: int, progress: bool = False
 ) -> dict[str, list[float]]:
-    """Alternate the step functions block by block; returns per-step seconds of each block.
+    """Alternate the step functions block by block (a fixed order); returns per-step seconds of each block.
 
     One block is ``steps_per_block`` consecutive calls timed as a whole, so periodic work
     (an inverse every ``steps_per_block`` steps) is amortized inside every block.
     """
-    out: dict[str, list[float]] = {k: [] for k in steps}
-    gc.collect()
-    for _ in range(blocks):
-        for name, fn in steps.items():
+
+    def block(fn: Callable[[], None]) -> Callable[[], float]:
+        def run() -> float:
             t0 = time.perf_counter()
             for _ in range(steps_per_block):
                 fn()
-            out[name].append((time.perf_counter() - t0) / steps_per_block)
-    return out
+            return (time.perf_counter() - t0) / steps_per_block
+
+        return run
+
+    return interleave({k: block(fn) for k, fn in steps.items()}, blocks, "fixed", "block", progress)
+
+
+def spread(values: Sequence[float], scale: float = 1.0) -> dict[str, float]:
+    """Median, min, max, quartiles (inclusive method) and count of ``values``, each times ``scale``."""
+    xs = [scale * v for v in values]
+    q = statistics.quantiles(xs, n=4, method="inclusive") if len(xs) >= 2 else [xs[0]] * 3
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "q1": q[0], "q3": q[2], "n": len(xs)}
 
 
 def summarize(per_step: Sequence[float]) -> dict[str, float]:
@@ -216,6 +283,13 @@ class PhaseTimer:
 
 
 # ------------------------------------------------------------------------------ output
+def print_table(rows: Sequence[dict], columns: Sequence[tuple[str, str, str]], title: str | None = None) -> None:
+    """Print :func:`format_table` of ``rows``, after ``title`` if given."""
+    if title:
+        print(title)
+    print(format_table(rows, columns), flush=True)
+
+
 def format_table(rows: Sequence[dict], columns: Sequence[tuple[str, str, str]]) -> str:
     """columns: (key, header, format spec). Right-aligned text table."""
     cells = [[h for _, h, _ in columns]]
@@ -249,12 +323,111 @@ def fresh_run_dir(tag: str) -> str:
             path = f"{base}-{n}"
 
 
-def write_json(path: str, payload: dict) -> None:
+def write_json(path: str, payload: dict, indent: int = 2) -> None:
     def default(o):
         if hasattr(o, "__dataclass_fields__"):
             return asdict(o)
         raise TypeError(f"not JSON serializable: {type(o).__name__}")
 
     with open(path, "w") as f:
-        json.dump(payload, f, indent=2, default=default)
+        json.dump(payload, f, indent=indent, default=default)
         f.write("\n")
+
+
+def save_json(folder: str | os.PathLike, name: str, payload: dict) -> str:
+    """Write ``payload`` to ``folder/name`` (folder created), say so, return the path."""
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, name)
+    write_json(path, payload)
+    print(f"wrote {path}", flush=True)
+    return path
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_png(fig: Any, path: str | os.PathLike, dpi: int = 110) -> str:
+    """Save a matplotlib figure as PNG (folder created), close it, return the path."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    pyplot().close(fig)
+    return str(path)
+
+
+# ------------------------------------------------------------------------------ command line, threads, progress
+_UNSET: Any = object()
+
+
+def bench_parser(doc: str | None, *, quick: str | None = "the smallest meaningful run (seconds; CI runs it)",
+                 out: str | None = "folder for the results (default: a fresh benchmarks/results/run-*/)",
+                 threads: int | None = _UNSET, reps: int = _UNSET, reps_flags: Sequence[str] = ("--reps",),
+                 seed: int = _UNSET, refresh: str | None = None) -> argparse.ArgumentParser:
+    """The benchmarks' common argparse base: ``--quick``, ``--out``, ``--threads``, ``--reps``, ``--seed``,
+    ``--refresh``, each only where given (a help text, or a default). ``doc``: the module docstring (shown
+    whole by ``--help``). ``reps_flags``: the spellings of the repeat count (``dest`` is always ``reps``)."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    if quick:
+        p.add_argument("--quick", action="store_true", help=quick)
+    if out:
+        p.add_argument("--out", default=None, help=out)
+    if threads is not _UNSET:
+        p.add_argument("--threads", type=int, default=threads,
+                       help=f"torch.set_num_threads (default: {threads or 'torch' + chr(39) + 's'})")
+    if reps is not _UNSET:
+        p.add_argument(*reps_flags, dest="reps", type=int, default=reps, help=f"interleaved repeats (default {reps})")
+    if seed is not _UNSET:
+        p.add_argument("--seed", type=int, default=seed, help=f"random seed (default {seed})")
+    if refresh:
+        p.add_argument("--refresh", action="store_true", help=refresh)
+    return p
+
+
+def parse(p: argparse.ArgumentParser, argv: Sequence[str] | None = None, quick: Mapping[str, Any] | None = None,
+          ) -> argparse.Namespace:
+    """Parse; with ``--quick``, every option named in ``quick`` that the command line left at its default
+    takes the quick value (what is given explicitly wins)."""
+    args = p.parse_args(argv)
+    if getattr(args, "quick", False) and quick:
+        for k, v in quick.items():
+            if getattr(args, k) == p.get_default(k):
+                setattr(args, k, v)
+    return args
+
+
+def set_threads(n: int | None) -> int:
+    """torch.set_num_threads(n) unless n is None; the thread count now in force."""
+    if n is not None:
+        torch.set_num_threads(n)
+    return torch.get_num_threads()
+
+
+def out_dir(args: argparse.Namespace, name: str, committed: str | os.PathLike | None = None) -> str:
+    """Where a run writes: ``--out`` (created), else the committed folder under ``--refresh``, else a fresh
+    ``benchmarks/results/run-<stamp>-<name>/``."""
+    if getattr(args, "out", None):
+        os.makedirs(args.out, exist_ok=True)
+        return str(args.out)
+    if committed is not None and getattr(args, "refresh", False):
+        return str(committed)
+    return fresh_run_dir(name)
+
+
+class Progress:
+    """Progress lines for long runs, on stderr: ``label i/n, elapsed s, about s left``."""
+
+    def __init__(self, total: int, label: str = "step") -> None:
+        self.total, self.label, self.done, self.t0 = total, label, 0, time.perf_counter()
+
+    def tick(self, note: str = "") -> None:
+        self.done += 1
+        el = time.perf_counter() - self.t0
+        left = el / self.done * (self.total - self.done)
+        print(f"{self.label} {self.done}/{self.total} done, {el:.0f} s, about {left:.0f} s left"
+              + (f"; {note}" if note else ""), file=sys.stderr, flush=True)

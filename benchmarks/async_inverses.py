@@ -17,6 +17,7 @@ of the synchronous step spent in inversions (``inverse_compute``), and the ratio
 
     python benchmarks/async_inverses.py                # prints; writes nothing
     python benchmarks/async_inverses.py --out DIR      # also writes DIR/async_inverses.json
+    python benchmarks/async_inverses.py --quick        # a 128-wide mlp, 2 repeats of 2 steps (seconds)
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 from collections.abc import Callable
 
 import torch
@@ -33,31 +33,40 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import env_info, format_table, write_json  # noqa: E402
-from iteration_time import SmallResNet  # noqa: E402
+from _common import (  # noqa: E402
+    bench_parser,
+    env_info,
+    interleave,
+    mlp,
+    parse,
+    print_table,
+    random_batches,
+    save_json,
+    set_threads,
+)
 
 from lightning_spdkfac import KFACPreconditioner  # noqa: E402
 
 TARGET = 0.8
 
 
-def make_model(name: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+def make_model(name: str, width: int = 512) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
     if name == "mlp":
-        width = 512
-        model: nn.Module = nn.Sequential(
-            nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width),
-            nn.ReLU(), nn.Linear(width, 10))
-        x = torch.randn(256, width, generator=g)
+        model: nn.Module = mlp(width, width, width, width, 10)
+        x, y = random_batches(g, 1, 256, width)[0]
     else:
+        # imported here: iteration_time imports Lightning (seconds), which the mlp does not need
+        from iteration_time import SmallResNet
+
         model = SmallResNet()
-        x = torch.randn(32, 3, 32, 32, generator=g)
-    return model, x, torch.randint(0, 10, (len(x),), generator=g)
+        x, y = random_batches(g, 1, 32, 3, 32, 32)[0]
+    return model, x, y
 
 
-def make_step(model_name: str, async_inverses: bool) -> tuple[Callable[[], None], KFACPreconditioner]:
-    model, x, y = make_model(model_name)
+def make_step(model_name: str, async_inverses: bool, width: int = 512) -> tuple[Callable[[], None], KFACPreconditioner]:
+    model, x, y = make_model(model_name, width)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     pre = KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=1, damping=0.03,
                              async_inverses=async_inverses)
@@ -72,28 +81,28 @@ def make_step(model_name: str, async_inverses: bool) -> tuple[Callable[[], None]
 
 
 def run(args: argparse.Namespace) -> dict:
-    torch.set_num_threads(1)
-    pairs = {(m, mode): make_step(m, mode == "async") for m in args.models for mode in ("sync", "async")}
+    set_threads(1)
+    pairs = {(m, mode): make_step(m, mode == "async", args.width) for m in args.models for mode in ("sync", "async")}
     for fn, _ in pairs.values():  # warm-up: allocations, first inverses
-        for _ in range(3):
+        for _ in range(args.warmup):
             fn()
-    times: dict[tuple[str, str], list[float]] = {k: [] for k in pairs}
     inv_share: dict[str, list[float]] = {m: [] for m in args.models}
-    keys = list(pairs)
-    for rep in range(args.repeats):
-        for j in range(len(keys)):
-            key = keys[(rep + j) % len(keys)]
-            fn, pre = pairs[key]
+
+    def block(key: tuple[str, str]) -> Callable[[], None]:
+        fn, pre = pairs[key]
+
+        def run_block() -> None:
             inv = 0.0
-            t0 = time.perf_counter()
             for _ in range(args.steps):
                 fn()
                 inv += pre.timer.last["inverse_compute"]
-            dt = (time.perf_counter() - t0) / args.steps
-            times[key].append(dt)
             if key[1] == "sync":
-                inv_share[key[0]].append(inv / args.steps / dt)
-        print(f"repeat {rep + 1}/{args.repeats} done", file=sys.stderr)
+                inv_share[key[0]].append(inv / args.steps)  # seconds per step; a share below
+        return run_block
+
+    raw = interleave({k: block(k) for k in pairs}, args.reps)
+    times = {k: [t / args.steps for t in ts] for k, ts in raw.items()}
+    inv_share = {m: [s / t for s, t in zip(v, times[(m, "sync")])] for m, v in inv_share.items()}
     rows = []
     for m in args.models:
         sync, asyn = times[(m, "sync")], times[(m, "async")]
@@ -107,24 +116,25 @@ def run(args: argparse.Namespace) -> dict:
                 "ratio_min": min(ratios) if mode == "async" else float("nan"),
                 "ratio_max": max(ratios) if mode == "async" else float("nan"),
             })
-    return {"rows": rows, "env": env_info(), "args": vars(args), "target": TARGET}
+    return {"rows": rows, "env": env_info(), "args": {"repeats": args.reps, **vars(args)}, "target": TARGET}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    p = bench_parser(__doc__, out="folder for async_inverses.json (default: print only)", reps=7,
+                     reps_flags=("--repeats", "--reps"))
     p.add_argument("--models", nargs="+", default=["mlp", "cnn"], choices=["mlp", "cnn"])
-    p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--steps", type=int, default=10, help="steps per timed block")
-    p.add_argument("--out", default=None, help="folder for async_inverses.json (default: print only)")
-    args = p.parse_args()
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps of each pair first")
+    p.add_argument("--width", type=int, default=512, help="the mlp's width")
+    args = parse(p, argv, quick={"models": ["mlp"], "reps": 2, "steps": 2, "warmup": 1, "width": 128})
     if len(os.sched_getaffinity(0)) < 2:
         sys.exit("needs at least 2 usable cores (the worker thread runs on the second)")
     result = run(args)
-    print(format_table(result["rows"], [
+    print_table(result["rows"], [
         ("model", "model", "s"), ("mode", "inverses", "s"), ("median_ms", "median ms/step", ".1f"),
         ("min_ms", "min", ".1f"), ("max_ms", "max", ".1f"), ("inv_share", "inversion share", ".2f"),
         ("ratio", "async/sync", ".3f"), ("ratio_min", "per-repeat min", ".3f"),
-        ("ratio_max", "per-repeat max", ".3f")]))
+        ("ratio_max", "per-repeat max", ".3f")])
     for row in result["rows"]:
         if row["mode"] == "async":
             share = next(r["inv_share"] for r in result["rows"] if r["model"] == row["model"] and r["mode"] == "sync")
@@ -132,9 +142,7 @@ def main() -> None:
             note = "" if share >= 1 / 3 else " (inversion share below 1/3: outside the target's setting)"
             print(f"{row['model']}: async/sync {row['ratio']:.3f} (target <= {TARGET}) {verdict}{note}")
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        write_json(os.path.join(args.out, "async_inverses.json"), result)
-        print(f"wrote {os.path.join(args.out, 'async_inverses.json')}")
+        save_json(args.out, "async_inverses.json", result)
 
 
 if __name__ == "__main__":

@@ -5,82 +5,60 @@ Run ``python benchmarks/async_placement.py`` (about 30 s; ``--worlds 8,64``). ``
 phase, where inversions and broadcasts start together after the gradient all-reduce. With async inverses
 (``spd-async``) the inversions come before the next forward and their broadcasts use the channel while it
 is idle during forward/backward, so that choice is no longer the best one. This script keeps
-``lbp_channel``'s candidates (the ``k`` largest factors by owner cost owned, assigned by LPT, the rest
-replicated; ``k = 0 .. F``) and picks ``k`` by the simulated async period instead. Since issue 19 this is
+``lbp_channel``'s candidates (``owned_prefix_candidates``: the ``k`` largest factors by owner cost owned,
+assigned by LPT, the rest replicated; ``k = 0 .. F``) and picks ``k`` by the simulated async period instead. Since issue 19 this is
 ``spd-async``'s own placement in the simulator (``simulate.async_plan``); the ``spd-async`` column here is
 ``spd-async-sync-placement``, the runtime's lbp_channel placement. The runtime has no such planner.
-Prints a table and writes nothing.
+Prints a table; ``--out DIR`` also writes DIR/async_placement.json; ``--quick``: ResNet-50 at 8 GPUs.
 """
 
 from __future__ import annotations
 
-import argparse
-import heapq
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from lightning_spdkfac.factor_shapes import ShapeLike  # noqa: E402
-from lightning_spdkfac.schedule import REPLICATED, Placement  # noqa: E402
-from lightning_spdkfac.schedule.placement import message_bytes  # noqa: E402
+from _common import bench_parser, parse, print_table, save_json  # noqa: E402
+
+from lightning_spdkfac.schedule.placement import owned_prefix_candidates  # noqa: E402
 from lightning_spdkfac.simulate import Cluster, Workload, simulate  # noqa: E402
 from lightning_spdkfac.simulate.paper import PAPER_WORLD, paper_case  # noqa: E402
 
 MODELS = ("resnet50", "resnet152", "densenet201", "inception_v4")
 
 
-def candidates(sides: Sequence[ShapeLike], cluster: Cluster) -> list[tuple[int, Placement]]:
-    """``(k, placement)`` for k = 0 .. F: the k largest factors by owner cost (inversion + broadcast) owned,
-    each on the least-loaded rank so far (LPT, ties to the lower rank), the rest replicated."""
-    world = cluster.world_size
-    inv = [cluster.inverse.time_of(n) for n in sides]
-    cost = [t + cluster.broadcast.time(message_bytes(n)) for t, n in zip(inv, sides)]
-    order = sorted(range(len(sides)), key=lambda i: (-cost[i], i))
-    heap = [(0.0, r) for r in range(world)]
-    rank_of = {}
-    for i in order:
-        load, r = heapq.heappop(heap)
-        rank_of[i] = r
-        heapq.heappush(heap, (load + cost[i], r))
-    out = []
-    for k in range(len(order) + 1):
-        owners = [REPLICATED] * len(sides)
-        for i in order[:k]:
-            owners[i] = rank_of[i]
-        replicated = sum(t for t, o in zip(inv, owners) if o == REPLICATED)
-        load = [replicated] * world
-        for i in order[:k]:
-            load[rank_of[i]] += cost[i]
-        out.append((k, Placement(tuple(owners), "lbp_channel", tuple(load))))
-    return out
-
-
 def best_async(work: Workload, cluster: Cluster) -> tuple[float, int]:
     """The shortest spd-async period over the candidates, and its k."""
     sides = simulate(work, cluster, "spd", rank_events=0).extra["sides"]
     runs = [(simulate(work, cluster, "spd-async", rank_events=0, placement=p).total, k)
-            for k, p in candidates(sides, cluster)]
+            for k, p in enumerate(owned_prefix_candidates(sides, cluster.world_size, cluster.inverse, cluster.broadcast))]
     return min(runs)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = bench_parser(__doc__, out="folder for async_placement.json (default: print only)")
     ap.add_argument("--worlds", default=str(PAPER_WORLD), help="comma-separated GPU counts (default 64)")
-    args = ap.parse_args(argv)
-    worlds = [int(w) for w in args.worlds.split(",")]
-    print(f"{'model':>13s} {'P':>5s} {'spd':>7s} {'spd-async':>9s} {'planned':>7s} {'k/F':>8s} {'bound':>7s}")
-    for name in MODELS:
+    ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
+    args = parse(ap, argv, quick={"worlds": "8", "models": "resnet50"})
+    rows = []
+    for name in args.models.split(","):
         case = paper_case(name)
-        for p in worlds:
+        for p in (int(w) for w in args.worlds.split(",")):
             work, cluster = (case.workload, case.cluster) if p == PAPER_WORLD else case.at_world(p)
             spd, spd_async = (simulate(work, cluster, s, rank_events=0) for s in ("spd", "spd-async-sync-placement"))
             period, k = best_async(work, cluster)
-            print(f"{name:>13s} {p:5d} {spd.total:7.3f} {spd_async.total:9.3f} {period:7.3f} "
-                  f"{f'{k}/{len(spd.order)}':>8s} {spd_async.lower_bound:7.3f}")
+            rows.append({"model": name, "P": p, "spd": spd.total, "spd-async": spd_async.total, "planned": period,
+                         "k/F": f"{k}/{len(spd.order)}", "bound": spd_async.lower_bound})
+    print_table(rows, [("model", "model", "s"), ("P", "P", "d"), ("spd", "spd", ".3f"),
+                       ("spd-async", "spd-async", ".3f"), ("planned", "planned", ".3f"), ("k/F", "k/F", "s"),
+                       ("bound", "bound", ".3f")])
     print("planned: spd-async with the lbp_channel candidate of shortest async period (k factors owned of F); "
           "bound: Timeline.lower_bound of spd-async")
+    if args.out:
+        save_json(args.out, "async_placement.json", {"args": vars(args), "rows": rows})
     return 0
 
 

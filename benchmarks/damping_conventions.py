@@ -17,12 +17,12 @@ on the workloads of benchmarks/time_to_accuracy.py. The conventions (docs/math.m
 - ``eigen``: ``inverse_method="eigen"``, the exact damping 1/(d_A d_G + lambda) in the factors' eigenbases.
 
 The conventions other than ``pi`` are installed by replacing ``KFACPreconditioner._factor_dampings``
-(the one place the split is decided) in this process. Prints only; nothing is written.
+(the one place the split is decided) in this process. Prints the lines; ``--out DIR`` also writes them to
+DIR/damping_conventions.jsonl. ``--quick``: digits-sgd, pi, damping 1e-3, one epoch.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import math
@@ -30,11 +30,13 @@ import os
 import sys
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import time_to_accuracy as tta  # noqa: E402
+from _common import Progress, bench_parser, parse, set_threads  # noqa: E402
 
 from lightning_spdkfac.kfac.layer_state import KFACLayer  # noqa: E402
 from lightning_spdkfac.kfac.preconditioner import KFACPreconditioner  # noqa: E402
@@ -77,35 +79,49 @@ CASES = {"digits-sgd": ("digits", "sgd", 0.05, 8), "digits-adamw": ("digits", "a
          "autoencoder-adamw": ("autoencoder", "adamw", 0.003, 30)}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    p = bench_parser(__doc__, out="folder for damping_conventions.jsonl (default: print only)", threads=1)
     p.add_argument("--conventions", default=",".join(CONVENTIONS))
     p.add_argument("--cases", default=",".join(CASES))
     p.add_argument("--dampings", default="1e-4,1e-3,1e-2,1e-1")
     p.add_argument("--seeds", default="0")
-    args = p.parse_args()
-    torch.set_num_threads(1)
+    p.add_argument("--epochs", type=int, default=None, help="epochs of every case (default: the case's own)")
+    args = parse(p, argv, quick={"conventions": "pi", "cases": "digits-sgd", "dampings": "1e-3", "epochs": 1})
+    set_threads(args.threads)
     warnings.filterwarnings("ignore")
     for name in ("pytorch_lightning", "lightning_fabric", "lightning_spdkfac"):
         logging.getLogger(name).setLevel(logging.ERROR)
     seeds = [int(s) for s in args.seeds.split(",")]
-    for case in args.cases.split(","):
-        workload, opt, lr, epochs = CASES[case]
-        for conv in args.conventions.split(","):
-            KFACPreconditioner._factor_dampings = staticmethod(CONVENTIONS[conv])  # type: ignore[method-assign]
-            for damping in (float(d) for d in args.dampings.split(",")):
-                kfac = {"damping": damping, "log_step_time": False}
-                if conv == "eigen":
-                    kfac["inverse_method"] = "eigen"
-                runs = [tta.run_one(tta.WORKLOADS[workload], opt, lr, seed, epochs, kfac) for seed in seeds]
-                print(json.dumps({
-                    "case": case, "convention": conv, "damping": damping,
-                    "seconds_to_target": [r["seconds_to_target"] for r in runs],
-                    "epoch_to_target": [r["epoch_to_target"] for r in runs],
-                    "final_metric": [round(r["final_metric"], 4) for r in runs],
-                    "diverged": [r["diverged"] for r in runs],
-                }), flush=True)
-    KFACPreconditioner._factor_dampings = staticmethod(PI)  # type: ignore[method-assign]
+    dampings = [float(d) for d in args.dampings.split(",")]
+    cases, conventions = args.cases.split(","), args.conventions.split(",")
+    lines: list[str] = []
+    bar = Progress(len(cases) * len(conventions) * len(dampings), "run")
+    try:
+        for case in cases:
+            workload, opt, lr, epochs = CASES[case]
+            for conv in conventions:
+                KFACPreconditioner._factor_dampings = staticmethod(CONVENTIONS[conv])  # type: ignore[method-assign]
+                for damping in dampings:
+                    kfac = {"damping": damping, "log_step_time": False}
+                    if conv == "eigen":
+                        kfac["inverse_method"] = "eigen"
+                    runs = [tta.run_one(tta.WORKLOADS[workload], opt, lr, seed, args.epochs or epochs, kfac)
+                            for seed in seeds]
+                    lines.append(json.dumps({
+                        "case": case, "convention": conv, "damping": damping,
+                        "seconds_to_target": [r["seconds_to_target"] for r in runs],
+                        "epoch_to_target": [r["epoch_to_target"] for r in runs],
+                        "final_metric": [round(r["final_metric"], 4) for r in runs],
+                        "diverged": [r["diverged"] for r in runs],
+                    }))
+                    print(lines[-1], flush=True)
+                    bar.tick()
+    finally:
+        KFACPreconditioner._factor_dampings = staticmethod(PI)  # type: ignore[method-assign]
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        Path(args.out, "damping_conventions.jsonl").write_text("".join(line + "\n" for line in lines))
+        print(f"wrote {Path(args.out, 'damping_conventions.jsonl')}")
 
 
 if __name__ == "__main__":

@@ -17,18 +17,28 @@ so every K-FAC block holds exactly one inverse step. Reported: the median per-st
 ratios to SGD, the FLOP floor of each (the step's multiply-adds with K-FAC over those without: what the
 ratio would be if K-FAC's matrix products ran at the model's own FLOP rate), the K-FAC overhead (median minus SGD's median) of each and their ratio, and the mean
 per-step time of K-FAC's own phases (``pre.timer``: factor statistics in the hooks, factor update,
-inversion amortized over the block, preconditioning).
+inversion amortized over the block, preconditioning). ``--out DIR`` also writes DIR/factor_approx.json;
+``--quick``: 2 blocks of 2 steps at batch 8 (seconds).
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
 import math
-import statistics
 
 import torch
-from _common import env_info, format_table, interleaved_blocks, set_seed
+from _common import (
+    bench_parser,
+    env_info,
+    interleaved_blocks,
+    parse,
+    print_table,
+    random_batches,
+    save_json,
+    set_seed,
+    set_threads,
+    spread,
+)
 from overhead import Runner as OverheadRunner
 
 from lightning_spdkfac.demo.cifar import ResNetCIFAR
@@ -98,12 +108,11 @@ def flop_floor(model: torch.nn.Module, x: torch.Tensor, approx: str, factor_ever
     return (base + kfac) / base
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    p = bench_parser(__doc__.split("\n\n")[0], threads=1, seed=0,
+                     out="folder for factor_approx.json (default: print only)")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--blocks", type=int, default=1, help="basic blocks per ResNet stage (1: ResNet-8, 3: ResNet-20)")
-    p.add_argument("--threads", type=int, default=1)
     p.add_argument("--factor-update-steps", type=int, default=1)
     p.add_argument("--inv-update-steps", type=int, default=10)
     p.add_argument("--defaults", action="store_true",
@@ -112,18 +121,17 @@ def main() -> None:
     p.add_argument("--blocks-timed", type=int, default=15, help="interleaved blocks of each variant")
     p.add_argument("--n-batches", type=int, default=4)
     p.add_argument("--lr", type=float, default=0.01)
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args()
+    p.set_defaults(device="cpu")  # overhead.Runner's device (a CPU benchmark)
+    args = parse(p, argv, quick={"batch": 8, "inv_update_steps": 2, "warmup": 1, "blocks_timed": 2, "n_batches": 1})
     if args.defaults:
         d = KFACOptions()
         args.factor_update_steps, args.inv_update_steps = d.factor_update_steps, d.inv_update_steps
 
-    torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     set_seed(args.seed)
     base = ResNetCIFAR(blocks=(args.blocks,) * 3)
     g = torch.Generator().manual_seed(args.seed + 1)
-    data = [(torch.randn(args.batch, 3, 32, 32, generator=g), torch.randint(0, 10, (args.batch,), generator=g))
-            for _ in range(args.n_batches)]
+    data = random_batches(g, args.n_batches, args.batch, 3, 32, 32)
     runners = {v: Runner(copy.deepcopy(base), data, args, None if v == "sgd" else v) for v in VARIANTS}
     floors = {v: 1.0 if v == "sgd" else flop_floor(copy.deepcopy(base), data[0][0], v, args.factor_update_steps,
                                                    args.inv_update_steps) for v in VARIANTS}
@@ -134,7 +142,7 @@ def main() -> None:
             r.step()
     for r in runners.values():
         r.reset_phases()
-    times = interleaved_blocks({v: r.step for v, r in runners.items()}, args.blocks_timed, k)
+    times = interleaved_blocks({v: r.step for v, r in runners.items()}, args.blocks_timed, k, progress=True)
 
     env = env_info()
     print(f"ResNetCIFAR(blocks={args.blocks}) batch {args.batch} x 3x32x32, {env['threads']} thread(s), "
@@ -143,28 +151,30 @@ def main() -> None:
     assert pre is not None
     print(f"{len(pre.layers)} K-FAC layers; factors every {args.factor_update_steps} step(s), inverses every {k} steps; "
           f"median of {args.blocks_timed} interleaved blocks of {k} steps")
-    med = {v: statistics.median(t) * 1e3 for v, t in times.items()}
-    q = {v: statistics.quantiles(t, n=4, method="inclusive") for v, t in times.items()}
+    ms = {v: spread(t, 1e3) for v, t in times.items()}
+    med = {v: s["median"] for v, s in ms.items()}
     rows = []
     for v in VARIANTS:
         r = runners[v]
-        row = {"variant": v, "ms": med[v], "q1": q[v][0] * 1e3, "q3": q[v][2] * 1e3,
+        row = {"variant": v, "ms": med[v], "q1": ms[v]["q1"], "q3": ms[v]["q3"],
                "vs_sgd": med[v] / med["sgd"], "floor": floors[v], "overhead": med[v] - med["sgd"], "loss": r.loss}
         for ph in SHOWN_PHASES:
             row[ph] = r.phases[ph] / r.steps * 1e3 if r.pre is not None and r.steps else None
         rows.append(row)
-    print(format_table(rows, [
+    print_table(rows, [
         ("variant", "variant", ""), ("ms", "ms/step", ".1f"), ("q1", "q1", ".1f"), ("q3", "q3", ".1f"),
         ("vs_sgd", "x SGD", ".2f"), ("floor", "FLOP floor", ".2f"), ("overhead", "K-FAC ms", ".1f"),
         ("factor_compute", "hooks ms", ".1f"), ("factor_update", "update ms", ".2f"),
         ("inverse_compute", "inverse ms", ".2f"), ("precondition", "precond ms", ".2f"), ("loss", "last loss", ".3f"),
-    ]))
+    ])
     over_e, over_r = med["expand"] - med["sgd"], med["reduce"] - med["sgd"]
     print(f"expand / reduce step time: {med['expand'] / med['reduce']:.2f}x; "
           f"K-FAC overhead expand / reduce: {over_e / over_r:.2f}x" if over_r > 0 else
           f"expand / reduce step time: {med['expand'] / med['reduce']:.2f}x; reduce overhead <= 0 (noise)")
     hooks_e, hooks_r = (runners[v].phases["factor_compute"] / runners[v].steps for v in ("expand", "reduce"))
     print(f"factor statistics in the hooks, expand / reduce: {hooks_e / hooks_r:.1f}x")
+    if args.out:
+        save_json(args.out, "factor_approx.json", {"env": env, "args": vars(args), "rows": rows, "per_block_s": times})
     if not all(math.isfinite(r.loss) for r in runners.values()):
         raise SystemExit("a run diverged (non-finite loss): the timings are not of a healthy run")
 

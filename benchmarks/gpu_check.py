@@ -42,7 +42,6 @@ import contextlib
 import io
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -58,7 +57,7 @@ from torch import nn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from _common import REPO, env_info, format_table, fresh_run_dir, write_json  # noqa: E402
+from _common import REPO, env_info, format_table, fresh_run_dir, spread, write_json  # noqa: E402
 
 from lightning_spdkfac import KFACPreconditioner  # noqa: E402
 
@@ -253,13 +252,6 @@ class Runner:
         return out
 
 
-def _quartiles(xs: list[float]) -> tuple[float, float]:
-    if len(xs) < 2:
-        return xs[0], xs[0]
-    q = statistics.quantiles(xs, n=4, method="inclusive")
-    return q[0], q[2]
-
-
 def bench_workload(name: str, args: argparse.Namespace, deadline: float) -> dict:
     """Interleaved blocks of every configuration until ``--rounds`` rounds or the deadline (at least 2 rounds
     when time allows); per-config medians and the ratios."""
@@ -291,8 +283,8 @@ def bench_workload(name: str, args: argparse.Namespace, deadline: float) -> dict
         last_round = time.monotonic() - r0
     configs = {}
     for c, ts in times.items():
-        q1, q3 = _quartiles(ts)
-        configs[c] = {"median_ms": 1e3 * statistics.median(ts), "q1_ms": 1e3 * q1, "q3_ms": 1e3 * q3,
+        ms = spread(ts, 1e3)
+        configs[c] = {"median_ms": ms["median"], "q1_ms": ms["q1"], "q3_ms": ms["q3"],
                       "blocks": len(ts), "steps_per_block": block_steps[c], **runners[c].facts()}
     med = {c: v["median_ms"] for c, v in configs.items()}
     ratios = {f"{a}/{b}": med[a] / med[b] for a, b in (

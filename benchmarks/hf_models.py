@@ -25,7 +25,6 @@ Three measurements (issue 26), each printed and written to a fresh folder (``res
 
 from __future__ import annotations
 
-import argparse
 import os
 import resource
 import statistics
@@ -37,7 +36,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import env_info, fresh_run_dir, write_json  # noqa: E402
+from _common import bench_parser, env_info, interleave, out_dir, parse, save_json, set_threads, spread  # noqa: E402
 
 from lightning_spdkfac.factor_shapes import FactorShape, numel  # noqa: E402
 from lightning_spdkfac.kfac.preconditioner import KFACPreconditioner  # noqa: E402
@@ -213,11 +212,12 @@ def _kfac_flops(pre: KFACPreconditioner, rows: int) -> dict[str, float]:
     return {"precondition": p, "factors": f, "inverses": i}
 
 
-def step_time(reps: int, batch: int, tokens: int, layers: int) -> dict:
+def step_time(reps: int, batch: int, tokens: int, layers: int, width: int = 768, vocab: int = 50257) -> dict:
     tf = _tf()
-    torch.set_num_threads(1)
+    set_threads(1)
     torch.manual_seed(0)
-    cfg = tf.GPT2Config(n_layer=layers, n_embd=768, n_head=12, n_positions=max(tokens, 64))
+    cfg = tf.GPT2Config(n_layer=layers, n_embd=width, n_head=width // 64, n_positions=max(tokens, 64),
+                        vocab_size=vocab)
     ids = torch.randint(0, cfg.vocab_size, (batch, tokens))
     data = dict(input_ids=ids, labels=ids)
     base = tf.GPT2LMHeadModel(cfg)
@@ -249,14 +249,8 @@ def step_time(reps: int, batch: int, tokens: int, layers: int) -> dict:
     kinds["kfac_inverse"]()  # K-FAC's first factors and inverses, and a warm-up of every kind
     for fn in kinds.values():
         fn()
-    times: dict[str, list[float]] = {k: [] for k in kinds}
-    for r in range(reps):
-        for name, fn in kinds.items():
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
-        print(f"  rep {r + 1}/{reps}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in times.items()), flush=True)
-    med = {k: statistics.median(v) for k, v in times.items()}
+    times = interleave(kinds, reps, order="fixed", label="  rep")
+    med = {k: spread(v)["median"] for k, v in times.items()}
     period = o.inv_update_steps
     n_factor = period // o.factor_update_steps
     amortized = ((period - n_factor) * med["kfac_plain"] + (n_factor - 1) * med["kfac_factor"]
@@ -268,7 +262,7 @@ def step_time(reps: int, batch: int, tokens: int, layers: int) -> dict:
     out = dict(median_s=med, spread_s={k: [min(v), max(v)] for k, v in times.items()}, amortized_kfac_s=amortized,
                ratio=amortized / med["adamw"], adamw_flops=base_flops, kfac_flops=kfac_flops, kfac_added=added,
                batch=batch, tokens=tokens, layers=layers, reps=reps, threads=torch.get_num_threads())
-    print(f"GPT-2 width 768, {layers} layers, batch {batch} x {tokens} tokens, 1 thread, {reps} interleaved reps:")
+    print(f"GPT-2 width {width}, {layers} layers, batch {batch} x {tokens} tokens, 1 thread, {reps} interleaved reps:")
     for k, v in times.items():
         print(f"  {k:13s} median {med[k]:.2f} s (min {min(v):.2f}, max {max(v):.2f})")
     print(f"  K-FAC at the defaults, amortized: {amortized:.2f} s = {out['ratio']:.2f}x the AdamW step "
@@ -304,15 +298,12 @@ def max_side(sides: list[int]) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = bench_parser(__doc__.split("\n\n")[0], reps=5,
+                     quick="a smoke run: two models, a 128-wide GPT-2 of one layer for the step time")
     p.add_argument("--only", choices=["coverage", "gpt2-small", "step-time", "max-side"], action="append")
-    p.add_argument("--quick", action="store_true", help="a smoke run: two models, tiny step-time shapes")
-    p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--out", default=None, help="result folder (default: a fresh one under benchmarks/results)")
-    args = p.parse_args(argv)
+    args = parse(p, argv)
     only = args.only or ["coverage", "gpt2-small", "step-time"]
-    out_dir = args.out or fresh_run_dir("hf_models")
-    os.makedirs(out_dir, exist_ok=True)
+    folder = out_dir(args, "hf_models")
     results: dict = {"env": env_info(), "quick": args.quick}
     if "coverage" in only:
         results["coverage"] = coverage(["gpt2", "convnext"] if args.quick else list(MODELS))
@@ -321,10 +312,9 @@ def main(argv: list[str] | None = None) -> None:
     if "max-side" in only:
         results["max_side"] = max_side([512, 1024] if args.quick else [1024, 2048, 4096, 4608, 8192])
     if "step-time" in only:
-        results["step_time"] = (step_time(1, 1, 16, 1) if args.quick
+        results["step_time"] = (step_time(1, 1, 16, 1, width=128, vocab=1000) if args.quick
                                 else step_time(args.reps, 8, 256, 2))
-    write_json(os.path.join(out_dir, "results.json"), results)
-    print(f"wrote {os.path.join(out_dir, 'results.json')}")
+    save_json(folder, "results.json", results)
 
 
 if __name__ == "__main__":

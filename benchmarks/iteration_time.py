@@ -89,7 +89,19 @@ import traceback
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _common import env_info, format_table, fresh_run_dir, write_json
+from _common import (
+    bench_parser,
+    env_info,
+    fresh_run_dir,
+    interleave,
+    parse,
+    print_table,
+    pyplot,
+    random_batches,
+    save_png,
+    summarize,
+    write_json,
+)
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -188,11 +200,7 @@ def make_model(seed: int) -> nn.Module:
 
 
 def make_data(rank: int, batch: int, n_batches: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(seed * 1000 + 17 + rank)
-    return [
-        (torch.randn(batch, 3, 32, 32, generator=g), torch.randint(0, 10, (batch,), generator=g))
-        for _ in range(n_batches)
-    ]
+    return random_batches(torch.Generator().manual_seed(seed * 1000 + 17 + rank), n_batches, batch, 3, 32, 32)
 
 
 def _deepspeed_available() -> bool:
@@ -392,7 +400,6 @@ def worker(rank: int, world: int, cfg: dict) -> dict:
     data = make_data(rank, cfg["batch"], cfg["n_batches"], cfg["seed"])
     group = dist.new_group()  # K-FAC's own collectives never interleave with DDP's
     out: dict = {"inv": {}}
-    t_start = time.perf_counter()
     for inv in cfg["inv_update_steps"]:
         warmup = -(-max(cfg["warmup"], cfg["profile_steps"][1] + 2) // inv) * inv
         block = -(-cfg["steps"] // inv) * inv
@@ -425,23 +432,19 @@ def worker(rank: int, world: int, cfg: dict) -> dict:
             f"timing {cfg['blocks']} rounds x {block} steps",
         )
         records: dict[str, list[list[list[float]]]] = {name: [] for name in runners}
-        names = list(runners)
-        gc.collect()
-        for b in range(cfg["blocks"]):
-            tb = time.perf_counter()
-            for j in range(len(names)):
-                name = names[(b + j) % len(names)]
-                r = runners[name]
+
+        def timed_block(r: Runner, into: list, steps: int):
+            def run_block() -> None:
                 recs = []
-                for _ in range(block):
+                for _ in range(steps):
                     dist.barrier()
                     recs.append(r.step())
-                records[name].append(recs)
-            _say(
-                rank,
-                f"  round {b + 1}/{cfg['blocks']}: {time.perf_counter() - tb:.1f} s "
-                f"(elapsed {time.perf_counter() - t_start:.0f} s)",
-            )
+                into.append(recs)
+            return run_block
+
+        # one block per configuration per round, the order rotating from round to round
+        interleave({name: timed_block(r, records[name], block) for name, r in runners.items()}, cfg["blocks"],
+                   label="  round", progress=rank == 0)
         comm = {name: standalone_comm(p, group, cfg["comm_repeats"]) for name, p in plans.items()}
         out["inv"][inv] = {
             "seconds": {
@@ -472,13 +475,6 @@ def worker(rank: int, world: int, cfg: dict) -> dict:
 # ------------------------------------------------------------------------------ aggregation
 def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
-
-
-def _quartiles(xs: list[float]) -> tuple[float, float]:
-    if len(xs) < 2:
-        return xs[0], xs[0]
-    q = statistics.quantiles(xs, n=4, method="inclusive")
-    return q[0], q[2]
 
 
 def segments(v: dict[str, float], iter_max: float) -> dict[str, float]:
@@ -517,14 +513,13 @@ def aggregate(per_rank: list[list[list[list[float]]]]) -> dict:
         rmax = {f: statistics.fmean(max(rec[k[f]] for rec in st) for st in steps) for f in FIELDS}
         blocks.append({"iter_max": iter_max, "mean": mean, "max": rmax, "segments": segments(mean, iter_max)})
     iters = [1e3 * b["iter_max"] for b in blocks]
-    q1, q3 = _quartiles(iters)
-    third = max(1, len(iters) // 3)
+    s = summarize(iters)
     return {
-        "iter_ms": _median(iters),
-        "iter_q1_ms": q1,
-        "iter_q3_ms": q3,
-        "iter_min_ms": min(iters),
-        "drift": _median(iters[-third:]) / _median(iters[:third]),
+        "iter_ms": s["median_s"],
+        "iter_q1_ms": s["q1_s"],
+        "iter_q3_ms": s["q3_s"],
+        "iter_min_ms": s["min_s"],
+        "drift": s["drift"],
         "iter_per_block_ms": iters,
         "segments_ms": {s: _median([1e3 * b["segments"][s] for b in blocks]) for s in SEGMENTS},
         "phases_rank_mean_ms": {f: _median([1e3 * b["mean"][f] for b in blocks]) for f in FIELDS},
@@ -550,9 +545,8 @@ def analyse(results: list[dict], args) -> dict:
             a["factor_comm_inflight_ms"] = p["factor_comm_inflight"]
             alone = rs[0]["standalone_comm"].get(name)
             if alone:  # rank-max per repeat, median over repeats
-                a["factor_comm_standalone_ms"] = 1e3 * _median(
-                    [max(r["standalone_comm"][name][i] for r in rs) for i in range(len(alone))]
-                )
+                a["factor_comm_standalone_ms"] = 1e3 * _median([max(r["standalone_comm"][name][i] for r in rs)
+                                                                 for i in range(len(alone))])
             else:
                 a["factor_comm_standalone_ms"] = None
             pu = [r["pack_unpack"].get(name) for r in rs]
@@ -568,21 +562,15 @@ def analyse(results: list[dict], args) -> dict:
             for other in ("dkfac", "mpd"):
                 if other in configs:
                     ratios[f"spd/{other}"] = spd["iter_ms"] / configs[other]["iter_ms"]
-                    ratios[f"spd/{other} (min over rounds)"] = (
-                        spd["iter_min_ms"] / configs[other]["iter_min_ms"]
-                    )
+                    ratios[f"spd/{other} (min over rounds)"] = spd["iter_min_ms"] / configs[other]["iter_min_ms"]
+            exposed = spd["factor_comm_exposed_ms"]
             if spd["factor_comm_standalone_ms"]:
-                ratios["spd exposed/total factor comm"] = (
-                    spd["factor_comm_exposed_ms"] / spd["factor_comm_standalone_ms"]
-                )
+                ratios["spd exposed/total factor comm"] = exposed / spd["factor_comm_standalone_ms"]
             if spd["factor_comm_inflight_ms"] > 0:
-                ratios["spd exposed/inflight factor comm"] = (
-                    spd["factor_comm_exposed_ms"] / spd["factor_comm_inflight_ms"]
-                )
+                ratios["spd exposed/inflight factor comm"] = exposed / spd["factor_comm_inflight_ms"]
             if "spd-no-pipe" in configs and configs["spd-no-pipe"]["factor_comm_exposed_ms"] > 0:
                 ratios["spd exposed / spd-no-pipe exposed factor comm"] = (
-                    spd["factor_comm_exposed_ms"] / configs["spd-no-pipe"]["factor_comm_exposed_ms"]
-                )
+                    exposed / configs["spd-no-pipe"]["factor_comm_exposed_ms"])
         fastest_fixed = {}
         for auto, fixed in AUTO_FIXED.items():  # schedule="auto" against the fastest fixed schedule it could pick
             present = [n for n in fixed if n in configs]
@@ -605,25 +593,14 @@ def analyse(results: list[dict], args) -> dict:
         world = args.world_size
         if "dkfac" in configs:
             d = configs["dkfac"]
-            bounds["spd/dkfac"] = (
-                1
-                - (d["segments_ms"]["FactorComm"] + (1 - 1 / world) * d["segments_ms"]["InvComp"])
-                / d["iter_ms"]
-            )
+            bounds["spd/dkfac"] = 1 - (d["segments_ms"]["FactorComm"]
+                                       + (1 - 1 / world) * d["segments_ms"]["InvComp"]) / d["iter_ms"]
         if "mpd" in configs:
             m = configs["mpd"]
-            bounds["spd/mpd"] = (
-                1 - (m["segments_ms"]["FactorComm"] + m["segments_ms"]["InvComm"]) / m["iter_ms"]
-            )
-        targets = {
-            name: {
-                "value": ratios.get(name),
-                "target": t,
-                "pass": None if ratios.get(name) is None else ratios[name] <= t,
-                "ideal_schedule_bound": bounds.get(name),
-            }
-            for name, t in TARGETS
-        }
+            bounds["spd/mpd"] = 1 - (m["segments_ms"]["FactorComm"] + m["segments_ms"]["InvComm"]) / m["iter_ms"]
+        targets = {name: {"value": ratios.get(name), "target": t,
+                          "pass": None if ratios.get(name) is None else ratios[name] <= t,
+                          "ideal_schedule_bound": bounds.get(name)} for name, t in TARGETS}
         out[inv] = {
             "warmup_steps": rs[0]["warmup"],
             "block_steps": rs[0]["block"],
@@ -640,48 +617,19 @@ def analyse(results: list[dict], args) -> dict:
 # ------------------------------------------------------------------------------ output
 def print_report(res: dict, args) -> None:
     for inv, r in res.items():
-        print(
-            f"\n== inv_update_steps={inv}, factor_update_steps=1: {args.world_size} ranks x {args.threads} "
-            f"thread(s), batch {args.batch}/rank, {args.blocks} rounds x {r['block_steps']} steps, "
-            f"warm-up {r['warmup_steps']} =="
-        )
-        rows = []
-        for name, a in r["configs"].items():
-            row = {
-                "config": name,
-                "iter": a["iter_ms"],
-                "iqr": f"{a['iter_q1_ms']:.1f}-{a['iter_q3_ms']:.1f}",
-                "min": a["iter_min_ms"],
-                "x_sgd": a["x_sgd"],
-                "inflight": a["factor_comm_inflight_ms"],
-                "alone": a["factor_comm_standalone_ms"],
-            }
-            row.update(a["segments_ms"])
-            rows.append(row)
-        print(
-            format_table(
-                rows,
-                [
-                    ("config", "config", "s"),
-                    ("iter", "iter ms", ".1f"),
-                    ("iqr", "IQR", "s"),
-                    ("min", "min", ".1f"),
-                    ("x_sgd", "x sgd", ".2f"),
-                    ("FF&BP", "FF&BP", ".1f"),
-                    ("FactorComp", "FactorComp", ".1f"),
-                    ("FactorComm", "FComm exp", ".1f"),
-                    ("alone", "FComm tot", ".1f"),
-                    ("inflight", "FComm infl", ".1f"),
-                    ("FactorPack", "pack", ".1f"),
-                    ("InvComp", "InvComp", ".1f"),
-                    ("InvComm", "InvComm", ".1f"),
-                    ("Precond", "Precond", ".1f"),
-                    ("Opt", "Opt", ".1f"),
-                    ("KFACOther", "KFAC other", ".1f"),
-                    ("Skew", "skew", ".1f"),
-                ],
-            )
-        )
+        print(f"\n== inv_update_steps={inv}, factor_update_steps=1: {args.world_size} ranks x {args.threads} "
+              f"thread(s), batch {args.batch}/rank, {args.blocks} rounds x {r['block_steps']} steps, "
+              f"warm-up {r['warmup_steps']} ==")
+        rows = [{"config": name, "iter": a["iter_ms"], "iqr": f"{a['iter_q1_ms']:.1f}-{a['iter_q3_ms']:.1f}",
+                 "min": a["iter_min_ms"], "x_sgd": a["x_sgd"], "inflight": a["factor_comm_inflight_ms"],
+                 "alone": a["factor_comm_standalone_ms"], **a["segments_ms"]} for name, a in r["configs"].items()]
+        print_table(rows, [
+            ("config", "config", "s"), ("iter", "iter ms", ".1f"), ("iqr", "IQR", "s"), ("min", "min", ".1f"),
+            ("x_sgd", "x sgd", ".2f"), ("FF&BP", "FF&BP", ".1f"), ("FactorComp", "FactorComp", ".1f"),
+            ("FactorComm", "FComm exp", ".1f"), ("alone", "FComm tot", ".1f"), ("inflight", "FComm infl", ".1f"),
+            ("FactorPack", "pack", ".1f"), ("InvComp", "InvComp", ".1f"), ("InvComm", "InvComm", ".1f"),
+            ("Precond", "Precond", ".1f"), ("Opt", "Opt", ".1f"), ("KFACOther", "KFAC other", ".1f"),
+            ("Skew", "skew", ".1f")])
         print(
             "(iter: median over rounds of the block-mean rank-max iteration time; min: its fastest "
             "round, the least disturbed by other load on the machine; breakdown in ms: medians of "
@@ -695,60 +643,25 @@ def print_report(res: dict, args) -> None:
         noisy = [n for n, a in r["configs"].items() if a["iter_q3_ms"] - a["iter_q1_ms"] > 0.1 * a["iter_ms"]]
         if noisy:
             print(f"WARNING: noisy timings for {', '.join(noisy)} (IQR > 10% of the median)")
-        bad = [
-            n
-            for n, a in r["configs"].items()
-            if not all(math.isfinite(v) for v in a["final_loss"]) or any(a["skipped_factor_steps"])
-        ]
+        bad = [n for n, a in r["configs"].items()
+               if not all(math.isfinite(v) for v in a["final_loss"]) or any(a["skipped_factor_steps"])]
         if bad:
             print(f"WARNING: non-finite losses or skipped factor steps in {', '.join(bad)}")
-        abl = [
-            n for n in ("spd", "spd-no-pipe", "spd-no-dtf", "spd-no-lbp") + EXTRA_CONFIGS if n in r["configs"]
-        ]
+        abl = [n for n in ("spd", "spd-no-pipe", "spd-no-dtf", "spd-no-lbp") + EXTRA_CONFIGS if n in r["configs"]]
         if "spd" in abl and len(abl) > 1:
-            spd = r["configs"]["spd"]["iter_ms"]
-            rows = []
-            for n in abl:
-                a = r["configs"][n]
-                s = a["segments_ms"]
-                rows.append(
-                    {
-                        "config": n,
-                        "iter": a["iter_ms"],
-                        "vs_spd": a["iter_ms"] / spd,
-                        "exp": s["FactorComm"],
-                        "tot": a["factor_comm_standalone_ms"],
-                        "inv": s["InvComp"],
-                        "invmax": a["phases_rank_max_ms"]["inverse_compute"],
-                        "invc": s["InvComm"],
-                        "pack": a["pack_ms"],
-                        "unpack": a["unpack_ms"],
-                        "groups": len(r["plans"][n]["groups"]) if r["plans"] else None,
-                        "owned": sum(o >= 0 for o in r["plans"][n]["owners"].values())
-                        if r["plans"]
-                        else None,
-                    }
-                )
-            print("ablations:")
-            print(
-                format_table(
-                    rows,
-                    [
-                        ("config", "config", "s"),
-                        ("iter", "iter ms", ".1f"),
-                        ("vs_spd", "vs spd", ".2f"),
-                        ("exp", "FComm exp", ".1f"),
-                        ("tot", "FComm tot", ".1f"),
-                        ("inv", "InvComp", ".1f"),
-                        ("invmax", "InvComp rank-max", ".1f"),
-                        ("pack", "pack", ".1f"),
-                        ("unpack", "unpack", ".1f"),
-                        ("invc", "InvComm", ".1f"),
-                        ("groups", "fused groups", "d"),
-                        ("owned", "broadcast inverses", "d"),
-                    ],
-                )
-            )
+            spd, plans = r["configs"]["spd"]["iter_ms"], r["plans"]
+            rows = [{"config": n, "iter": a["iter_ms"], "vs_spd": a["iter_ms"] / spd, "exp": s["FactorComm"],
+                     "tot": a["factor_comm_standalone_ms"], "inv": s["InvComp"],
+                     "invmax": a["phases_rank_max_ms"]["inverse_compute"], "invc": s["InvComm"], "pack": a["pack_ms"],
+                     "unpack": a["unpack_ms"], "groups": len(plans[n]["groups"]) if plans else None,
+                     "owned": sum(o >= 0 for o in plans[n]["owners"].values()) if plans else None}
+                    for n in abl for a in [r["configs"][n]] for s in [a["segments_ms"]]]
+            print_table(rows, [
+                ("config", "config", "s"), ("iter", "iter ms", ".1f"), ("vs_spd", "vs spd", ".2f"),
+                ("exp", "FComm exp", ".1f"), ("tot", "FComm tot", ".1f"), ("inv", "InvComp", ".1f"),
+                ("invmax", "InvComp rank-max", ".1f"), ("pack", "pack", ".1f"), ("unpack", "unpack", ".1f"),
+                ("invc", "InvComm", ".1f"), ("groups", "fused groups", "d"), ("owned", "broadcast inverses", "d")],
+                title="ablations:")
         rt = r["ratios"]
         ds = {k: v for k, v in rt.items() if k.startswith("ds")}
         if ds:
@@ -781,14 +694,10 @@ def print_report(res: dict, args) -> None:
             else:
                 note = NOTES.get(name, "")
                 if t["ideal_schedule_bound"] is not None:
-                    note = (
-                        f"  (ratio of the fastest rounds {rt[name + ' (min over rounds)']:.3f}; a perfect "
-                        f"schedule would reach {t['ideal_schedule_bound']:.3f})"
-                    )
-                print(
-                    f"  {name:33s} {t['value']:.3f}  target <= {t['target']:.2f}  "
-                    f"{'PASS' if t['pass'] else 'MISS'}{note}"
-                )
+                    note = (f"  (ratio of the fastest rounds {rt[name + ' (min over rounds)']:.3f}; a perfect "
+                            f"schedule would reach {t['ideal_schedule_bound']:.3f})")
+                print(f"  {name:33s} {t['value']:.3f}  target <= {t['target']:.2f}  "
+                      f"{'PASS' if t['pass'] else 'MISS'}{note}")
     for inv, r in res.items():
         p = (r["plans"] or {}).get("spd")
         if p:
@@ -796,12 +705,10 @@ def print_report(res: dict, args) -> None:
             owned = {}
             for lab, o in p["owners"].items():
                 owned.setdefault(o, []).append(lab)
-            print(
-                f"\nspd plan (inv_update_steps={inv}): {len(p['groups'])} fused groups of "
-                f"{[len(g) for g in p['groups']]} factors ({[e for e in p['group_elements']]} elements); "
-                f"all-reduce alpha {1e3 * m.allreduce.alpha:.3f} ms beta {m.allreduce.beta * 1e9:.3f} ns/B; "
-                f"broadcast alpha {1e3 * m.broadcast.alpha:.3f} ms beta {m.broadcast.beta * 1e9:.3f} ns/B"
-            )
+            print(f"\nspd plan (inv_update_steps={inv}): {len(p['groups'])} fused groups of "
+                  f"{[len(g) for g in p['groups']]} factors ({[e for e in p['group_elements']]} elements); "
+                  f"all-reduce alpha {1e3 * m.allreduce.alpha:.3f} ms beta {m.allreduce.beta * 1e9:.3f} ns/B; "
+                  f"broadcast alpha {1e3 * m.broadcast.alpha:.3f} ms beta {m.broadcast.beta * 1e9:.3f} ns/B")
             for o in sorted(owned):
                 who = "replicated" if o < 0 else f"rank {o}"
                 print(f"  {who}: " + ", ".join(f"{lab}({p['sides'][lab]})" for lab in owned[o]))
@@ -809,10 +716,7 @@ def print_report(res: dict, args) -> None:
 
 def plot(res: dict, path: str) -> str:
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        plt = pyplot()
     except ImportError:
         return "matplotlib is not installed: no PNG (pip install matplotlib)"
     fig, axes = plt.subplots(1, len(res), figsize=(6.5 * len(res), 4.8), squeeze=False)
@@ -831,10 +735,7 @@ def plot(res: dict, path: str) -> str:
     axes[0][-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.suptitle("K-FAC iteration time breakdown (small ResNet, gloo, CPU)")
     fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return f"wrote {path}"
+    return f"wrote {save_png(fig, path, dpi=120)}"
 
 
 # ------------------------------------------------------------------------------ main
@@ -843,66 +744,38 @@ def _int_list(text: str) -> list[int]:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
-    p.add_argument(
-        "--configs",
-        default=",".join(CONFIGS + (DEEPSPEED_CONFIGS if _deepspeed_available() else ())),
-        help="comma-separated subset of " + ",".join(CONFIGS + DEEPSPEED_CONFIGS + EXTRA_CONFIGS)
-        + " (default: the first " + str(len(CONFIGS)) + ", plus the ds* ones when deepspeed is installed)",
-    )
+    p = bench_parser(__doc__.split("\n\n")[0], threads=1, seed=0,
+                     out="folder for iteration_time.json and .png (default: a fresh benchmarks/results/run-*/)",
+                     refresh="write the committed benchmarks/results/iteration_time.{json,png} the README shows "
+                             "(unless --json/--png say otherwise)")
+    every = CONFIGS + DEEPSPEED_CONFIGS + EXTRA_CONFIGS
+    p.add_argument("--configs", default=",".join(CONFIGS + (DEEPSPEED_CONFIGS if _deepspeed_available() else ())),
+                   help=f"comma-separated subset of {','.join(every)} (default: the first {len(CONFIGS)}, plus "
+                        "the ds* ones when deepspeed is installed)")
     p.add_argument("--inv-update-steps", default="1,10", help="comma-separated inverse periods, each a table")
     p.add_argument("--blocks", type=int, default=8, help="timing rounds (each: one block per configuration)")
-    p.add_argument(
-        "--steps", type=int, default=5, help="steps per block, rounded up to a multiple of inv_update_steps"
-    )
-    p.add_argument(
-        "--warmup",
-        type=int,
-        default=10,
-        help="warm-up steps per configuration (at least profile_steps[1] + 2; rounded up to whole "
-        "inverse periods)",
-    )
+    p.add_argument("--steps", type=int, default=5, help="steps per block, rounded up to a multiple of inv_update_steps")
+    p.add_argument("--warmup", type=int, default=10, help="warm-up steps per configuration (at least "
+                   "profile_steps[1] + 2; rounded up to whole inverse periods)")
     p.add_argument("--profile-steps", default="2,6", help="SPD profiling window (factor steps start,end)")
     p.add_argument("--batch", type=int, default=32, help="batch per rank")
-    p.add_argument(
-        "--n-batches",
-        type=int,
-        default=64,
-        help="distinct synthetic batches per rank, cycled (many: random labels are not memorized)",
-    )
+    p.add_argument("--n-batches", type=int, default=64,
+                   help="distinct synthetic batches per rank, cycled (many: random labels are not memorized)")
     p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--lr", type=float, default=0.01, help="SGD learning rate (momentum 0.9)")
-    p.add_argument(
-        "--damping",
-        type=float,
-        default=0.03,
-        help="K-FAC damping (1e-3 and 1e-2 diverge on this model and data within ~60 steps, and "
-        "failed Cholesky factorizations fall back to slow eigendecompositions)",
-    )
-    p.add_argument(
-        "--comm-repeats",
-        type=int,
-        default=5,
-        help="repeats of the standalone timing of each plan's fused all-reduces",
-    )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--damping", type=float, default=0.03,
+                   help="K-FAC damping (1e-3 and 1e-2 diverge on this model and data within ~60 steps, and "
+                        "failed Cholesky factorizations fall back to slow eigendecompositions)")
+    p.add_argument("--comm-repeats", type=int, default=5,
+                   help="repeats of the standalone timing of each plan's fused all-reduces")
     p.add_argument("--timeout", type=float, default=1200.0, help="bound on the whole distributed run (s)")
     p.add_argument("--json", metavar="OUT", default=None,
                    help="write all numbers as JSON (default: iteration_time.json in a fresh benchmarks/results/run-*/)")
-    p.add_argument(
-        "--png",
-        metavar="OUT",
-        default=None,
-        help="stacked-bar chart of the breakdown ('' for none; needs matplotlib; default: iteration_time.png "
-        "in a fresh benchmarks/results/run-*/)",
-    )
-    p.add_argument("--refresh", action="store_true",
-                   help="write the committed benchmarks/results/iteration_time.{json,png} the README shows "
-                   "(unless --json/--png say otherwise)")
-    args = p.parse_args(argv)
+    p.add_argument("--png", metavar="OUT", default=None,
+                   help="stacked-bar chart of the breakdown ('' for none; needs matplotlib; default: "
+                        "iteration_time.png in a fresh benchmarks/results/run-*/)")
+    args = parse(p, argv, quick={"configs": "sgd,spd", "inv_update_steps": "2", "blocks": 2, "steps": 2,
+                                 "warmup": 0, "profile_steps": "0,1", "batch": 4, "n_batches": 2, "comm_repeats": 1})
     args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     bad = [c for c in args.configs if c not in CONFIGS + DEEPSPEED_CONFIGS + EXTRA_CONFIGS]
     if bad or not args.configs or len(set(args.configs)) != len(args.configs):
@@ -936,7 +809,7 @@ def _resolve_outputs(args: argparse.Namespace) -> None:
     """Default outputs: a fresh run folder; the committed files only with --refresh."""
     if args.json is not None and args.png is not None:
         return
-    folder = COMMITTED_RESULTS if args.refresh else fresh_run_dir("iteration_time")
+    folder = args.out or (COMMITTED_RESULTS if args.refresh else fresh_run_dir("iteration_time"))
     if args.json is None:
         args.json = os.path.join(folder, "iteration_time.json")
     if args.png is None:
@@ -947,47 +820,17 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import iteration_time  # the workers need a function of an importable module, not of __main__
 
-    cfg = {
-        k: getattr(args, k)
-        for k in (
-            "configs",
-            "inv_update_steps",
-            "blocks",
-            "steps",
-            "warmup",
-            "profile_steps",
-            "batch",
-            "n_batches",
-            "lr",
-            "damping",
-            "seed",
-            "comm_repeats",
-        )
-    }
+    cfg = {k: getattr(args, k) for k in ("configs", "inv_update_steps", "blocks", "steps", "warmup", "profile_steps",
+                                         "batch", "n_batches", "lr", "damping", "seed", "comm_repeats")}
     env = env_info()
-    env.update(
-        world_size=args.world_size,
-        threads_per_rank=args.threads,
-        backend="gloo",
-        loadavg_before=os.getloadavg(),
-    )
-    print(
-        f"torch {env['torch']}  cpus {env['cpu_count']}  "
-        f"{args.world_size} gloo ranks x {args.threads} thread(s)  "
-        f"load average before {env['loadavg_before'][0]:.2f} {env['loadavg_before'][1]:.2f} "
-        f"{env['loadavg_before'][2]:.2f}",
-        flush=True,
-    )
+    env.update(world_size=args.world_size, threads_per_rank=args.threads, backend="gloo", loadavg_before=os.getloadavg())
+    la = env["loadavg_before"]
+    print(f"torch {env['torch']}  cpus {env['cpu_count']}  {args.world_size} gloo ranks x {args.threads} thread(s)  "
+          f"load average before {la[0]:.2f} {la[1]:.2f} {la[2]:.2f}", flush=True)
     t0 = time.perf_counter()
     try:
-        results = run_ranks(
-            iteration_time.worker,
-            args.world_size,
-            cfg,
-            timeout=args.timeout,
-            pg_timeout=min(args.timeout, 300.0),
-            threads=args.threads,
-        )
+        results = run_ranks(iteration_time.worker, args.world_size, cfg, timeout=args.timeout,
+                            pg_timeout=min(args.timeout, 300.0), threads=args.threads)
     except RanksFailed as e:
         print(f"FAILED: {e}", file=sys.stderr)
         return 1
@@ -997,15 +840,11 @@ def main(argv=None) -> int:
     res = analyse(results, args)
     print_report(res, args)
     la = env["loadavg_after"]
-    print(
-        f"\nwall time {wall:.0f} s; load average after {la[0]:.2f} {la[1]:.2f} {la[2]:.2f} "
-        f"({env['cpu_count']} cpus; this run alone keeps ~{args.world_size * args.threads} busy)"
-    )
+    print(f"\nwall time {wall:.0f} s; load average after {la[0]:.2f} {la[1]:.2f} {la[2]:.2f} "
+          f"({env['cpu_count']} cpus; this run alone keeps ~{args.world_size * args.threads} busy)")
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        write_json(
-            args.json, {"env": env, "args": vars(args), "results": {str(k): v for k, v in res.items()}}
-        )
+        write_json(args.json, {"env": env, "args": vars(args), "results": {str(k): v for k, v in res.items()}})
         print(f"wrote {args.json}")
     if args.png:
         try:

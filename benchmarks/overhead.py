@@ -23,12 +23,11 @@ extra FLOPs at the rate the SGD step achieves).
 ``--breakdown-blocks N`` (default 10) adds a separate, instrumented pass that splits the
 K-FAC step into phases (wall time per phase, its FLOPs and rate, and the time it takes beyond
 its FLOPs at the SGD step's rate); it does not affect the main figures. ``--profile N`` prints
-the torch.profiler operator table of N K-FAC blocks.
+the torch.profiler operator table of N K-FAC blocks. ``--quick``: the MLP, 2 blocks of 2 steps, batch 8.
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
 import math
 import sys
@@ -40,12 +39,19 @@ import torch.nn.functional as F
 from _common import (
     PhaseTimer,
     baseline_flops,
+    bench_parser,
     env_info,
     format_table,
     interleaved_blocks,
     kfac_added_flops,
     layer_shapes,
+    mlp,
+    parse,
+    print_table,
+    random_batches,
+    save_json,
     set_seed,
+    set_threads,
     summarize,
     write_json,
 )
@@ -57,14 +63,6 @@ MODELS = ("mlp", "cnn")
 
 
 # ------------------------------------------------------------------------------ models
-def make_mlp() -> nn.Module:
-    return nn.Sequential(
-        nn.Linear(784, 256), nn.ReLU(),
-        nn.Linear(256, 256), nn.ReLU(),
-        nn.Linear(256, 10),
-    )
-
-
 def make_cnn() -> nn.Module:
     """The digits-style CNN (8x8 single-channel inputs)."""
     return nn.Sequential(
@@ -80,18 +78,12 @@ def make_cnn() -> nn.Module:
 def make_model_and_data(name: str, batch: int, n_batches: int, seed: int):
     set_seed(seed)
     if name == "mlp":
-        model, shape = make_mlp(), (784,)
+        model, shape = mlp(784, 256, 256, 10), (784,)
     elif name == "cnn":
         model, shape = make_cnn(), (1, 8, 8)
     else:
         raise ValueError(f"unknown model {name!r}; choose from {MODELS}")
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        data = [
-            (torch.randn(batch, *shape, generator=g), torch.randint(0, 10, (batch,), generator=g))
-            for _ in range(n_batches)
-        ]
-    return model, data
+    return model, random_batches(torch.Generator().manual_seed(seed + 1), n_batches, batch, *shape)
 
 
 # ------------------------------------------------------------------------------ runners
@@ -347,8 +339,8 @@ def profile(kfac: Runner, steps: int, row_limit: int) -> str:
 
 # ------------------------------------------------------------------------------ main
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = bench_parser(__doc__.split("\n\n")[0], threads=None, seed=0,
+                     out="folder for overhead.json (default: print only, or --json)")
     p.add_argument("--models", default=",".join(MODELS), help="comma-separated subset of " + ",".join(MODELS))
     p.add_argument("--blocks", type=int, default=30, help="timed blocks per optimizer (each inv-update-steps steps)")
     p.add_argument("--warmup", type=int, default=50, help="warm-up steps per optimizer (rounded up to a block)")
@@ -357,17 +349,16 @@ def parse_args(argv=None):
     p.add_argument("--inv-update-steps", type=int, default=10, help="K-FAC inverse period = block length")
     p.add_argument("--lr", type=float, default=0.01,
                    help="SGD learning rate (momentum 0.9); K-FAC diverges on this random data at 0.1")
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     p.add_argument("--device", default="cpu",
                    help="where the models train (cuda: every step ends with torch.cuda.synchronize; the "
                    "host-timed --breakdown-blocks and --profile are off there)")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--breakdown-blocks", type=int, default=10,
                    help="instrumented blocks for the per-phase K-FAC breakdown (0: off)")
     p.add_argument("--profile", type=int, default=0, metavar="N", help="torch.profiler over N K-FAC blocks")
     p.add_argument("--profile-rows", type=int, default=25)
     p.add_argument("--json", metavar="OUT", default=None, help="write the results as JSON")
-    args = p.parse_args(argv)
+    args = parse(p, argv, quick={"models": "mlp", "blocks": 2, "warmup": 0, "batch": 8, "n_batches": 2,
+                                 "inv_update_steps": 2, "breakdown_blocks": 1})
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]
     if args.device.startswith("cuda"):
         args.breakdown_blocks = args.profile = 0  # host clocks around asynchronous kernels: not phase times
@@ -383,8 +374,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     env = env_info()
     results = [bench_model(m, args) for m in args.models]
 
@@ -406,7 +396,7 @@ def main(argv=None) -> int:
         ("added_gflop", "K-FAC +GFLOP", ".4f"),
         ("sgd_gflops_rate", "SGD GFLOP/s", ".1f"),
     ]
-    print(format_table(results, cols))
+    print_table(results, cols)
     print("(medians of per-step block times; measured = K-FAC/SGD; efficiency = floor/measured, "
           "target >= 0.85)")
     noisy = [r["model"] for r in results
@@ -442,9 +432,12 @@ def main(argv=None) -> int:
         table = r.pop("_profile_table", None)
         if table:
             print(f"\n== torch.profiler: {r['model']}, {table}")
+    payload = {"env": env, "args": vars(args), "results": results}
     if args.json:
-        write_json(args.json, {"env": env, "args": vars(args), "results": results})
+        write_json(args.json, payload)
         print(f"\nwrote {args.json}")
+    if args.out:
+        save_json(args.out, "overhead.json", payload)
     return 0
 
 

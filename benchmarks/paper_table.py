@@ -9,7 +9,9 @@ D-KFAC, MPD-KFAC and SPD-KFAC is a prediction.
 Prints, and writes paper_table.json, scaling_resnet50.png and simulated_timeline.png into a fresh
 benchmarks/results/run-<date>-<time>-paper_table/; with ``--out PATH`` everything goes beside PATH instead;
 ``--refresh`` rewrites the committed benchmarks/results/paper_table.json, scaling_resnet50.png and
-docs/simulated_timeline.png (``--docs-figure``: the timeline figure refreshes the committed one even with --out):
+docs/simulated_timeline.png (``--docs-figure``: the timeline figure refreshes the committed one even with --out;
+``--out DIR`` with a folder: DIR/paper_table.json and the figures in DIR). ``--quick``: ResNet-50 only, P = 8 and
+64, sections 1, 2, 4 and 5's first table (seconds).
 
 1. per model, the simulated breakdown of D-KFAC, MPD-KFAC and SPD-KFAC (as the paper's code ran it:
    ``spd-paper``) beside the paper's, and the ratio of the totals (target: within 10%); then (issue 19)
@@ -42,7 +44,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import fresh_run_dir  # noqa: E402
+from _common import bench_parser, fresh_run_dir, pyplot, save_png  # noqa: E402
 
 from lightning_spdkfac.simulate import CATEGORIES, simulate, with_schedule  # noqa: E402
 from lightning_spdkfac.simulate.paper import (  # noqa: E402
@@ -100,13 +102,10 @@ def _row(values: Sequence[float]) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=None, metavar="JSON",
-                    help="the JSON to write; the figures go beside it (default: paper_table.json in a fresh "
-                         "benchmarks/results/run-*/)")
-    ap.add_argument("--refresh", action="store_true",
-                    help=f"write the committed {DEFAULT_OUT.relative_to(REPO)}, scaling_resnet50.png beside it and "
-                         f"{DOCS_TIMELINE.relative_to(REPO)} (the README's figures)")
+    ap = bench_parser(__doc__, out="the JSON to write, the figures beside it, or a folder for all three (default: "
+                                   "paper_table.json in a fresh benchmarks/results/run-*/)",
+                      refresh=f"write the committed {DEFAULT_OUT.relative_to(REPO)}, scaling_resnet50.png beside it "
+                              f"and {DOCS_TIMELINE.relative_to(REPO)} (the README's figures)")
     ap.add_argument("--docs-figure", action="store_true",
                     help=f"write the timeline figure to {DOCS_TIMELINE.relative_to(REPO)} even with --out "
                          "(refresh the committed figure)")
@@ -120,6 +119,8 @@ def _outputs(args: argparse.Namespace) -> tuple[Path, Path, Path]:
     docs/ also with ``--docs-figure``)."""
     if args.out is not None:
         out = Path(args.out)
+        if out.is_dir() or out.suffix != ".json":  # a folder
+            out = out / DEFAULT_OUT.name
     elif args.refresh:
         out = DEFAULT_OUT
     else:
@@ -139,7 +140,8 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"c0={inv.c0:.3g} s, c2={inv.c2:.3g} s, c3={inv.c3:.3g} s\n")
     out: dict[str, Any] = {"inverse": inv.__dict__, "models": {}}
     worst_ratio, worst_speed = 0.0, 0.0
-    for name in MODELS:
+    models, worlds = (MODELS[:1], (8, 64)) if args.quick else (MODELS, WORLDS)
+    for name in models:
         case = paper_case(name)
         res = {s: simulate(case.workload, case.cluster, s) for s in ("dkfac", "mpd", "spd-paper")}
         print(f"== {name} (per-GPU batch {case.workload.batch_size}, {len(case.specs)} K-FAC layers)")
@@ -186,11 +188,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print()
     print(f"largest total error {worst_ratio:.1%} (target 10%); largest speedup error {worst_speed:.3f} (target 0.05)")
     out["phases"] = _phase_table(out["models"])
-    out["causes"] = _causes()
-    out["network_variants"] = _network_variants()
-    out["ablation_cause"] = _ablation_cause()
-    best = {n: out["models"][n]["ladder"][-1]["speedup_vs_paper_spd"] for n in MODELS}
-    fp32 = {n: out["models"][n]["ladder"][-2]["speedup_vs_paper_spd"] for n in MODELS}
+    if not args.quick:
+        out["causes"] = _causes()
+        out["network_variants"] = _network_variants()
+        out["ablation_cause"] = _ablation_cause()
+    best = {n: out["models"][n]["ladder"][-1]["speedup_vs_paper_spd"] for n in models}
+    fp32 = {n: out["models"][n]["ladder"][-2]["speedup_vs_paper_spd"] for n in models}
     print("best schedule over the paper's SPD-KFAC: " + ", ".join(f"{n} x{v:.2f}" for n, v in best.items())
           + " (fp32 only: " + ", ".join(f"x{v:.2f}" for v in fp32.values()) + "; target x1.10)")
 
@@ -200,7 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"{'P':>5s} " + " ".join(f"{s:>17s}" for s in SCALING_SCHEDULES) + "  lower bound")
     scaling = {}
     bounds = {}
-    for p in WORLDS:
+    for p in worlds:
         work, cl = case.at_world(p, two_level=True)
         runs = {s: simulate(work, cl, s, rank_events=0) for s in SCALING_SCHEDULES}
         tot = {s: tl.total for s, tl in runs.items()}
@@ -209,8 +212,9 @@ def main(argv: Sequence[str] | None = None) -> int:
               + f"  {bounds[p]:11.3f}")
     out["scaling_resnet50"] = {str(p): v for p, v in scaling.items()}
     out["scaling_resnet50_lower_bound"] = {str(p): v for p, v in bounds.items()}
-    out["topology_resnet50"] = _topology_table(case)
-    out["async"] = _async_tables()
+    if not args.quick:
+        out["topology_resnet50"] = _topology_table(case)
+        out["async"] = _async_tables()
     out["categories"] = list(CATEGORIES)
     out_json.parent.mkdir(parents=True, exist_ok=True)
     out_json.write_text(json.dumps(out, indent=1, default=float))
@@ -398,12 +402,7 @@ def _async_tables() -> dict[str, Any]:
 
 
 def _plot(scaling: dict[int, dict[str, float]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    fig, axes = pyplot().subplots(1, 2, figsize=(10, 4))
     worlds = sorted(scaling)
     for s in SCALING_SCHEDULES:
         axes[0].plot(worlds, [scaling[p][s] for p in worlds], marker="o", label=s)
@@ -415,8 +414,7 @@ def _plot(scaling: dict[int, dict[str, float]], path: Path) -> None:
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"wrote {path}")
+    print(f"wrote {save_png(fig, path)}")
 
 
 COLORS = {"FF&BP": "#4C72B0", "FactorComp": "#55A868", "FactorComm": "#C44E52", "GradComm": "#8172B2",
@@ -425,10 +423,7 @@ COLORS = {"FF&BP": "#4C72B0", "FactorComp": "#55A868", "FactorComm": "#C44E52", 
 
 def _plot_timelines(path: Path) -> None:
     """ResNet-50 on 64 GPUs: the paper's SPD-KFAC and this project's spd, resource by resource."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     from matplotlib.patches import Patch
 
     case = paper_case("resnet50")
@@ -450,8 +445,7 @@ def _plot_timelines(path: Path) -> None:
     fig.legend(handles=[Patch(color=c, label=k) for k, c in COLORS.items() if k != "Precondition"],
                loc="upper center", ncol=6, fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0, 1, 0.94))
-    fig.savefig(path, dpi=110)
-    print(f"wrote {path}")
+    print(f"wrote {save_png(fig, path)}")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@ ratio, memory per GPU, and the two targets (best within 10% of its bound; >= 1.4
 
 Run ``python benchmarks/schedules_64.py`` (about a minute; ``--worlds 64`` or ``--models resnet50`` for less).
 The cluster is the paper's network scaled to P (:meth:`~lightning_spdkfac.simulate.paper.PaperCase.at_world`),
-so every schedule, spd-paper included, runs under the same network model. Prints tables and writes nothing.
+so every schedule, spd-paper included, runs under the same network model. Prints tables; ``--out DIR`` also
+writes DIR/schedules_64.json; ``--quick``: ResNet-50 at 8 GPUs.
 
 * ``best`` is over the schedules with the numerics the runtime runs or will run (spd-paper, spd, spd-async
   with its period placement, dpkfac, and dpkfac-turns: dpkfac with its broadcasts issued with owners taking
@@ -15,12 +16,14 @@ so every schedule, spd-paper included, runs under the same network model. Prints
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import bench_parser, parse, print_table, save_json  # noqa: E402
 
 from lightning_spdkfac.simulate import simulate  # noqa: E402
 from lightning_spdkfac.simulate.dpkfac import memory_per_gpu  # noqa: E402
@@ -43,30 +46,34 @@ def run(model: str, world: int) -> dict[str, tuple[float, float, float]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = bench_parser(__doc__, out="folder for schedules_64.json (default: print only)")
     ap.add_argument("--worlds", default="8,16,64,256", help="comma-separated GPU counts (default 8,16,64,256)")
     ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
-    args = ap.parse_args(argv)
-    worlds = [int(w) for w in args.worlds.split(",")]
-    print(f"{'model':>12s} {'P':>4s} {'schedule':>19s} {'total':>7s} {'bound':>7s} {'/bound':>6s} "
-          f"{'vs paper':>8s} {'GiB/GPU':>7s}")
-    summary = []
+    args = parse(ap, argv, quick={"worlds": "8", "models": "resnet50"})
+    rows, summary = [], []
     for model in args.models.split(","):
-        for p in worlds:
+        for p in (int(w) for w in args.worlds.split(",")):
             res = run(model, p)
             paper = res["spd-paper"][0]
-            for s, (total, bound, gib) in res.items():
-                print(f"{model:>12s} {p:4d} {s:>19s} {total:7.3f} {bound:7.3f} {total / bound:6.3f} "
-                      f"{paper / total:7.2f}x {gib:7.2f}")
+            rows += [{"model": model, "P": p, "schedule": s, "total": total, "bound": bound, "/bound": total / bound,
+                      "vs paper": f"{paper / total:.2f}x", "GiB/GPU": gib} for s, (total, bound, gib) in res.items()]
             best = min(EXACT, key=lambda s: res[s][0])
             best_all = min(SCHEDULES, key=lambda s: res[s][0])
-            summary.append((model, p, best, res[best], best_all, res[best_all], paper, res["spd"][0] / res["spd-dear"][0]))
-    print(f"\n{'model':>12s} {'P':>4s} {'best':>13s} {'/bound':>6s} {'vs paper':>8s} {'best*':>19s} {'/bound':>6s} "
-          f"{'vs paper':>8s} {'dear':>6s}")
-    for model, p, best, (t, b, _), best_all, (ta, ba, _), paper, dear in summary:
-        print(f"{model:>12s} {p:4d} {best:>13s} {t / b:6.3f} {paper / t:7.2f}x {best_all:>19s} {ta / ba:6.3f} "
-              f"{paper / ta:7.2f}x {dear:5.3f}x")
+            summary.append({"model": model, "P": p, "best": best, "best/bound": res[best][0] / res[best][1],
+                            "best vs paper": f"{paper / res[best][0]:.2f}x", "best*": best_all,
+                            "best*/bound": res[best_all][0] / res[best_all][1],
+                            "best* vs paper": f"{paper / res[best_all][0]:.2f}x",
+                            "dear": f"{res['spd'][0] / res['spd-dear'][0]:.3f}x"})
+    print_table(rows, [("model", "model", "s"), ("P", "P", "d"), ("schedule", "schedule", "s"), ("total", "total", ".3f"),
+                       ("bound", "bound", ".3f"), ("/bound", "/bound", ".3f"), ("vs paper", "vs paper", "s"),
+                       ("GiB/GPU", "GiB/GPU", ".2f")])
+    print()
+    print_table(summary, [("model", "model", "s"), ("P", "P", "d"), ("best", "best", "s"),
+                          ("best/bound", "/bound", ".3f"), ("best vs paper", "vs paper", "s"), ("best*", "best*", "s"),
+                          ("best*/bound", "/bound", ".3f"), ("best* vs paper", "vs paper", "s"), ("dear", "dear", "s")])
     print("targets at 64 GPUs: /bound <= 1.10 and vs paper >= 1.40; dear > 1 means spd-dear is faster than spd")
+    if args.out:
+        save_json(args.out, "schedules_64.json", {"args": vars(args), "rows": rows, "summary": summary})
     return 0
 
 

@@ -1,7 +1,9 @@
 """Soak (load) benchmark: a long SPD-KFAC run with re-planning, watched for memory and step-time growth.
 
 Run ``python benchmarks/soak.py`` (``--help`` for options). It is a benchmark, not a timed test: it
-reports numbers and a verdict against stated thresholds, and writes ``benchmarks/results/soak.json``.
+reports numbers and a verdict against stated thresholds, and writes ``soak.json`` into a fresh
+``benchmarks/results/run-*-soak/`` (``--refresh``: the committed ``benchmarks/results/soak.json``; ``--out DIR``:
+``DIR/soak.json``). ``--quick``: 20 steps of a 32-wide MLP in windows of 10, re-planning every 5 (seconds).
 
 Setup: ``--world-size`` (2) gloo ranks on 127.0.0.1 (``lightning_spdkfac.multiprocess.run_distributed``),
 ``--threads`` (1) torch thread each. Model: an MLP 256-256-256-10 with ReLU (three K-FAC layers, factors
@@ -46,7 +48,6 @@ same run stays at 4.0 ms with no subnormal entry (benchmarks/results/soak_6000_s
 
 from __future__ import annotations
 
-import argparse
 import gc
 import os
 import statistics
@@ -57,7 +58,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _common import env_info, format_table, fresh_run_dir, write_json
+from _common import Progress, bench_parser, env_info, fresh_run_dir, mlp, parse, print_table, write_json
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -102,8 +103,7 @@ def subnormal_entries(pre: KFACPreconditioner) -> int:
 
 
 def make_model(width: int) -> nn.Module:
-    return nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
-                         nn.Linear(width, 10))
+    return mlp(width, width, width, 10)
 
 
 def worker(rank: int, world: int, cfg: dict) -> dict:
@@ -118,7 +118,8 @@ def worker(rank: int, world: int, cfg: dict) -> dict:
     options = SPDOptions.from_schedule("spd", profile_steps=tuple(cfg["profile_steps"]),
                                        replan_every=cfg["replan_every"] or None)
     distributor = SPDDistributor(options, process_group=dist.new_group())
-    pre = KFACPreconditioner(model, damping=cfg["damping"], inv_update_steps=cfg["inv_update_steps"],
+    pre = KFACPreconditioner(model, damping=cfg["damping"], factor_update_steps=1,  # every step, as documented
+                             inv_update_steps=cfg["inv_update_steps"],
                              lr=lambda step: opt.param_groups[0]["lr"], distributor=distributor)
     windows: list[dict] = []
     step_s: list[float] = []
@@ -128,6 +129,7 @@ def worker(rank: int, world: int, cfg: dict) -> dict:
     groups = distributor.plan_groups
     rss_start = rss_mib()
     t_run = time.perf_counter()
+    bar = Progress(cfg["steps"] // cfg["window"], "window") if rank == 0 else None
     for step in range(cfg["steps"]):
         # Fresh random inputs and labels every step: nothing to memorize, so the loss stays near log(10)
         # and the gradients keep their size (a memorized set drives them towards denormals, which
@@ -166,6 +168,8 @@ def worker(rank: int, world: int, cfg: dict) -> dict:
             step_s.clear()
             kfac_s.clear()
             replans = plan_changes = 0
+            if bar is not None:
+                bar.tick(f"rank 0 at {windows[-1]['rss_mib']:.0f} MiB, step {windows[-1]['step_ms']:.1f} ms")
     wall = time.perf_counter() - t_run
     # Diagnosis of any RSS growth: what is left after a full gc and after glibc hands free heap pages back
     # (growth that disappears here was allocator retention, not memory still referenced).
@@ -248,23 +252,17 @@ def print_report(results: list[dict], res: dict, args) -> None:
         cols += [(f"rss{k}", f"RSS{k} MiB", ".1f"), (f"ms{k}", f"step{k} ms", ".2f"), (f"kfac{k}", f"kfac{k} ms", ".2f"),
                  (f"obj{k}", f"gc obj{k}", "d"), (f"sub{k}", f"subn{k}", "d")]
     cols += [("replans", "replans", "d"), ("loss", "loss r0", ".3f")]
-    print(format_table(rows, cols))
+    print_table(rows, cols)
     print()
     srows = [{"rank": k, **s} for k, s in res["summary"].items()]
-    print(format_table(srows, [
-        ("rank", "rank", "d"),
-        ("rss_slope_mib_per_1000", "RSS MiB/1000 steps", "+.3f"),
-        ("rss_late_slope_mib_per_1000", "2nd half", "+.3f"),
-        ("rss_last_minus_second_mib", "RSS last-w1 MiB", "+.2f"),
-        ("rss_last_over_first", "RSS last/w0", ".4f"),
-        ("rss_last_over_second", "RSS last/w1", ".4f"),
+    print_table(srows, [
+        ("rank", "rank", "d"), ("rss_slope_mib_per_1000", "RSS MiB/1000 steps", "+.3f"),
+        ("rss_late_slope_mib_per_1000", "2nd half", "+.3f"), ("rss_last_minus_second_mib", "RSS last-w1 MiB", "+.2f"),
+        ("rss_last_over_first", "RSS last/w0", ".4f"), ("rss_last_over_second", "RSS last/w1", ".4f"),
         ("step_ms_slope_per_1000", "step ms/1000 steps", "+.3f"),
-        ("step_ms_slope_percent_per_1000", "step %/1000 steps", "+.2f"),
-        ("step_last_over_first", "step last/w0", ".3f"),
-        ("step_last_over_second", "step last/w1", ".3f"),
-        ("gc_objects_slope_per_1000", "gc obj/1000 steps", "+.1f"),
-        ("replans", "replans", "d"),
-    ]))
+        ("step_ms_slope_percent_per_1000", "step %/1000 steps", "+.2f"), ("step_last_over_first", "step last/w0", ".3f"),
+        ("step_last_over_second", "step last/w1", ".3f"), ("gc_objects_slope_per_1000", "gc obj/1000 steps", "+.1f"),
+        ("replans", "replans", "d")])
     n = len(results[0]["windows"])
     print(f"\nslopes over windows 1..{n - 1} (window 0 is start-up), '2nd half' over windows {n // 2}..{n - 1}; "
           f"verdict thresholds: RSS 2nd-half slope < {args.max_rss_slope:g} MiB and step-time slope < "
@@ -282,20 +280,18 @@ def print_report(results: list[dict], res: dict, args) -> None:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = bench_parser(__doc__.split("\n\n")[0], threads=1, seed=0, out="folder for soak.json (instead of --json)",
+                     refresh="write the committed benchmarks/results/soak.json (unless --json or --out says otherwise)")
     p.add_argument("--steps", type=int, default=2000, help="optimizer steps")
     p.add_argument("--window", type=int, default=100, help="steps per measurement window")
     p.add_argument("--replan-every", type=int, default=50, help="re-measure and re-plan every this many steps (0: never)")
     p.add_argument("--profile-steps", type=int, nargs=2, default=(3, 8), metavar=("START", "END"))
     p.add_argument("--inv-update-steps", type=int, default=10)
     p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--width", type=int, default=256)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--damping", type=float, default=0.03)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-rss-slope", type=float, default=2.0,
                    help="MiB per 1000 steps, over the second half of the run")
     p.add_argument("--flush-denormal", action="store_true",
@@ -304,15 +300,15 @@ def parse_args(argv=None):
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds for the whole run")
     p.add_argument("--json", default=None,
                    help="'' to skip (default: soak.json in a fresh benchmarks/results/run-*/)")
-    p.add_argument("--refresh", action="store_true",
-                   help="write the committed benchmarks/results/soak.json (unless --json says otherwise)")
-    args = p.parse_args(argv)
+    args = parse(p, argv, quick={"steps": 20, "window": 10, "replan_every": 5, "profile_steps": (1, 3), "width": 32,
+                                 "batch": 8, "inv_update_steps": 2})
     if args.steps < 2 * args.window or args.window < 10:
         p.error("--steps must be at least two windows and --window at least 10")
     if args.world_size < 1 or args.threads < 1:
         p.error("--world-size and --threads must be >= 1")
     if args.json is None:
-        args.json = str(RESULTS / "soak.json") if args.refresh else os.path.join(fresh_run_dir("soak"), "soak.json")
+        folder = args.out or (str(RESULTS) if args.refresh else fresh_run_dir("soak"))
+        args.json = os.path.join(folder, "soak.json")
     return args
 
 

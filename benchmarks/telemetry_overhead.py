@@ -19,19 +19,18 @@ than that, the same share from a direct measurement: the time spent in the callb
 ``on_before_optimizer_step`` outside ``KFACPreconditioner.step()`` (timing, aggregation, the logging
 decision and the writes to the loggers), summed over the fit, ``(hook_on - hook_off) / (t_off - t_sgd)``.
 
-Results go to a fresh folder (``--out``, default a new ``/tmp/telemetry_overhead_*``; an existing
-non-empty folder is refused): ``summary.json`` and the CSV logs of every run. The timed code is the
+Results go to a fresh folder (``--out``, default a new ``benchmarks/results/run-*-telemetry_overhead/``; an
+existing non-empty folder is refused): ``summary.json`` and the CSV logs of every run. ``--quick``: one repeat
+of one epoch, no warm-up fit. The timed code is the
 checkout this script lives in (its root goes first on ``sys.path``).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import statistics
 import sys
-import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -39,10 +38,12 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
 import pytorch_lightning as pl  # noqa: E402
 import torch  # noqa: E402
 import yaml  # noqa: E402
+from _common import bench_parser, interleave, out_dir, parse, save_json, set_threads  # noqa: E402
 from pytorch_lightning.loggers import CSVLogger  # noqa: E402
 
 import lightning_spdkfac  # noqa: E402
@@ -129,27 +130,21 @@ def share(extra: float | None, base: float | None) -> float | None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = bench_parser(__doc__.split("\n")[0], threads=1, reps=3, reps_flags=("--repeats", "--reps"),
+                     out="a new or empty folder (default: a fresh benchmarks/results/run-*/)")
     p.add_argument("--config", type=Path, default=REPO / "configs" / "digits.yaml")
-    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--epochs", type=int, default=6)
     p.add_argument("--factor-update-steps", type=int, default=10)
     p.add_argument("--inv-update-steps", type=int, default=10)
     p.add_argument("--log-every-n-steps", type=int, default=50, help="Lightning's default: 50")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--out", type=Path, default=None, help="a new or empty folder (default: a new /tmp folder)")
-    args = p.parse_args(argv)
-    if args.repeats < 1 or args.epochs < 1:
+    args = parse(p, argv, quick={"reps": 1, "epochs": 1})
+    if args.reps < 1 or args.epochs < 1:
         p.error("--repeats and --epochs must be >= 1")
-    if args.out is None:
-        out = Path(tempfile.mkdtemp(prefix="telemetry_overhead_"))
-    else:
-        out = args.out
-        if out.exists() and any(out.iterdir()):
-            p.error(f"--out {out} exists and is not empty: results are never overwritten, give a new folder")
-        out.mkdir(parents=True, exist_ok=True)
+    if args.out is not None and Path(args.out).exists() and any(Path(args.out).iterdir()):
+        p.error(f"--out {args.out} exists and is not empty: results are never overwritten, give a new folder")
+    out = Path(out_dir(args, "telemetry_overhead"))
 
-    torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     logging.getLogger("pytorch_lightning").setLevel(logging.WARNING)
     logging.getLogger("lightning_fabric").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", message=".*does not have many workers.*")
@@ -158,17 +153,23 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = load_config(args.config)
     print(f"timing {Path(lightning_spdkfac.__file__).parent}; digits CNN, {args.epochs} epochs, factors every "
           f"{args.factor_update_steps} / inverses every {args.inv_update_steps} steps, log_every_n_steps "
-          f"{args.log_every_n_steps}, {args.threads} torch thread(s), {args.repeats} repeats; out {out}", flush=True)
+          f"{args.log_every_n_steps}, {args.threads} torch thread(s), {args.reps} repeats; out {out}", flush=True)
 
-    fit_once("kfac_on", cfg, argparse.Namespace(**{**vars(args), "epochs": 1}), out / "warmup")  # imports, caches
+    if not args.quick:
+        fit_once("kfac_on", cfg, argparse.Namespace(**{**vars(args), "epochs": 1}), out / "warmup")  # imports, caches
     runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
-    for r in range(args.repeats):
-        order = VARIANTS[r % len(VARIANTS):] + VARIANTS[:r % len(VARIANTS)]
-        for variant in order:
+
+    def variant_fit(variant: str):
+        def fit() -> float:
+            r = len(runs[variant])
             res = fit_once(variant, cfg, args, out / f"r{r}" / variant)
             runs[variant].append(res)
             extra = f", telemetry in hook {1e3 * res['telemetry_s']:.1f} ms" if "telemetry_s" in res else ""
             print(f"repeat {r} {variant:13s} fit {res['fit_s']:.3f} s{extra}", flush=True)
+            return res["fit_s"]
+        return fit
+
+    interleave({v: variant_fit(v) for v in VARIANTS}, args.reps)  # the order rotates from repeat to repeat
 
     t = {v: median(runs[v], "fit_s") for v in VARIANTS}
     hook = {v: median(runs[v], "telemetry_s") for v in VARIANTS}
@@ -182,12 +183,12 @@ def main(argv: list[str] | None = None) -> dict:
         "logging_share_vs_no_logger_fit": share(t["kfac_on"] - t["kfac_nologger"], t["kfac_nologger"] - t["sgd"]),
         "steps": runs["kfac_on"][0]["steps"],
         "runs": runs,
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in {"repeats": args.reps, **vars(args)}.items()},
         "code": str(Path(lightning_spdkfac.__file__).parent),
         "torch": torch.__version__,
         "pytorch_lightning": pl.__version__,
     }
-    (out / "summary.json").write_text(json.dumps(results, indent=2) + "\n")
+    save_json(out, "summary.json", results)
 
     print()
     print(f"{'variant':14s} {'median fit s':>12s} {'telemetry in hook ms':>21s}")

@@ -12,6 +12,7 @@ against the optimizer step:
     python benchmarks/telemetry_plot.py             # fresh benchmarks/results/run-*-telemetry_plot/
     python benchmarks/telemetry_plot.py --refresh   # the committed docs/telemetry.png (README)
     python benchmarks/telemetry_plot.py --out DIR   # into DIR
+    python benchmarks/telemetry_plot.py --quick     # one epoch (seconds)
 """
 
 from __future__ import annotations
@@ -22,10 +23,8 @@ import os
 import sys
 import warnings
 
-import torch
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import fresh_run_dir  # noqa: E402
+from _common import bench_parser, out_dir, parse, pyplot, save_png, set_threads  # noqa: E402
 
 DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs")
 CURVES = ("kfac/step_ms", "kfac/step_ms_max", "kfac/inverse_step_share", "kfac/steps_in_window")
@@ -40,7 +39,7 @@ def fit(folder: str, args: argparse.Namespace) -> str:
     from lightning_spdkfac.demo import DigitsCNN, DigitsDataModule
 
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
-    torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     pl.seed_everything(0, verbose=False)
     logger = CSVLogger(folder, name="fit", version=0)
     trainer = pl.Trainer(
@@ -64,11 +63,7 @@ def read_curves(path: str) -> dict[str, list[tuple[int, float]]]:
 
 
 def plot(curves: dict[str, list[tuple[int, float]]], path: str, args: argparse.Namespace) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 5.2), sharex=True, height_ratios=(2.2, 1))
     for name, style, label in (("kfac/step_ms_max", "-", "kfac/step_ms_max (slowest step of the window)"),
                                ("kfac/step_ms", "-", "kfac/step_ms (mean of the window)")):
@@ -85,21 +80,16 @@ def plot(curves: dict[str, list[tuple[int, float]]], path: str, args: argparse.N
     bottom.set_ylim(0, max(0.5, max((v for _, v in pts), default=0) * 1.2))
     bottom.set_xlabel("optimizer step (Lightning's row)")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_png(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = bench_parser(__doc__, threads=1, refresh="write the committed docs/telemetry.png")
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--log-every", type=int, default=10, help="Trainer(log_every_n_steps=...)")
     p.add_argument("--inv-update-steps", type=int, default=7)
-    p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
-    p.add_argument("--out", default=None, help="output folder (default: a fresh benchmarks/results/run-*/)")
-    p.add_argument("--refresh", action="store_true", help="write the committed docs/telemetry.png")
-    args = p.parse_args(argv)
-    folder = args.out or fresh_run_dir("telemetry_plot")
-    os.makedirs(folder, exist_ok=True)
+    args = parse(p, argv, quick={"epochs": 1})
+    folder = out_dir(args, "telemetry_plot")  # the CSV logs (never into docs/, even with --refresh)
     curves = read_curves(fit(folder, args))
     for name in CURVES:
         vals = [v for _, v in curves[name]]

@@ -14,13 +14,13 @@ Prints per-step medians (ms) with the spread (min-max) over repeats, and ratios 
 
     python benchmarks/threads.py                 # prints; writes nothing
     python benchmarks/threads.py --out DIR       # also writes DIR/threads.json
+    python benchmarks/threads.py --quick         # the mlp, 1 repeat of 2 steps (seconds)
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -31,7 +31,17 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import env_info, format_table, write_json  # noqa: E402
+from _common import (  # noqa: E402
+    bench_parser,
+    env_info,
+    interleave,
+    mlp,
+    parse,
+    print_table,
+    random_batches,
+    save_json,
+    spread,
+)
 
 from lightning_spdkfac import KFACPreconditioner  # noqa: E402
 from lightning_spdkfac.demo import DigitsCNN  # noqa: E402
@@ -44,9 +54,8 @@ def make_model(name: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     if name == "mlp":
         torch.manual_seed(0)
-        model: nn.Module = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
-                                         nn.Linear(256, 10))
-        x = torch.randn(128, 256, generator=g)
+        model: nn.Module = mlp(256, 256, 256, 10)
+        return (model, *random_batches(g, 1, 128, 256)[0])
     else:
         torch.manual_seed(0)
         model = DigitsCNN().net  # the demo's CNN: 2 convs, 2 linears
@@ -98,59 +107,62 @@ def run(args: argparse.Namespace) -> dict:
         torch.set_num_threads(threads[label])
         for _ in range(args.inv_every):
             fn()
-    times: dict[tuple[str, str, str], list[float]] = {}
     loads = [load()]
-    for rep in range(args.repeats):
-        for busy in ("idle", "busy"):
-            proc = spinner() if busy == "busy" else None
-            try:
-                if proc is not None:
-                    time.sleep(0.3)  # let it take a core
-                for (m, label), fn in steps.items():
-                    torch.set_num_threads(threads[label])
-                    t0 = time.perf_counter()
-                    for _ in range(args.steps):
-                        fn()
-                    times.setdefault((m, busy, label), []).append((time.perf_counter() - t0) / args.steps)
-            finally:
-                if proc is not None:
-                    proc.kill()
-                    proc.wait()
-        loads.append(load())
-        print(f"repeat {rep + 1}/{args.repeats} done, load {loads[-1]}", file=sys.stderr)
+    proc: subprocess.Popen | None = None
+
+    def block(busy: str, m: str, label: str, fn: Callable[[], None]) -> Callable[[], float]:
+        def run_block() -> float:
+            nonlocal proc
+            if busy == "busy" and proc is None:
+                proc = spinner()
+                time.sleep(0.3)  # let it take a core
+            elif busy == "idle" and proc is not None:
+                proc.kill()
+                proc.wait()
+                proc = None
+            torch.set_num_threads(threads[label])
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                fn()
+            return (time.perf_counter() - t0) / args.steps
+        return run_block
+
+    # every repeat: all variants with the spinner off, then all with it on (a fixed order)
+    try:
+        times = interleave({(m, busy, label): block(busy, m, label, fn) for busy in ("idle", "busy")
+                            for (m, label), fn in steps.items()}, args.reps, order="fixed")
+    finally:
+        if proc is not None:
+            proc.kill()
+            proc.wait()
+    loads.append(load())
     torch.set_num_threads(threads["kfac@2"])
-    rows = []
-    for (m, busy, label), ts in times.items():
-        med = statistics.median(ts)
-        rows.append({"model": m, "cpu": busy, "variant": label, "median_ms": med * 1e3,
-                     "min_ms": min(ts) * 1e3, "max_ms": max(ts) * 1e3,
-                     "vs_sgd1": med / statistics.median(times[(m, busy, "sgd@1")]),
-                     "vs_cap1": med / statistics.median(times[(m, busy, "kfac@2 cap1")])})
+    med = {k: spread(ts, 1e3) for k, ts in times.items()}
+    rows = [{"model": m, "cpu": busy, "variant": label, "median_ms": s["median"], "min_ms": s["min"],
+             "max_ms": s["max"], "vs_sgd1": s["median"] / med[(m, busy, "sgd@1")]["median"],
+             "vs_cap1": s["median"] / med[(m, busy, "kfac@2 cap1")]["median"]} for (m, busy, label), s in med.items()]
     return {"rows": rows, "loads": loads, "switch_pair_us": switch_cost_us(), "env": env_info(),
-            "args": vars(args)}
+            "args": {"repeats": args.reps, **vars(args)}}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    p = bench_parser(__doc__, out="folder for threads.json (default: print only)", reps=7,
+                     reps_flags=("--repeats", "--reps"))
     p.add_argument("--models", nargs="+", default=["mlp", "cnn"], choices=["mlp", "cnn"])
-    p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--steps", type=int, default=10, help="steps per timed block")
     p.add_argument("--inv-every", type=int, default=10, help="K-FAC inv_update_steps (factors every step)")
-    p.add_argument("--out", default=None, help="folder for threads.json (default: print only)")
-    args = p.parse_args()
+    args = parse(p, argv, quick={"models": ["mlp"], "reps": 1, "steps": 2, "inv_every": 2})
     if os.cpu_count() is not None and len(os.sched_getaffinity(0)) < 2:
         sys.exit("needs at least 2 usable cores")
     result = run(args)
-    print(f"load average (1, 5, 15 min) before and after each repeat: {result['loads']}")
+    print(f"load average (1, 5, 15 min) before and after: {result['loads']}")
     print(f"thread switch (set 1, restore): {result['switch_pair_us']:.2f} us")
-    print(format_table(result["rows"], [
+    print_table(result["rows"], [
         ("model", "model", "s"), ("cpu", "cpu", "s"), ("variant", "variant", "s"),
         ("median_ms", "median ms", ".2f"), ("min_ms", "min", ".2f"), ("max_ms", "max", ".2f"),
-        ("vs_sgd1", "/ sgd@1", ".2f"), ("vs_cap1", "/ kfac@2 cap1", ".2f")]))
+        ("vs_sgd1", "/ sgd@1", ".2f"), ("vs_cap1", "/ kfac@2 cap1", ".2f")])
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        write_json(os.path.join(args.out, "threads.json"), result)
-        print(f"wrote {os.path.join(args.out, 'threads.json')}")
+        save_json(args.out, "threads.json", result)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ about a minute on 2 cores: 3 independent runs of ~20 s, the least disturbed one 
 the small ResNet of ``benchmarks/iteration_time.py`` (same model, synthetic CIFAR-shaped data, 32
 images per rank, SGD lr 0.01 momentum 0.9, K-FAC damping 0.03) for 13 steps with the Lightning
 ``Trainer`` on ``--world-size`` gloo processes (one torch thread each), strategy
-``SPDKFACStrategy(schedule="spd", profile_steps=(2, 5))`` and callback ``KFAC(inv_update_steps=4,
+``SPDKFACStrategy(schedule="spd", profile_steps=(2, 5))`` and callback ``KFAC(factor_update_steps=1, inv_update_steps=4,
 trace_step=12)``: optimizer step 12 comes after the SPD profiling window (the fusion plan is fixed,
 factor all-reduces are pipelined) and is an inverse-update step (inversions and inverse broadcasts
 happen). The callback records that step with the PyTorch profiler and writes one Chrome trace per
@@ -71,7 +71,7 @@ import torch
 from torch.profiler import record_function
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import fresh_run_dir  # noqa: E402
+from _common import bench_parser, fresh_run_dir, parse, pyplot, save_png, write_json  # noqa: E402
 
 DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs")  # committed figure
 
@@ -250,7 +250,10 @@ def worker(rank: int, world: int, cfg: dict) -> dict:
 
     data = make_data(rank, cfg["batch"], cfg["n_batches"], cfg["seed"])
     loader = torch.utils.data.DataLoader(data, batch_size=None, shuffle=False)
-    kfac = KFAC(damping=cfg["damping"], inv_update_steps=cfg["inv_update_steps"], trace_step=cfg["step"],
+    # factors every step, as when docs/timeline.png was drawn (the library's default became 5: SPD's profiling
+    # window, in factor steps, would then run past the traced step)
+    kfac = KFAC(damping=cfg["damping"], factor_update_steps=1, inv_update_steps=cfg["inv_update_steps"],
+                trace_step=cfg["step"],
                 trace_dir=cfg["trace_dir"], log_step_time=False)
     probe = Probe(kfac)
     trainer = pl.Trainer(
@@ -486,10 +489,7 @@ def to_json(ranks: list[dict], origin: float, cfg: dict) -> dict:
 
 # ------------------------------------------------------------------------------ the picture
 def plot(ranks: list[dict], origin: float, cfg: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     from matplotlib.patches import Patch
 
     n_kfac = max(r["n_kfac_threads"] for r in ranks)
@@ -557,9 +557,7 @@ def plot(ranks: list[dict], origin: float, cfg: dict, path: str) -> None:
         fontsize=10.5,
     )
     fig.tight_layout(rect=(0, 0.16, 1, 1))
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_png(fig, path, dpi=120)
 
 
 # ------------------------------------------------------------------------------ main
@@ -594,8 +592,10 @@ def print_summary(ranks: list[dict]) -> None:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = bench_parser(__doc__.split("\n\n")[0], seed=0,
+                     out="folder for timeline.json and .png (default: a fresh benchmarks/results/run-*/)",
+                     refresh="write the committed docs/timeline.{json,png} the README shows (unless --json/--png "
+                             "say otherwise)")
     p.add_argument("--step", type=int, default=12, help="optimizer step to trace (an inverse step, after the "
                    "profiling window)")
     p.add_argument("--inv-update-steps", type=int, default=4, help="KFAC(inv_update_steps=...)")
@@ -605,7 +605,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--n-batches", type=int, default=64, help="distinct synthetic batches per rank")
     p.add_argument("--lr", type=float, default=0.01, help="SGD learning rate (momentum 0.9)")
     p.add_argument("--damping", type=float, default=0.03, help="K-FAC damping")
-    p.add_argument("--seed", type=int, default=0, help="weights and data seed (as in iteration_time.py)")
     p.add_argument("--attempts", type=int, default=3,
                    help="independent runs; the one whose traced step is shortest (least disturbed) is drawn")
     p.add_argument("--trace-dir", default=None,
@@ -616,11 +615,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="intervals as JSON ('' for none; default: timeline.json in a fresh benchmarks/results/run-*/)")
     p.add_argument("--png", default=None,
                    help="the picture ('' for none; default: timeline.png in a fresh benchmarks/results/run-*/)")
-    p.add_argument("--refresh", action="store_true",
-                   help="write the committed docs/timeline.{json,png} the README shows (unless --json/--png say "
-                   "otherwise)")
     p.add_argument("--timeout", type=float, default=600.0, help="bound on the distributed run (s)")
-    args = p.parse_args(argv)
+    args = parse(p, argv, quick={"attempts": 1, "batch": 8, "n_batches": 4})
     try:
         ps = [int(v) for v in args.profile_steps.split(",")]
     except ValueError:
@@ -637,7 +633,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.analyse_only and not args.trace_dir:
         p.error("--analyse-only needs --trace-dir")
     if args.json is None or args.png is None:
-        folder = DOCS if args.refresh else fresh_run_dir("timeline")
+        folder = args.out or (DOCS if args.refresh else fresh_run_dir("timeline"))
         args.json = os.path.join(folder, "timeline.json") if args.json is None else args.json
         args.png = os.path.join(folder, "timeline.png") if args.png is None else args.png
     return args
@@ -724,9 +720,7 @@ def main(argv=None) -> int:
     checks(ranks)
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(to_json(ranks, origin, cfg), f, indent=1)
-            f.write("\n")
+        write_json(args.json, to_json(ranks, origin, cfg), indent=1)
         print(f"wrote {args.json}")
     if args.png:
         plot(ranks, origin, cfg, args.png)

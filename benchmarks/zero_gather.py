@@ -19,14 +19,13 @@ allgather/allreduce.
 
     python benchmarks/zero_gather.py                   # writes benchmarks/results/run-<stamp>-zero_gather/
     python benchmarks/zero_gather.py --out DIR         # writes DIR/zero_gather.json
+    python benchmarks/zero_gather.py --quick           # width 64, 2 repeats (seconds, after DeepSpeed's start)
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
 import os
-import statistics
 import sys
 import time
 import warnings
@@ -36,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import env_info, format_table, fresh_run_dir, write_json  # noqa: E402
+from _common import bench_parser, env_info, interleave, mlp, out_dir, parse, print_table, save_json, spread  # noqa: E402
 
 from lightning_spdkfac.lightning import deepspeed as ds_module  # noqa: E402
 from lightning_spdkfac.lightning.deepspeed import DeepSpeedGradAccess  # noqa: E402
@@ -78,12 +77,9 @@ def allreduce_gather(params: list) -> dict:
     return {p: view.view(p.shape) for p, view in zip(params, views)}
 
 
-def mlp(width: int, depth: int) -> nn.Module:
+def model_of(width: int, depth: int) -> nn.Module:
     torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    for _ in range(depth):
-        layers += [nn.Linear(width, width), nn.Tanh()]
-    return nn.Sequential(*layers, nn.Linear(width, 10))
+    return mlp(*[width] * (depth + 1), 10, act=nn.Tanh)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -101,7 +97,7 @@ def rank_main(rank: int, world: int, widths: list[int], depth: int, repeats: int
     deepspeed.init_distributed("gloo")
     out = []
     for width in widths:
-        model = mlp(width, depth)
+        model = model_of(width, depth)
         engine, *_ = deepspeed.initialize(
             args=ap.Namespace(device_rank=-1), model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
             config=dict(train_micro_batch_size_per_gpu=16, zero_optimization=dict(stage=2),
@@ -123,13 +119,17 @@ def rank_main(rank: int, world: int, widths: list[int], depth: int, repeats: int
             assert got is not None and all(torch.equal(_bits(got[p]), _bits(reference[p])) for p in params), name
         plan = access._cached_plan(params)
         assert plan is not None
-        times: dict[str, list[float]] = {name: [] for name in VARIANTS}
-        for r in range(repeats):
-            for name in VARIANTS if r % 2 == 0 else VARIANTS[::-1]:
+
+        def after_barrier(call):
+            def timed() -> float:
                 dist.barrier()
                 t0 = time.perf_counter()
-                calls[name]()
-                times[name].append(time.perf_counter() - t0)
+                call()
+                return time.perf_counter() - t0
+            return timed
+
+        times = interleave({name: after_barrier(calls[name]) for name in VARIANTS}, repeats, order="alternate",
+                           progress=rank == 0)
         n = sum(p.numel() for p in params)
         out.append(dict(width=width, depth=depth, params=n, layers=len(params) // 2, chunk=plan.chunk, runs=len(plan.runs),
                         times=times))
@@ -138,19 +138,18 @@ def rank_main(rank: int, world: int, widths: list[int], depth: int, repeats: int
     return dict(sizes=out)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    parser = bench_parser(__doc__, reps=30, reps_flags=("--repeats", "--reps"),
+                          out="folder for zero_gather.json (default: a fresh benchmarks/results/run-* folder)")
     parser.add_argument("--widths", type=int, nargs="+", default=[128, 512, 1536])
     parser.add_argument("--depth", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=30)
-    parser.add_argument("--out", help="folder for zero_gather.json (default: a fresh benchmarks/results/run-* folder)")
-    args = parser.parse_args()
+    args = parse(parser, argv, quick={"widths": [64], "reps": 2, "depth": 2})
     world = 2
     load_before = os.getloadavg()
     t0 = time.time()
     import zero_gather  # run_distributed pickles the ranks' function by reference: not from __main__
 
-    results = run_distributed(zero_gather.rank_main, world, args.widths, args.depth, args.repeats, timeout=3600)
+    results = run_distributed(zero_gather.rank_main, world, args.widths, args.depth, args.reps, timeout=3600)
     load_after = os.getloadavg()
     rows = []
     for size in results[0]["sizes"]:
@@ -159,32 +158,28 @@ def main() -> None:
                 "gloo_allgather": (world - 1) * chunk * 4, "each": 2 * (world - 1) / world * n * 4}
         row = dict(width=size["width"], params=n, layers=size["layers"], runs=size["runs"])
         for name in VARIANTS:
-            ts = [t * 1e3 for t in size["times"][name]]
-            q = statistics.quantiles(ts, n=4, method="inclusive")
-            row.update({f"{name}_ms": statistics.median(ts), f"{name}_q1": q[0], f"{name}_q3": q[2],
+            ms = spread(size["times"][name], 1e3)
+            row.update({f"{name}_ms": ms["median"], f"{name}_q1": ms["q1"], f"{name}_q3": ms["q3"],
                         f"{name}_MB": sent[name] / 1e6})
         row["ratio_ms"] = row["allgather_ms"] / row["allreduce_ms"]
         row["ratio_bytes"] = sent["allgather"] / sent["allreduce"]
         rows.append(row)
-    print(f"ZeRO-2 fp32, {world} gloo CPU ranks, {args.depth + 1} linear layers, {args.repeats} interleaved repeats; "
+    print(f"ZeRO-2 fp32, {world} gloo CPU ranks, {args.depth + 1} linear layers, {args.reps} interleaved repeats; "
           f"median ms of one gather on rank 0 [q1-q3]; MB each rank sends (computed, ring)")
     for row in rows:
         for name in VARIANTS:
             row[f"{name}_spread"] = f"{row[f'{name}_q1']:.3f}-{row[f'{name}_q3']:.3f}"
-    print(format_table(rows, [
+    print_table(rows, [
         ("params", "params", "d"), ("allreduce_MB", "allreduce MB", ".3f"), ("allgather_MB", "allgather MB", ".3f"),
         ("ratio_bytes", "bytes ratio", ".2f"), ("allreduce_ms", "allreduce ms", ".3f"),
         ("allreduce_spread", "[q1-q3]", "s"), ("allgather_ms", "allgather ms", ".3f"),
         ("allgather_spread", "[q1-q3]", "s"), ("ratio_ms", "time ratio", ".2f"),
         ("gloo_allgather_ms", "gloo all_gather ms", ".3f"), ("each_ms", "per-param ms", ".3f"),
-    ]))
+    ])
     print(f"load average (1, 5, 15 min) before {load_before}, after {load_after}; {time.time() - t0:.0f} s")
-    folder = args.out or fresh_run_dir("zero_gather")
-    os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, "zero_gather.json")
-    write_json(path, dict(command=" ".join(sys.argv), env=env_info(), world=world, load_before=load_before,
-                          load_after=load_after, rows=rows, raw=results[0]["sizes"]))
-    print(f"wrote {path}")
+    save_json(out_dir(args, "zero_gather"), "zero_gather.json",
+              dict(command=" ".join(sys.argv), env=env_info(), world=world, load_before=load_before,
+                   load_after=load_after, rows=rows, raw=results[0]["sizes"]))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,73 @@
+"""Every benchmark's ``--quick`` mode runs, as a user runs it, so that none breaks unseen (issue 28).
+
+Each script in benchmarks/ runs in a subprocess of its own session (its ranks are killed with it, whatever
+happens) with ``--quick --out <tmp>``, and must exit 0 and write its results into that folder. The quick
+modes do the smallest meaningful thing: the same code paths, tiny models, one or two repeats. Not here:
+time_to_accuracy.py and hf_gpt2_tta.py (tests/test_time_to_accuracy_bench.py) and gpu_check.py
+(tests/test_gpu_check.py and ``make gpu-check-dry``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+import time
+
+import pytest
+from helpers.processes import REPO, clean_env, kill_group
+
+BENCHMARKS = REPO / "benchmarks"
+NOT_HERE = {"time_to_accuracy", "hf_gpt2_tta", "gpu_check"}  # covered elsewhere (docstring)
+# script -> (a file its quick run must write into --out, the module it needs or None)
+QUICK = {
+    "async_inverses": ("async_inverses.json", None),
+    "async_placement": ("async_placement.json", None),
+    "damping_conventions": ("damping_conventions.jsonl", None),
+    "factor_approx": ("factor_approx.json", None),
+    "hf_models": ("results.json", "transformers"),
+    "iteration_time": ("iteration_time.json", None),
+    "overhead": ("overhead.json", None),
+    "paper_table": ("paper_table.json", None),
+    "schedules_64": ("schedules_64.json", None),
+    "soak": ("soak.json", None),
+    "telemetry_overhead": ("summary.json", None),
+    "telemetry_plot": ("telemetry.png", None),
+    "threads": ("threads.json", None),
+    "timeline": ("timeline.png", None),
+    "zero_gather": ("zero_gather.json", "deepspeed"),
+}
+TIMEOUT = 600  # s: a quick run takes seconds on an idle 2-core machine, a minute or two on a loaded one
+# Over 50 s each on a loaded 2-core machine (others 10-35 s): two gloo ranks that each import torch and Lightning
+# (iteration_time, timeline), DeepSpeed's start, which compiles its shared-memory op on a first run (zero_gather),
+# the simulator's four calibrated cases (paper_table). `make test-slow`, which CI runs, runs them.
+SLOW = {"iteration_time", "paper_table", "timeline", "zero_gather"}
+
+
+def test_every_benchmark_script_has_a_quick_run_here():
+    scripts = {p.stem for p in BENCHMARKS.glob("*.py") if not p.stem.startswith("_")}
+    assert scripts - NOT_HERE == set(QUICK)
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in sorted(QUICK)])
+def test_quick_mode_runs_and_writes_its_results(name, tmp_path):
+    wrote, needs = QUICK[name]
+    if needs and importlib.util.find_spec(needs) is None:
+        pytest.skip(f"{needs} is not installed")
+    out = tmp_path / "out"
+    env = {**clean_env(), "PYTHONPATH": str(REPO)}
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, str(BENCHMARKS / f"{name}.py"), "--quick", "--out", str(out)],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        kill_group(proc.pid)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"{name} --quick ran past {TIMEOUT} s:\n{stdout[-3000:]}\n{stderr[-3000:]}")
+    finally:
+        kill_group(proc.pid)  # no rank outlives the test
+    assert proc.returncode == 0, f"{name} --quick exited {proc.returncode}:\n{stdout[-3000:]}\n{stderr[-3000:]}"
+    assert (out / wrote).is_file(), f"{name} --quick wrote {sorted(p.name for p in out.iterdir())}, not {wrote}"
+    print(f"{name} --quick: {time.perf_counter() - t0:.1f} s")
