@@ -159,6 +159,7 @@ class QuadraticStepSize:
         self.last_damping = math.nan  # the model's damping at the last measurement (telemetry)
         self.prev: dict[str, torch.Tensor] = {}  # "quadratic_momentum": the last update applied, by parameter name
         self._hooks: dict[int, Any] = {}
+        self._named: dict[int, tuple[Any, list[tuple[str, nn.Parameter]]]] = {}
         self._pending: dict[str, Any] | None = None
         self._warned: set[str] = set()
 
@@ -169,8 +170,7 @@ class QuadraticStepSize:
                 paused: Callable[[], AbstractContextManager[None]] = nullcontext) -> None:
         """Snapshot what the rescaling needs (parameters, and on a measuring step the gradient), then arm the
         optimizer's post-step hook. Called by ``KFACPreconditioner.step`` before it preconditions."""
-        stepped = {id(p) for g in optimizer.param_groups for p in g["params"]}
-        named = [(n, p) for n, p in model.named_parameters() if id(p) in stepped and p.requires_grad]
+        named = self._stepped(model, optimizer)
         measure = step % self.every == 0
         if measure and loss_parts is None:
             what = f"step_size={self.mode!r}" if self.mode is not None else "adapt_damping=True"
@@ -180,7 +180,7 @@ class QuadraticStepSize:
             raise TypeError(f"loss_parts must be a pair (forward, loss) of callables, got {type(loss_parts).__name__}")
         self._pending = {
             "model": model, "named": named, "measure": measure, "damping": damping,
-            "old": [p.detach().clone() for _, p in named],
+            "old": torch._foreach_mul([p.detach() for _, p in named], 1.0) if named else [],  # copies, one call
             "grads": [None if p.grad is None else p.grad.detach().clone() for _, p in named] if measure else None,
             "loss_parts": loss_parts if measure else None, "loss_scale": loss_scale, "average": average,
             "paused": paused,
@@ -188,6 +188,16 @@ class QuadraticStepSize:
         key = id(optimizer)
         if key not in self._hooks:
             self._hooks[key] = optimizer.register_step_post_hook(lambda opt, args, kwargs: self.finish())
+
+    def _stepped(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> list[tuple[str, nn.Parameter]]:
+        """The model's trainable parameters this optimizer steps, by name; cached while its groups hold the same."""
+        key = (id(optimizer), tuple(id(p) for g in optimizer.param_groups for p in g["params"]))
+        cached = self._named.get(id(optimizer))
+        if cached is None or cached[0] != key or not all(p.requires_grad for _, p in cached[1]):
+            stepped = set(key[1])
+            self._named[id(optimizer)] = cached = (
+                key, [(n, p) for n, p in model.named_parameters() if id(p) in stepped and p.requires_grad])
+        return cached[1]
 
     def remove_hooks(self) -> None:
         for h in self._hooks.values():
@@ -204,19 +214,25 @@ class QuadraticStepSize:
         if pend is None:  # an optimizer step without a K-FAC step before it (another optimizer's, a skipped one)
             return
         named, old = pend["named"], pend["old"]
-        u = [p.detach() - o for (_, p), o in zip(named, old, strict=True)]
-        prev = [self.prev.get(n) for n, _ in named] if self.mode == "quadratic_momentum" else []
+        if not named:
+            return
+        params = [p.detach() for _, p in named]
+        momentum = self.mode == "quadratic_momentum"
+        u = torch._foreach_sub(params, old) if pend["measure"] or momentum else []
+        prev = [self.prev.get(n) for n, _ in named] if momentum else []
         use_prev = bool(prev) and all(d is not None and d.shape == x.shape for d, x in zip(prev, u, strict=True))
         model_terms = self._measure(pend, u, prev if use_prev else None) if pend["measure"] else None  # type: ignore[arg-type]
         mu = self.mu if use_prev else 0.0
-        if self.alpha != 1.0 or mu or self.mode == "quadratic_momentum":
+        if momentum:
             for i, ((name, p), o) in enumerate(zip(named, old, strict=True)):
                 step = u[i].mul(self.alpha)
                 if mu:
-                    step.add_(prev[i], alpha=mu)
+                    step.add_(prev[i], alpha=mu)  # type: ignore[arg-type]
                 p.copy_(o + step)
-                if self.mode == "quadratic_momentum":
-                    self.prev[name] = step
+                self.prev[name] = step
+        elif self.alpha != 1.0:  # theta <- old + alpha (theta - old) = alpha theta + (1 - alpha) old, two calls
+            torch._foreach_mul_(params, self.alpha)
+            torch._foreach_add_(params, old, alpha=1.0 - self.alpha)
         if model_terms is not None and self.adapt_damping:
             self._adapt(pend, model_terms, mu)
 
