@@ -17,33 +17,55 @@ Workloads (the package's demo models and data, nothing downloaded):
 * ``autoencoder``: a deep MLP autoencoder on the flattened digits, 64-256-128-32-128-256-64 with tanh,
   MSE reconstruction (defined here); target val MSE 0.005 (AdamW lr 3e-3 reaches it in about 10 epochs;
   SGD plateaus near 0.022 at every lr tried).
+* ``depthwise`` (issue 27): a MobileNet-style CNN of depthwise-separable convolutions (``DepthwiseCNN``: 3x3
+  depthwise ``groups=channels`` + 1x1 pointwise, BatchNorm) on the ResNet's CIFAR-shaped digits, 6 epochs;
+  target val acc 0.97 (a screen: tuned AdamW reaches it in about 4-5 epochs).
+* ``gpt2`` (issue 27): the ``transformers`` GPT-2 of examples/hf_gpt2.py (``bench_model``/``bench_data``,
+  imported: 2 layers x 64, the 50257-token tied head, byte data, 10 steps an epoch), SHORTENED to 40 optimizer
+  steps (4 epochs; benchmarks/hf_gpt2_tta.py runs 80) so that a run takes about a minute on one thread; the
+  vocabulary is kept. Target: tuned AdamW's median final val loss, as for ``transformer``.
+
+Baselines (``--optimizers``, all five by default; benchmarks/tta_optimizers.py says how each is built): SGD
+(momentum 0.9, coupled weight decay), AdamW, Muon (``torch.optim.Muon`` with ``adjust_lr_fn="match_rms_adamw"``
+on the hidden weight matrices, convolution filters flattened, depthwise filters excluded; AdamW at the same lr
+and weight decay on embeddings, the output layer, biases and norms), SOAP (``heavyball.SOAP``) and Shampoo
+(``heavyball.KLShampoo``, heavyball 3.2.1's Shampoo), heavyball with torch.compile off. All take the same
+schedule (cosine to 0 over the budget; TinyGPT and GPT-2: their own warmup + cosine) and the workload's AdamW
+weight decay (decoupled), except SGD's coupled one.
+
+Every benchmark module has ``kfac_loss_parts(batch) -> (forward, loss)`` for K-FAC's step-size rule:
+``loss(forward())`` is exactly the training step's loss on the batch (tests/test_time_to_accuracy_bench.py).
 
 Protocol, per workload:
 
-1. Baseline sweep: SGD (momentum 0.9, coupled weight decay) and AdamW, each over a log grid of peak lrs,
-   the same schedule for both (cosine to 0 over the budget; TinyGPT: its own warmup + cosine). The runs
-   are interleaved seed by seed (seed 0: SGD lr1, AdamW lr1, SGD lr2, ...; then seed 1, ...), so a
-   slow spell of the machine hits every optimizer alike.
+1. Baseline sweep: each optimizer over a log grid of peak lrs (``--lrs`` replaces grids). The runs are
+   interleaved seed by seed (seed 0: SGD lr1, AdamW lr1, Muon lr1, ..., SGD lr2, ...; then seed 1, ...), so
+   a slow spell of the machine hits every optimizer alike. A grid whose winner is at its edge is extended by
+   one more point of the same ratio, all seeds, up to ``--widen`` times (recorded as ``widened``).
 2. The winner of each baseline is the lr with the lowest median (over seeds) time to target; a seed
    that never reaches the target counts as infinite time, and configurations whose median is infinite
-   rank after the others by their median final metric. The best tuned baseline is the better of the
-   two winners.
-3. K-FAC phase, again interleaved seed by seed: the best baseline re-run (so that the ratio compares
-   runs timed side by side), ``KFAC()`` with the library defaults on top of the best baseline's
-   optimizer and lr (no K-FAC-specific tuning), ``KFAC(factor_approx="reduce")`` likewise, and a
+   rank after the others by their median final metric. K-FAC's base is the better of the SGD and AdamW
+   winners (issue 27's first target); the best of all baselines is also reported. ``--no-kfac`` stops here.
+3. K-FAC phase, again interleaved seed by seed: the best SGD/AdamW baseline re-run (so that the ratio
+   compares runs timed side by side), the best of all baselines re-run when it is another one (Muon, SOAP,
+   Shampoo), ``KFAC()`` with the library defaults on top of the best SGD/AdamW optimizer and lr (no
+   K-FAC-specific tuning), ``KFAC(factor_approx="reduce")`` likewise, and a
    damping sweep (damping x base lr in {lr/3, lr, 3 lr}; its point at the library's default damping and
    the base lr is the defaults run, not run twice). The tuned-K-FAC row is the damping sweep's best
    point. ``--candidates`` adds named K-FAC configurations (the evidence for the defaults; besides K-FAC
    options an entry may set ``lr_factor``, a factor of the best baseline's lr, and ``optimizer``, the base
-   optimizer), and
-   ``--baselines-from`` reuses an earlier run's recorded baseline sweep (the winner is still re-run
-   beside K-FAC, interleaved, and every ratio is taken against that re-run).
+   optimizer; every other key goes to ``KFAC()`` unchanged, new options included, and is checked by building
+   ``KFAC(**options)`` before any run), and ``--baselines-from a.json,b.json`` reuses earlier runs' recorded
+   sweeps (per optimizer and lr the first file that has it; only the ``--optimizers`` none of them has are
+   swept; the winners are still re-run beside K-FAC, interleaved, and every ratio is taken against those
+   re-runs). So ``--no-kfac`` runs of the baselines and a later K-FAC phase are two invocations.
 
 A run has diverged when its last training loss (epoch mean) is above its first logged one (the loss
 of the first batch), when a loss or the validation metric was non-finite (the run is then stopped), or
 when it raised (e.g. K-FAC's ``max_bad_steps``). Times are wall-clock seconds from just before
 ``trainer.fit`` to the end of each validation (one per epoch), so setup, K-FAC's included, and
-validation count for every optimizer.
+validation count for every optimizer; ``--clock cpu`` takes the process's CPU seconds over the same span
+instead (for a machine shared with other work; histories record both).
 
 Output (``--out``, a fresh folder; default ``benchmarks/results/tta_<timestamp>/``): ``results.json``
 with every run's per-epoch history (metric, train loss, seconds), the summaries and the printed tables;
