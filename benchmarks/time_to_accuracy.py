@@ -627,7 +627,9 @@ def recorded_sweep(paths: str | list[str], name: str) -> dict[str, Any]:
     Per optimizer and lr, the first file that swept it wins. Files written since the sweep runs are kept
     (every run of 2026-11 on) give their sweep runs, which are re-scored here (a ``target_from`` workload needs
     them: its target is recomputed from the merged runs); a file that only carries summaries (it reused a sweep
-    itself) gives its summary rows. All files must have the workload's same number of epochs.
+    itself) gives its summary rows. All files must have the workload's same number of epochs. A ``runs.jsonl``
+    (the run-by-run log every invocation writes beside its results.json) gives the sweep runs it holds: what an
+    interrupted invocation finished.
     """
     paths = [x for x in paths.split(",") if x] if isinstance(paths, str) else list(paths)
     runs: list[dict] = []
@@ -638,7 +640,7 @@ def recorded_sweep(paths: str | list[str], name: str) -> dict[str, Any]:
     found = False
     for path in paths:
         with open(path) as f:
-            payload = json.load(f)
+            payload = _payload_from_jsonl(f, name) if path.endswith(".jsonl") else json.load(f)
         res = next((r for r in payload["workloads"] if r["workload"] == name), None)
         if res is None:
             continue
@@ -664,6 +666,20 @@ def recorded_sweep(paths: str | list[str], name: str) -> dict[str, Any]:
     return {"path": ",".join(paths), "runs": runs, "rows": rows, "epochs": epochs.pop(), "seeds": seeds}
 
 
+def _payload_from_jsonl(f: Any, name: str) -> dict[str, Any]:
+    """A results.json-like payload of workload ``name``'s sweep runs in a runs.jsonl (one run record a line)."""
+    runs = [r for r in map(json.loads, filter(str.strip, f)) if r["workload"] == name and r["tag"].startswith("sweep ")]
+    if not runs:
+        return {"workloads": []}
+    sweep: dict[str, list[dict]] = {}
+    for r in runs:
+        o = r["tag"].split(" ", 1)[1]
+        if not any(math.isclose(x["lr"], r["lr"]) for x in sweep.get(o, [])):
+            sweep.setdefault(o, []).append({"lr": r["lr"]})
+    return {"workloads": [{"workload": name, "epochs": runs[0]["epochs"], "seeds": sorted({r["seed"] for r in runs}),
+                           "sweep": sweep, "runs": runs}]}
+
+
 def _recorded_lrs(recorded: dict[str, Any]) -> dict[str, list[float]]:
     lrs: dict[str, set[float]] = {}
     for r in recorded["runs"]:
@@ -676,7 +692,8 @@ def _recorded_lrs(recorded: dict[str, Any]) -> dict[str, list[float]]:
 def run_workload(w: Workload, seeds: list[int], quick: bool, budget: int | None, log: Callable[[str], None],
                  candidates: dict[str, dict] | None = None, recorded: dict[str, Any] | None = None,
                  sweep_seeds: list[int] | None = None, optimizers: list[str] | None = None,
-                 kfac_phase: bool = True, widen: int = 0, extra_lrs: dict[str, list[float]] | None = None) -> dict:
+                 kfac_phase: bool = True, widen: int = 0, extra_lrs: dict[str, list[float]] | None = None,
+                 runs_log: str | None = None) -> dict:
     """Sweep the baselines (``optimizers`` not in ``recorded``), widen edge winners' grids up to ``widen`` times,
     then (``kfac_phase``) run K-FAC on the best SGD/AdamW baseline beside re-runs of it and of the best of all."""
     candidates = candidates or {}
@@ -691,6 +708,9 @@ def run_workload(w: Workload, seeds: list[int], quick: bool, budget: int | None,
         r = run_one(w, opt_name, lr, seed, epochs, kfac)
         r["tag"] = tag
         runs.append(r)
+        if runs_log:  # run by run: what an interrupted invocation finished survives (--baselines-from takes it)
+            with open(runs_log, "a") as f:
+                f.write(json.dumps(r, default=str) + "\n")
         t = f"{r['seconds_to_target']:.2f}s" if r["reached"] else "not reached"
         log(f"  [{w.name}] seed {seed} {tag:<28} lr {lr:<8.3g} target: {t:<12} final {r['final_metric']:.4f}"
             f"  wall {r['wall_seconds']:.1f}s{'  DIVERGED' if r['diverged'] else ''}"
@@ -1080,7 +1100,7 @@ def main() -> None:
                            log, candidates, recorded,
                            [int(x) for x in args.sweep_seeds.split(",")] if args.sweep_seeds else None,
                            optimizers=optimizers, kfac_phase=not args.no_kfac, widen=0 if args.quick else args.widen,
-                           extra_lrs=extra_lrs)
+                           extra_lrs=extra_lrs, runs_log=os.path.join(out, "runs.jsonl"))
         res["wall_seconds"] = round(time.perf_counter() - t_w, 1)
         results.append(res)
         payload["workloads"].append(res)

@@ -183,8 +183,12 @@ def test_protocol_sweep_widen_reuse_and_candidates(bench, monkeypatch, tmp_path)
     log = lambda msg: None  # noqa: E731
     # the new optimizers alone, no K-FAC phase. Muon's optimum (3e-3) lies below its grid: widened to 3.3e-3, the
     # winner, and once more to 1.1e-3 (the winner was still at the edge); soap's (3e-3) is inside; shampoo's above.
+    jl = tmp_path / "runs.jsonl"
     res = tta.run_workload(w, [0, 1], False, None, log, optimizers=["muon", "soap", "shampoo"], kfac_phase=False,
-                           widen=2)
+                           widen=2, runs_log=str(jl))
+    # the run-by-run log holds the same sweep (what an interrupted invocation would leave)
+    from_log = tta.recorded_sweep(str(jl), "toy")
+    assert tta._recorded_lrs(from_log) == res["lrs"] and len(from_log["runs"]) == len(res["runs"])
     assert res["best_baseline"] is None and not any(c["kfac"] for c in calls)
     assert [round(x, 6) for x in res["widened"]["muon"]] == [round(1e-2 / 3, 6), round(1e-2 / 9, 6)]
     assert math.isclose(res["winners"]["muon"]["lr"], 1e-2 / 3)
