@@ -25,7 +25,7 @@ Workloads (the package's demo models and data, nothing downloaded):
   steps (4 epochs; benchmarks/hf_gpt2_tta.py runs 80) so that a run takes about a minute on one thread; the
   vocabulary is kept. Target: tuned AdamW's median final val loss, as for ``transformer``.
 
-Baselines (``--optimizers``, all five by default; benchmarks/tta_optimizers.py says how each is built): SGD
+Baselines (``--optimizers``, all five by default; benchmarks/_tta_optimizers.py says how each is built): SGD
 (momentum 0.9, coupled weight decay), AdamW, Muon (``torch.optim.Muon`` with ``adjust_lr_fn="match_rms_adamw"``
 on the hidden weight matrices, convolution filters flattened, depthwise filters excluded; AdamW at the same lr
 and weight decay on embeddings, the output layer, biases and norms), SOAP (``heavyball.SOAP``) and Shampoo
@@ -93,9 +93,9 @@ import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
 from _common import env_info, format_table
+from _tta_optimizers import BASELINE_OPTIMIZERS, KFAC_BASE_OPTIMIZERS, build_optimizer
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
-from tta_optimizers import BASELINE_OPTIMIZERS, KFAC_BASE_OPTIMIZERS, build_optimizer
 
 from lightning_spdkfac import KFAC
 from lightning_spdkfac.demo import DigitsCNN, DigitsDataModule
@@ -113,7 +113,7 @@ CANDIDATE_KEYS = ("lr_factor", "optimizer")
 
 # ------------------------------------------------------------------------------ optimizers
 def cosine_optimizer(module: pl.LightningModule, name: str, lr: float, weight_decay: float) -> dict[str, Any]:
-    """``name`` (tta_optimizers.BASELINE_OPTIMIZERS: SGD with momentum 0.9 and coupled L2, AdamW, Muon + AdamW,
+    """``name`` (_tta_optimizers.BASELINE_OPTIMIZERS: SGD with momentum 0.9 and coupled L2, AdamW, Muon + AdamW,
     SOAP, Shampoo, the last four with decoupled decay) at peak ``lr``, cosine to 0 per step over the fit."""
     opt = build_optimizer(module, name, lr, weight_decay)
     total = max(1, int(module.trainer.estimated_stepping_batches))
@@ -445,7 +445,7 @@ def _grid(*lrs: float) -> list[float]:
     return list(lrs)
 
 
-# Muon (lr relation: AdamW's, see tta_optimizers), SOAP and Shampoo start from the AdamW grid of each workload;
+# Muon (lr relation: AdamW's, see _tta_optimizers), SOAP and Shampoo start from the AdamW grid of each workload;
 # run_workload's --widen extends a grid whose winner sits at its edge.
 WORKLOADS: dict[str, Workload] = {w.name: w for w in (
     Workload("digits", "digits CNN (configs/digits.yaml), val acc", BenchDigitsCNN, digits_data,

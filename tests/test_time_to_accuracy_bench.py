@@ -21,11 +21,11 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def bench():
-    """(time_to_accuracy, tta_optimizers), imported from benchmarks/ (their sibling imports need it on sys.path)."""
+    """(time_to_accuracy, _tta_optimizers), imported from benchmarks/ (their sibling imports need it on sys.path)."""
     with pytest.MonkeyPatch.context() as mp:
         mp.syspath_prepend(str(REPO / "benchmarks"))
         tta = importlib.import_module("time_to_accuracy")
-        opt = importlib.import_module("tta_optimizers")
+        opt = importlib.import_module("_tta_optimizers")
         yield tta, opt
 
 
