@@ -26,7 +26,7 @@ def memory_per_gpu(workload: Workload, timeline: Timeline) -> dict[str, int]:
     the upper triangle of each dense block)."""
     s = timeline.extra["schedule"]
     sides = timeline.extra["sides"]
-    world = len(timeline.extra.get("layer_placement").load) if "layer_placement" in timeline.extra else None
+    world = len(timeline.extra["layer_placement"].load) if "layer_placement" in timeline.extra else None
     model = 3 * 4 * workload.params
     factor_buffers = sum(packed_numel(n) for n in sides) * s.bytes_per_element
     if s.dpkfac != "off":
