@@ -21,7 +21,7 @@ from helpers import hardware  # noqa: E402
 from helpers.lightning_models import KW, TinyInterleaved, fit_on_ranks, trainer  # noqa: E402
 
 from lightning_spdkfac import KFAC, SPDKFACDeepSpeedStrategy  # noqa: E402
-from lightning_spdkfac.lightning.deepspeed import DeepSpeedGradAccess, _fusable  # noqa: E402
+from lightning_spdkfac.lightning.deepspeed_grads import DeepSpeedGradAccess, _fusable  # noqa: E402
 from lightning_spdkfac.multiprocess import run_distributed  # noqa: E402
 
 STEPS = 6

@@ -152,7 +152,7 @@ def test_deepspeed_says_so_before_building_its_op_once(tmp_path, monkeypatch, ca
     pytest.importorskip("deepspeed")
     import logging
 
-    from lightning_spdkfac.lightning.deepspeed import _announce_op_build
+    from lightning_spdkfac.lightning.deepspeed_config import _announce_op_build
 
     caplog.set_level(logging.INFO)
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # an empty cache: a first run

@@ -1,5 +1,5 @@
-"""DeAR-style factor communication (simulate.dear) and the async-period placement (simulate.async_plan,
-schedule.placement.owned_prefix_candidates): exact timelines of a 2-layer, 2-GPU case computed by hand."""
+"""DeAR-style factor communication (simulate.schedules.dear) and the async-period placement
+(simulate.schedules.async_plan, schedule.placement.owned_prefix_candidates): exact timelines of a 2-layer, 2-GPU case computed by hand."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from test_simulate_dpkfac import WORK, _cluster
 from lightning_spdkfac.schedule import REPLICATED, AlphaBeta, InverseCost
 from lightning_spdkfac.schedule.placement import owned_prefix_candidates
 from lightning_spdkfac.simulate import SimSchedule, simulate
-from lightning_spdkfac.simulate.dear import dear_models
 from lightning_spdkfac.simulate.paper import paper_case
-from lightning_spdkfac.simulate.timeline import with_schedule
+from lightning_spdkfac.simulate.schedules.dear import dear_models
+from lightning_spdkfac.simulate.sim_schedule import with_schedule
 
 R = REPLICATED
 

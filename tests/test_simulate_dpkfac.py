@@ -1,4 +1,4 @@
-"""DP-KFAC in the simulator (lightning_spdkfac.simulate.dpkfac): exact timelines of a 2-layer, 2-GPU case
+"""DP-KFAC in the simulator (lightning_spdkfac.simulate.schedules.dpkfac): exact timelines of a 2-layer, 2-GPU case
 computed by hand, the local-factor variant, the lower bound, the memory model, and the option checks."""
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ from lightning_spdkfac.simulate import (
     Workload,
     simulate,
 )
-from lightning_spdkfac.simulate.dpkfac import half_allreduce, memory_per_gpu
-from lightning_spdkfac.simulate.timeline import SIM_SCHEDULES, with_schedule
+from lightning_spdkfac.simulate.cluster import half_allreduce
+from lightning_spdkfac.simulate.memory import memory_per_gpu
+from lightning_spdkfac.simulate.sim_schedule import SIM_SCHEDULES, with_schedule
 
 # layer 0: A 2x2, G 3x3; layer 1: A 4x4, G 2x2. Forward 1 s, backward 2 s, each factor 0.5 s.
 LAYERS = (LayerSpec("l0", 2, 3, 1, 1.0, 6), LayerSpec("l1", 4, 2, 1, 1.0, 8))

@@ -16,10 +16,10 @@ from lightning_spdkfac.factor_shapes import inverse_numel, numel, packed_numel, 
 from lightning_spdkfac.kfac.preconditioner import KFACPreconditioner
 from lightning_spdkfac.schedule import AlphaBeta, InverseCost
 from lightning_spdkfac.simulate import Cluster, LayerSpec, Workload, profile_layers, simulate
-from lightning_spdkfac.simulate.dpkfac import memory_per_gpu
+from lightning_spdkfac.simulate.memory import memory_per_gpu
 from lightning_spdkfac.simulate.plan import PlanInputs, plan
 from lightning_spdkfac.simulate.plan_cli import main
-from lightning_spdkfac.simulate.timeline import SIM_SCHEDULES
+from lightning_spdkfac.simulate.sim_schedule import SIM_SCHEDULES
 
 VOCAB, TOKENS, DIM, SEQ = 50257, 30000, 64, 16
 INV = InverseCost(c0=1e-4, c1=2e-9, c2=1e-11, c3=1e-13)

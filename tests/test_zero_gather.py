@@ -18,7 +18,7 @@ from torch import nn
 
 pytest.importorskip("deepspeed")
 
-from lightning_spdkfac.lightning.deepspeed import (  # noqa: E402
+from lightning_spdkfac.lightning.deepspeed_grads import (  # noqa: E402
     DeepSpeedGradAccess,
     _fusable,
     _GatherPlan,

@@ -40,7 +40,7 @@ from .. import validation as val
 from ..schedule import AlphaBeta, InverseCost
 
 __all__ = ["Cluster", "ring_allreduce", "tree_allreduce", "chain_collective", "binomial_broadcast",
-           "ring_reduce_scatter", "AllreduceAlgorithm", "BroadcastAlgorithm"]
+           "ring_reduce_scatter", "half_allreduce", "AllreduceAlgorithm", "BroadcastAlgorithm"]
 
 AllreduceAlgorithm = Literal["ring", "tree"]
 BroadcastAlgorithm = Literal["chain", "tree"]
@@ -217,3 +217,13 @@ class Cluster:
 
     def with_inverse(self, inverse: InverseCost) -> Cluster:
         return replace(self, inverse=inverse)
+
+
+def half_allreduce(cluster: Cluster, name: str) -> AlphaBeta:
+    """``cluster.<name>`` (``reduce_scatter``, ``allgather``) when the cluster models it, else half the
+    all-reduce (a ring all-reduce is a reduce-scatter then an all-gather)."""
+    model = getattr(cluster, name, None)
+    if isinstance(model, AlphaBeta):
+        return model
+    ar = cluster.allreduce
+    return AlphaBeta(ar.alpha / 2, ar.beta / 2)

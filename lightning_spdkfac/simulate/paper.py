@@ -29,7 +29,7 @@ from ..schedule import AlphaBeta, InverseCost
 from ..schedule.cost import _nnls_small
 from .cluster import AllreduceAlgorithm, Cluster
 from .models import PAPER_MODELS
-from .timeline import _grad_comm
+from .timeline_core import grad_comm_seconds
 from .workload import LayerSpec, Workload, profile_layers
 
 __all__ = ["PAPER_ALLREDUCE", "PAPER_BREAKDOWN", "PAPER_SPEEDUPS", "PAPER_WORLD", "SMALL_FACTOR",
@@ -120,7 +120,7 @@ class PaperCase:
         p = val.check_int("world_size", world_size, low=1)
         cluster = paper_cluster(p, self.cluster.inverse, **{**dict(self.network), **network})
         modelled = replace(self.workload, grad_comm=None)
-        ratio = _grad_comm(modelled, cluster) / _grad_comm(modelled, self.cluster)
+        ratio = grad_comm_seconds(modelled, cluster) / grad_comm_seconds(modelled, self.cluster)
         measured = self.workload.grad_comm  # None: grad_comm="model", costed by the simulator at any size
         return replace(self.workload, grad_comm=None if measured is None else measured * ratio), cluster
 

@@ -21,8 +21,11 @@ from ..schedule import REPLICATED, AlphaBeta
 from ..schedule.placement import message_bytes
 from ..vocabulary import SCHEDULE_PARTS
 from .cluster import Cluster
-from .dpkfac import MEMORY_ASSUMPTIONS, gradient_bytes, memory_per_gpu
-from .timeline import CATEGORIES, SIM_SCHEDULES, SimSchedule, Timeline, as_sim_schedule, simulate
+from .memory import MEMORY_ASSUMPTIONS, memory_per_gpu
+from .schedules.dpkfac import gradient_bytes
+from .sim_schedule import SIM_SCHEDULES, SimSchedule, as_sim_schedule
+from .timeline import simulate
+from .timeline_core import CATEGORIES, Timeline
 from .workload import Workload
 
 __all__ = ["DEEPSPEED_CLASS", "DEFAULT_SCHEDULES", "STRATEGY_CLASS", "PlanInputs", "plan", "recommend",

@@ -41,7 +41,7 @@ from .cluster import Cluster
 from .plan import DEFAULT_SCHEDULES, PlanInputs, ab_dict, plan, sim_schedule_from_options
 from .plan_sources import DTYPES, ModelSource, PlanError, model_source
 from .report import render, write_json
-from .timeline import SIM_SCHEDULES, SimSchedule
+from .sim_schedule import SIM_SCHEDULES, SimSchedule
 from .workload import Workload
 
 __all__ = ["PlanError", "main"]

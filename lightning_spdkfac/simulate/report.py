@@ -13,7 +13,7 @@ import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .timeline import CATEGORIES
+from .timeline_core import CATEGORIES
 
 __all__ = ["render", "write_json"]
 
@@ -112,8 +112,8 @@ def _schedules(result: dict[str, Any], ms: _Ms) -> list[str]:
     best = _best(result)
     out.extend(f"{r['name']}: {r['description']}" for r in result["schedules"] if r["name"] == "config")
     out.append("bound: the schedule's critical-path lower bound (FF&BP + FactorComp + exposed GradComm + the "
-               "largest inversion, less what overlaps the gradient all-reduce; see simulate.timeline; dpkfac: "
-               "simulate.dpkfac)")
+               "largest inversion, less what overlaps the gradient all-reduce; see simulate.schedules.spd; dpkfac: "
+               "simulate.schedules.dpkfac)")
     out.extend(_memory(result))
     out.append(f"speedup: over dkfac. * recommended: {best['name']} ({ms(best['total_s'])} ms per iteration, "
                f"{_x(best['speedup_vs_dkfac'])}) - {best['description']}")

@@ -7,10 +7,11 @@ the channel while forward runs. The inversions of a step therefore use the facto
 forward, i.e. the previous step's reduced factors (one step stale, like ``async_inverses``); the timeline is
 the steady-state period, whose channel starts with the previous step's all-gathers (in plan order, launched at
 0, before any reduce-scatter). The fusion plan is made with the reduce-scatter model. Everything else is the
-base schedule's (placement, inverse broadcasts).
+base schedule's (:mod:`.spd`: placement, inverse broadcasts): :func:`simulate_dear` is :func:`~.spd.simulate_spd`
+with :data:`DEAR` as its factor reductions.
 
 The two halves are ``Cluster.reduce_scatter`` and ``Cluster.allgather`` when the cluster models them, else
-half of the all-reduce each (:func:`~.dpkfac.half_allreduce`). Both count as ``FactorComm`` where exposed:
+half of the all-reduce each (:func:`~..cluster.half_allreduce`). Both count as ``FactorComm`` where exposed:
 an all-gather that delays a reduce-scatter past backward shows there.
 """
 
@@ -19,12 +20,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ..factor_shapes import ShapeLike, as_shape, packed_numel
-from ..schedule import AlphaBeta
-from .cluster import Cluster
-from .dpkfac import half_allreduce
+from ...factor_shapes import FactorShape, ShapeLike, as_shape, packed_numel
+from ...schedule import AlphaBeta, Placement
+from ..cluster import Cluster, half_allreduce
+from ..sim_schedule import SimSchedule
+from ..timeline_core import Channel, Timeline
+from ..workload import Workload
+from .spd import FactorReductions, simulate_spd
 
-__all__ = ["dear_models", "previous_allgathers"]
+__all__ = ["DEAR", "DeARReductions", "dear_models", "group_bytes", "previous_allgathers", "simulate_dear"]
 
 
 def dear_models(cluster: Cluster) -> tuple[AlphaBeta, AlphaBeta]:
@@ -44,3 +48,28 @@ def previous_allgathers(channel: Any, groups: Sequence[Sequence[int]], sides: Se
     for k, g in enumerate(groups):
         channel.run("FactorComm", f"all-gather factor group {k} (previous step)", 0.0,
                     gather.time(group_bytes(g, sides, bytes_per_element)))
+
+
+class DeARReductions(FactorReductions):
+    """Each group reduce-scattered in backward, after the previous step's all-gathers (the module docstring)."""
+
+    def planning_model(self, cluster: Cluster) -> AlphaBeta:
+        return dear_models(cluster)[0]
+
+    def before_step(self, channel: Channel, groups: Sequence[Sequence[int]], sides: list[FactorShape],
+                    schedule: SimSchedule, cluster: Cluster) -> None:
+        previous_allgathers(channel, groups, sides, schedule.bytes_per_element, cluster)
+
+    def seconds(self, schedule: SimSchedule, cluster: Cluster, sides: list[FactorShape], owners: Sequence[int],
+                group: Sequence[int]) -> float:
+        return dear_models(cluster)[0].time(group_bytes(group, sides, schedule.bytes_per_element))
+
+
+DEAR = DeARReductions()
+
+
+def simulate_dear(workload: Workload, cluster: Cluster, schedule: SimSchedule, shown: int,
+                  placement: Placement | None = None) -> Timeline:
+    """One iteration (the steady-state period) of ``schedule`` (``factor_comm="dear"``, more than one GPU):
+    :func:`~.spd.simulate_spd` with the factor groups reduce-scattered and all-gathered."""
+    return simulate_spd(workload, cluster, schedule, shown, placement, reductions=DEAR)

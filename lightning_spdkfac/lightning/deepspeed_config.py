@@ -1,0 +1,114 @@
+"""What ``SPDKFACDeepSpeedStrategy`` checks before DeepSpeed runs, so that a wrong argument or an unsupported
+machine is refused with a message that names it: the DeepSpeed config (a dict or a JSON file, its ZeRO stage:
+0, 1 or 2), whether the accelerator runs fp16, and the one-line notice before DeepSpeed JIT-builds an op."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+
+from pytorch_lightning.strategies import DeepSpeedStrategy
+
+from .. import validation as val
+
+_ZERO_STAGES = (0, 1, 2)
+_FP16_PRECISIONS = ("16-mixed", "16-true")
+
+
+def _announce_op_build(builder_name: str) -> bool:
+    """One line before DeepSpeed JIT-builds the op ``builder_name`` on a first run (about a minute, which
+    it spends silently): only when the op is compatible, not installed prebuilt and not in torch's
+    extension cache. Returns whether it announced; a DeepSpeed or torch without these internals: silent."""
+    try:
+        import deepspeed.ops
+        from deepspeed.accelerator import get_accelerator
+        from deepspeed.git_version_info import installed_ops
+        from pytorch_lightning.utilities.rank_zero import rank_zero_info
+        from torch.utils.cpp_extension import _get_build_directory
+
+        builder = get_accelerator().create_op_builder(builder_name)
+        if builder is None or installed_ops.get(builder.NAME, False):
+            return False
+        if not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+            return False
+        folder = _get_build_directory(builder.name, verbose=False)
+    except Exception:
+        return False
+    if os.path.exists(os.path.join(folder, f"{builder.name}.so")):
+        return False
+    rank_zero_info(
+        f"DeepSpeed is building its {builder.name} op once (about a minute, in {folder}); later runs reuse it"
+    )
+    return True
+
+
+def _fp16_requested(config: Mapping | None, precision: str | None) -> bool:
+    """Will the engine run in fp16? An ``fp16`` section in the DeepSpeed config decides (Lightning adds
+    one from the precision only where the config has none), else the Trainer's precision."""
+    section = (config or {}).get("fp16")
+    if isinstance(section, Mapping):
+        return bool(section.get("enabled", False))  # DeepSpeed's default for a section without "enabled"
+    return precision in _FP16_PRECISIONS
+
+
+def _deepspeed_fp16_support() -> tuple[bool, str]:
+    """DeepSpeed's own answer (the one its engine checks in ``deepspeed.initialize``) and its device name."""
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    return bool(accelerator.is_fp16_supported()), str(accelerator.device_name())
+_STAGE_3 = " (K-FAC preconditions whole layers, which stage 3 partitions; use stage 2)"
+
+
+def _load_config(config: object) -> tuple[dict | None, str]:
+    """``config`` (or the file named by PL_DEEPSPEED_CONFIG_PATH when it is None) as a dict, and where it
+    came from for messages; checked here instead of in Lightning's ``DeepSpeedStrategy``, whose errors
+    do not say which argument is wrong."""
+    what = "None, a DeepSpeed config dict or the path of a JSON file holding one"
+    source = "config"
+    if config is None:
+        env = os.environ.get(DeepSpeedStrategy.DEEPSPEED_ENV_VAR)
+        if not env:
+            return None, ""
+        config, source = env, f"config (None, so the file named by ${DeepSpeedStrategy.DEEPSPEED_ENV_VAR})"
+    if isinstance(config, Mapping):
+        if not all(isinstance(k, str) for k in config):
+            raise TypeError(f"{source} must be {what}; its keys must be strings, got {val.show(config)}")
+        return dict(config), ""
+    if not isinstance(config, (str, os.PathLike)):
+        raise TypeError(f"{source} must be {what}, got {val.show(config)}")
+    path = os.fspath(config)
+    if not isinstance(path, str) or not path or "\x00" in path or not os.path.isfile(path):
+        raise ValueError(f"{source} must be {what}, got {config!r}, which is not a file")
+    try:
+        with open(path) as f:
+            loaded = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{source} must be {what}, got {config!r}, which cannot be read as JSON: {e}") from None
+    if not isinstance(loaded, dict):
+        raise ValueError(f"{source} must be {what}, got {config!r}, which holds {val.show(loaded)}, not an object")
+    return loaded, f" (in config={config!r})"
+
+
+def _check_zero_stage(config: dict | None, origin: str = "") -> None:
+    """ZeRO stage 0, 1 or 2 in a DeepSpeed config; ``origin`` names the file it was read from."""
+    zero = (config or {}).get("zero_optimization")
+    if zero is None:
+        return
+    if not isinstance(zero, Mapping):
+        raise TypeError(
+            f"config['zero_optimization'] must be a dict such as {{'stage': 2}}, got {val.show(zero)}{origin}"
+        )
+    stage = zero.get("stage", 0)
+    if not val.is_int(stage):
+        raise TypeError(
+            f"config['zero_optimization']['stage'] must be the ZeRO stage 0, 1 or 2, got {val.show(stage)}{origin}"
+        )
+    if stage not in _ZERO_STAGES:
+        raise ValueError(
+            f"config['zero_optimization']['stage'] must be 0, 1 or 2: SPDKFACDeepSpeedStrategy supports ZeRO stages "
+            f"0, 1 and 2, but the DeepSpeed config asks for stage {stage!r}{origin}"
+            + (_STAGE_3 if stage == 3 else "")
+        )
+
