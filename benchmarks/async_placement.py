@@ -7,7 +7,7 @@ phase, where inversions and broadcasts start together after the gradient all-red
 is idle during forward/backward, so that choice is no longer the best one. This script keeps
 ``lbp_channel``'s candidates (``owned_prefix_candidates``: the ``k`` largest factors by owner cost owned,
 assigned by LPT, the rest replicated; ``k = 0 .. F``) and picks ``k`` by the simulated async period instead. Since issue 19 this is
-``spd-async``'s own placement in the simulator (``simulate.async_plan``); the ``spd-async`` column here is
+``spd-async``'s own placement in the simulator (``simulate.schedules.async_plan``); the ``spd-async`` column here is
 ``spd-async-sync-placement``, the runtime's lbp_channel placement. The runtime has no such planner.
 Prints a table; ``--out DIR`` also writes DIR/async_placement.json; ``--quick``: ResNet-50 at 8 GPUs.
 """

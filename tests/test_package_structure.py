@@ -17,9 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent / "lightning_spdkfac"
 PACKAGE = ROOT.name
 MAX_LINES = 600
 # The modules (relative to lightning_spdkfac/) that may be longer than MAX_LINES for now, each with its reason.
-LONG_MODULES = (
-    "kfac/preconditioner.py",  # issue 28: split after issue 27's step-size rule lands
-)
+LONG_MODULES: tuple[str, ...] = ()  # none: every module of the package is at most MAX_LINES (issue 28)
 
 
 def _module_name(path: Path) -> str:
