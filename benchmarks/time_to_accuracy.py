@@ -994,7 +994,7 @@ def plot(results: list[dict], path: str) -> None:
         if res["mode"] == "min":
             ax.set_yscale("log")
         ax.set_title(f"{res['workload']}: median over seeds {res['seeds']}", fontsize=9)
-        ax.set_xlabel("wall-clock seconds (1 thread)")
+        ax.set_xlabel(("CPU" if CLOCK == "cpu" else "wall-clock") + " seconds (1 thread)")
         ax.set_ylabel(res["monitor"])
         if res["mode"] == "max":
             ax.set_ylim(top=1.0)
