@@ -361,24 +361,24 @@ def _tinygpt_base(opt_name: str) -> dict[str, Any]:
             "weight_decay": 5e-4 if opt_name == "sgd" else 0.1}
 
 
-def tinygpt(opt_name: str, lr: float, seed: int = 0) -> pl.LightningModule:
-    # configs/transformer_lm*.yaml, but a plain per-token mean loss (loss_scale 1). Weight decay: the
-    # AdamW config's 0.1 (decoupled) or the SGD config's 5e-4 (coupled).
+def _bench_tinygpt(opt_name: str, lr: float, seed: int, tie_weights: bool, attention: str) -> pl.LightningModule:
     m = BenchTinyGPT(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=64, mlp_ratio=4, dropout=0.0,
-                     bias=True, tie_weights=False, attention="linear", lr=lr, momentum=0.9, betas=(0.9, 0.95),
+                     bias=True, tie_weights=tie_weights, attention=attention, lr=lr, momentum=0.9, betas=(0.9, 0.95),
                      warmup_steps=50, min_lr_ratio=0.1, init_seed=seed, loss_scale=1.0, **_tinygpt_base(opt_name))
     m.opt_name = opt_name
     return m
+
+
+def tinygpt(opt_name: str, lr: float, seed: int = 0) -> pl.LightningModule:
+    # configs/transformer_lm*.yaml, but a plain per-token mean loss (loss_scale 1). Weight decay: the
+    # AdamW config's 0.1 (decoupled) or the SGD config's 5e-4 (coupled).
+    return _bench_tinygpt(opt_name, lr, seed, tie_weights=False, attention="linear")
 
 
 def transformer(opt_name: str, lr: float, seed: int = 0) -> pl.LightningModule:
     # Issue 18's workload: TinyGPT as people build one now, nn.MultiheadAttention, the head tied to the token
     # embedding, the plain per-token mean loss; the sizes, schedule and weight decays of ``tinygpt``.
-    m = BenchTinyGPT(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=64, mlp_ratio=4, dropout=0.0,
-                     bias=True, tie_weights=True, attention="mha", lr=lr, momentum=0.9, betas=(0.9, 0.95),
-                     warmup_steps=50, min_lr_ratio=0.1, init_seed=seed, loss_scale=1.0, **_tinygpt_base(opt_name))
-    m.opt_name = opt_name
-    return m
+    return _bench_tinygpt(opt_name, lr, seed, tie_weights=True, attention="mha")
 
 
 def gpt2(opt_name: str, lr: float, seed: int = 0) -> pl.LightningModule:

@@ -15,7 +15,7 @@ import sys
 import time
 
 import pytest
-from helpers.processes import REPO, clean_env, kill_group
+from helpers.processes import REPO, clean_env, finish_cli
 
 BENCHMARKS = REPO / "benchmarks"
 NOT_HERE = {"time_to_accuracy", "hf_gpt2_tta", "gpu_check"}  # covered elsewhere (docstring)
@@ -61,14 +61,8 @@ def test_quick_mode_runs_and_writes_its_results(name, tmp_path):
     proc = subprocess.Popen([sys.executable, str(BENCHMARKS / f"{name}.py"), "--quick", "--out", str(out)],
                             cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        kill_group(proc.pid)
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"{name} --quick ran past {TIMEOUT} s:\n{stdout[-3000:]}\n{stderr[-3000:]}")
-    finally:
-        kill_group(proc.pid)  # no rank outlives the test
+    done = finish_cli(proc, TIMEOUT)  # fails the test past TIMEOUT; no rank outlives it either way
+    stdout, stderr = done.stdout, done.stderr
     assert proc.returncode == 0, f"{name} --quick exited {proc.returncode}:\n{stdout[-3000:]}\n{stderr[-3000:]}"
     assert (out / wrote).is_file(), f"{name} --quick wrote {sorted(p.name for p in out.iterdir())}, not {wrote}"
     print(f"{name} --quick: {time.perf_counter() - t0:.1f} s")
