@@ -178,6 +178,12 @@ class QuadraticStepSize:
         if loss_parts is not None and not (isinstance(loss_parts, tuple) and len(loss_parts) == 2
                                            and all(callable(f) for f in loss_parts)):
             raise TypeError(f"loss_parts must be a pair (forward, loss) of callables, got {type(loss_parts).__name__}")
+        key = id(optimizer)
+        if key not in self._hooks:
+            self._hooks[key] = optimizer.register_step_post_hook(lambda opt, args, kwargs: self.finish())
+        if not measure and self.alpha == 1.0 and self.mode != "quadratic_momentum":
+            self._pending = None  # nothing to measure and nothing to rescale (adapt_damping alone): no copies
+            return
         self._pending = {
             "model": model, "named": named, "measure": measure, "damping": damping,
             "old": torch._foreach_mul([p.detach() for _, p in named], 1.0) if named else [],  # copies, one call
@@ -185,16 +191,13 @@ class QuadraticStepSize:
             "loss_parts": loss_parts if measure else None, "loss_scale": loss_scale, "average": average,
             "paused": paused,
         }
-        key = id(optimizer)
-        if key not in self._hooks:
-            self._hooks[key] = optimizer.register_step_post_hook(lambda opt, args, kwargs: self.finish())
 
     def _stepped(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> list[tuple[str, nn.Parameter]]:
         """The model's trainable parameters this optimizer steps, by name; cached while its groups hold the same."""
-        key = (id(optimizer), tuple(id(p) for g in optimizer.param_groups for p in g["params"]))
+        key = tuple(id(p) for g in optimizer.param_groups for p in g["params"])
         cached = self._named.get(id(optimizer))
         if cached is None or cached[0] != key or not all(p.requires_grad for _, p in cached[1]):
-            stepped = set(key[1])
+            stepped = set(key)
             self._named[id(optimizer)] = cached = (
                 key, [(n, p) for n, p in model.named_parameters() if id(p) in stepped and p.requires_grad])
         return cached[1]
