@@ -452,3 +452,16 @@ def test_adapt_damping_refuses_a_schedule_and_resumes_its_damping() -> None:
     pre2 = KFACPreconditioner(_net(), adapt_damping=True)
     pre2.load_state_dict(state)
     assert pre2.damping == 0.005 and pre2.step_size.alpha == 1.0
+
+
+def test_the_demo_digits_cnn_gives_its_training_loss_as_loss_parts() -> None:
+    """`spdkfac fit --config configs/digits.yaml --kfac.step_size=quadratic` needs DigitsCNN.kfac_loss_parts: it
+    computes exactly the training step's loss."""
+    from lightning_spdkfac.demo import DigitsCNN
+
+    torch.manual_seed(0)
+    model = DigitsCNN()
+    batch = (torch.randn(5, 1, 8, 8), torch.randint(0, 10, (5,)))
+    forward, loss = model.kfac_loss_parts(batch)
+    model.log = lambda *args, **kwargs: None  # (no Trainer attached)
+    assert torch.equal(loss(forward()), model.training_step(batch, 0))

@@ -206,6 +206,11 @@ class DigitsCNN(pl.LightningModule):
         self.log("train_loss", loss, on_step=False, on_epoch=True, batch_size=len(y), sync_dist=True)
         return loss
 
+    def kfac_loss_parts(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[Any, Any]:
+        """The training loss as a function of the outputs, for ``KFAC(step_size=..., adapt_damping=...)``."""
+        x, y = batch
+        return (lambda: self(x)), (lambda logits: F.cross_entropy(logits, y))
+
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         x, y = batch
         logits = self(x)
