@@ -109,6 +109,8 @@ LR_FACTORS = (1 / 3, 1.0, 3.0)
 # Keys of a --candidates entry that are not K-FAC options: the lr as a factor of the best baseline's, and the
 # base optimizer ("sgd" or "adamw"; default: the best baseline's).
 CANDIDATE_KEYS = ("lr_factor", "optimizer")
+# The K-FAC phase's optional rows (--kfac-rows); the baseline re-runs and K-FAC() at its defaults always run.
+KFAC_ROWS = ("reduce", "damping")
 
 
 # ------------------------------------------------------------------------------ optimizers
@@ -485,7 +487,7 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
     # SHORTENED to 4 epochs of 10 steps (40 optimizer steps, about 60 s a run on 1 thread) from hf_gpt2_tta's 80
     # steps; the vocabulary is kept (the head is the point of the workload). Target: tuned AdamW's median final
     # val loss, as for "transformer".
-    Workload("gpt2", "transformers GPT-2 2x64, vocab 50257, tied head, 40 steps, val loss", gpt2, gpt2_data,
+    Workload("gpt2", "transformers GPT-2 2x64, vocab 50257, tied head, 10 steps an epoch, val loss", gpt2, gpt2_data,
              "val_loss", "min", math.nan, budget=4,
              lrs={"sgd": [0.3, 1.0, 3.0], "adamw": [3e-3, 1e-2, 3e-2],
                   **dict.fromkeys(("muon", "soap", "shampoo"), _grid(3e-3, 1e-2, 3e-2))},
@@ -693,7 +695,7 @@ def run_workload(w: Workload, seeds: list[int], quick: bool, budget: int | None,
                  candidates: dict[str, dict] | None = None, recorded: dict[str, Any] | None = None,
                  sweep_seeds: list[int] | None = None, optimizers: list[str] | None = None,
                  kfac_phase: bool = True, widen: int = 0, extra_lrs: dict[str, list[float]] | None = None,
-                 runs_log: str | None = None) -> dict:
+                 runs_log: str | None = None, kfac_rows: tuple[str, ...] = KFAC_ROWS) -> dict:
     """Sweep the baselines (``optimizers`` not in ``recorded``), widen edge winners' grids up to ``widen`` times,
     then (``kfac_phase``) run K-FAC on the best SGD/AdamW baseline beside re-runs of it and of the best of all."""
     candidates = candidates or {}
@@ -815,11 +817,12 @@ def run_workload(w: Workload, seeds: list[int], quick: bool, budget: int | None,
         if best_all != best_opt:
             do(best_all, winners[best_all]["lr"], seed, None, f"rerun {best_all}")
         do(best_opt, best_lr, seed, kfac_default, "kfac defaults")
-        do(best_opt, best_lr, seed, kfac_reduce, "kfac reduce")
+        if "reduce" in kfac_rows:
+            do(best_opt, best_lr, seed, kfac_reduce, "kfac reduce")
         for cname, opts in candidates.items():
             do(opts.get("optimizer", best_opt), best_lr * opts.get("lr_factor", 1.0), seed,
                candidate_kfac_options(opts), f"kfac {cname}")
-        if seed in sweep_seeds:
+        if seed in sweep_seeds and "damping" in kfac_rows:
             for d, f in grid:
                 do(best_opt, best_lr * f, seed, {"log_step_time": False, "damping": d}, f"kfac damping {d:g}")
 
@@ -829,60 +832,59 @@ def run_workload(w: Workload, seeds: list[int], quick: bool, budget: int | None,
     rerun = summarize(w, pick(f"rerun {best_opt}"))
     rerun_all = summarize(w, pick(f"rerun {best_all}"))
     kd = summarize(w, pick("kfac defaults"))
-    kr = summarize(w, pick("kfac reduce"))
-    cand = {c: summarize(w, pick(f"kfac {c}")) for c in candidates}
-    damping_rows = []
-    for f in lr_factors:
-        for d in dampings:
-            rs = pick("kfac defaults") if (d == DEFAULT_DAMPING and f == 1.0) else pick(f"kfac damping {d:g}", best_lr * f)
-            s = summarize(w, rs)
-            damping_rows.append({"damping": d, "lr_factor": f, "lr": best_lr * f, **s,
-                                 "divergent_seeds": [r["seed"] for r in rs if r["diverged"]]})
-
     main_rows = [row(f"{o} (tuned)", winners[o]["lr"], winners[o]) for o in winners]
     main_rows.append(row(f"{best_opt} re-run", best_lr, rerun))
     if best_all != best_opt:
         main_rows.append(row(f"{best_all} re-run (best of all)", winners[best_all]["lr"], rerun_all))
     main_rows.append(row(f"K-FAC() on {best_opt}", best_lr, kd, DEFAULT_DAMPING))
-    main_rows.append(row(f"K-FAC(reduce) on {best_opt}", best_lr, kr, DEFAULT_DAMPING))
+    # the K-FAC rows compared with the baselines: name -> summary (ratios "kfac_<name>_over_...")
+    kfac_sums: dict[str, dict] = {"defaults": kd}
+    if "reduce" in kfac_rows:
+        kfac_sums["reduce"] = kr = summarize(w, pick("kfac reduce"))
+        main_rows.append(row(f"K-FAC(reduce) on {best_opt}", best_lr, kr, DEFAULT_DAMPING))
     for c, opts in candidates.items():
+        kfac_sums[c] = summarize(w, pick(f"kfac {c}"))
         main_rows.append(row(f"K-FAC {c} on {opts.get('optimizer', best_opt)}", best_lr * opts.get("lr_factor", 1.0),
-                             cand[c], opts.get("damping", DEFAULT_DAMPING)))
-    tuned = min(damping_rows, key=lambda s: rank_key(w, s))
-    main_rows.append(row(f"K-FAC tuned (damping sweep best) on {best_opt}", tuned["lr"], tuned, tuned["damping"]))
-    d_rows = [row(f"K-FAC on {best_opt}", s["lr"], s, s["damping"]) for s in damping_rows]
+                             kfac_sums[c], opts.get("damping", DEFAULT_DAMPING)))
+    damping_rows = []
+    if "damping" in kfac_rows:
+        for f in lr_factors:
+            for d in dampings:
+                rs = (pick("kfac defaults") if (d == DEFAULT_DAMPING and f == 1.0)
+                      else pick(f"kfac damping {d:g}", best_lr * f))
+                damping_rows.append({"damping": d, "lr_factor": f, "lr": best_lr * f, **summarize(w, rs),
+                                     "divergent_seeds": [r["seed"] for r in rs if r["diverged"]]})
+        kfac_sums["tuned"] = tuned = min(damping_rows, key=lambda s: rank_key(w, s))
+        main_rows.append(row(f"K-FAC tuned (damping sweep best) on {best_opt}", tuned["lr"], tuned, tuned["damping"]))
 
     def ratio(a: dict, b: dict) -> float | None:
         return a["median_s"] / b["median_s"] if a["median_s"] and b["median_s"] else None
 
-    ratios = {"kfac_defaults_over_best_baseline_sweep": ratio(kd, winners[best_opt]),
-              "kfac_defaults_over_best_baseline_rerun": ratio(kd, rerun),
-              "kfac_defaults_over_best_overall_rerun": ratio(kd, rerun_all),
-              "kfac_reduce_over_best_baseline_rerun": ratio(kr, rerun),
-              "kfac_tuned_over_best_baseline_rerun": ratio(tuned, rerun),
-              "kfac_tuned_over_best_overall_rerun": ratio(tuned, rerun_all),
-              **{f"kfac_{c}_over_best_baseline_rerun": ratio(cand[c], rerun) for c in candidates},
-              **{f"kfac_{c}_over_best_overall_rerun": ratio(cand[c], rerun_all) for c in candidates}}
+    ratios = {"kfac_defaults_over_best_baseline_sweep": ratio(kd, winners[best_opt])}
+    for k, s in kfac_sums.items():
+        ratios[f"kfac_{k}_over_best_baseline_rerun"] = ratio(s, rerun)
+        ratios[f"kfac_{k}_over_best_overall_rerun"] = ratio(s, rerun_all)
     lines += ["-- tuned baselines and K-FAC (library defaults) on the best SGD/AdamW one:",
               format_table(main_rows, COLUMNS)]
     fmt = {k: (f"{v:.2f}" if v is not None else "n/a (target not reached by the median seed)") for k, v in ratios.items()}
-    lines.append(f"   ratio K-FAC() / best tuned SGD/AdamW (median time to target): {fmt['kfac_defaults_over_best_baseline_rerun']}"
-                 f" (vs its sweep runs: {fmt['kfac_defaults_over_best_baseline_sweep']});"
-                 f" K-FAC(reduce) / baseline: {fmt['kfac_reduce_over_best_baseline_rerun']};"
-                 f" tuned K-FAC / baseline: {fmt['kfac_tuned_over_best_baseline_rerun']}")
-    lines.append(f"   ratio K-FAC() / best of all tuned baselines ({best_all}): "
-                 f"{fmt['kfac_defaults_over_best_overall_rerun']}; tuned K-FAC / it: {fmt['kfac_tuned_over_best_overall_rerun']}")
-    for c in candidates:
-        lines.append(f"   ratio K-FAC {c} / baseline: {fmt[f'kfac_{c}_over_best_baseline_rerun']};"
-                     f" / best of all: {fmt[f'kfac_{c}_over_best_overall_rerun']}")
-    lines.append(f"-- K-FAC damping sweep on {best_opt} (base lr x {{1/3, 1, 3}}), seeds {sweep_seeds}; diverged = last"
-                 " train loss above the first, non-finite, or an error:")
-    lines.append(format_table(d_rows, COLUMNS))
-    div = [f"damping {s['damping']:g} lr {s['lr']:.3g}: seeds {s['divergent_seeds']}" for s in damping_rows
-           if s["divergent_seeds"]]
-    lines.append("   divergences: " + ("; ".join(div) if div else "none"))
-    result.update(rerun=rerun, rerun_best_overall=rerun_all, kfac_defaults=kd, kfac_reduce=kr, kfac_tuned=tuned,
-                  candidates=cand, candidate_options=candidates, kfac_defaults_options=KFACOptions().__dict__,
+    lines.append(f"   ratio K-FAC() / best tuned SGD/AdamW (median time to target): "
+                 f"{fmt['kfac_defaults_over_best_baseline_rerun']} (vs its sweep runs: "
+                 f"{fmt['kfac_defaults_over_best_baseline_sweep']}); / best of all tuned baselines ({best_all}): "
+                 f"{fmt['kfac_defaults_over_best_overall_rerun']}")
+    for k in list(kfac_sums)[1:]:
+        lines.append(f"   ratio K-FAC {k} / baseline: {fmt[f'kfac_{k}_over_best_baseline_rerun']};"
+                     f" / best of all: {fmt[f'kfac_{k}_over_best_overall_rerun']}")
+    if damping_rows:
+        lines.append(f"-- K-FAC damping sweep on {best_opt} (base lr x {{1/3, 1, 3}}), seeds {sweep_seeds}; diverged ="
+                     " last train loss above the first, non-finite, or an error:")
+        lines.append(format_table([row(f"K-FAC on {best_opt}", s["lr"], s, s["damping"]) for s in damping_rows],
+                                  COLUMNS))
+        div = [f"damping {s['damping']:g} lr {s['lr']:.3g}: seeds {s['divergent_seeds']}" for s in damping_rows
+               if s["divergent_seeds"]]
+        lines.append("   divergences: " + ("; ".join(div) if div else "none"))
+    result.update(rerun=rerun, rerun_best_overall=rerun_all, kfac_defaults=kd, kfac_reduce=kfac_sums.get("reduce"),
+                  kfac_tuned=kfac_sums.get("tuned"), candidates={c: kfac_sums[c] for c in candidates},
+                  candidate_options=candidates, kfac_defaults_options=KFACOptions().__dict__, kfac_rows=list(kfac_rows),
                   damping_sweep=damping_rows, ratios=ratios, damping_sweep_seeds=sweep_seeds,
                   table="\n".join(lines), runs=runs)
     return result
@@ -1032,6 +1034,9 @@ def main() -> None:
                    help="the baseline sweeps only (a later run takes them with --baselines-from)")
     p.add_argument("--sweep-seeds", default=None,
                    help="seeds of the damping sweep (default: all of --seeds); the other rows run every seed")
+    p.add_argument("--kfac-rows", default=",".join(KFAC_ROWS),
+                   help="the K-FAC phase's optional rows, of reduce,damping ('' for none: the baseline re-runs and "
+                        "K-FAC() at its defaults always run)")
     p.add_argument("--plot-from", default=None, metavar="RESULTS_JSON,...",
                    help="run nothing: plot and print the workloads of earlier results.json files into --out")
     p.add_argument("--candidates", default=None, metavar="JSON",
@@ -1048,6 +1053,9 @@ def main() -> None:
     optimizers = [o.strip() for o in args.optimizers.split(",") if o.strip()]
     if [o for o in optimizers if o not in BASELINE_OPTIMIZERS]:
         p.error(f"unknown optimizers in {optimizers}; known: {list(BASELINE_OPTIMIZERS)}")
+    kfac_rows = tuple(x for x in args.kfac_rows.split(",") if x)
+    if set(kfac_rows) - set(KFAC_ROWS):
+        p.error(f"--kfac-rows {args.kfac_rows!r}: choose from {','.join(KFAC_ROWS)}")
     candidates = json.loads(args.candidates) if args.candidates else None
     for cname, opts in (candidates or {}).items():
         try:  # fail now, not after hours of runs: every key but lr_factor/optimizer must be a KFAC() option
@@ -1100,7 +1108,7 @@ def main() -> None:
                            log, candidates, recorded,
                            [int(x) for x in args.sweep_seeds.split(",")] if args.sweep_seeds else None,
                            optimizers=optimizers, kfac_phase=not args.no_kfac, widen=0 if args.quick else args.widen,
-                           extra_lrs=extra_lrs, runs_log=os.path.join(out, "runs.jsonl"))
+                           extra_lrs=extra_lrs, runs_log=os.path.join(out, "runs.jsonl"), kfac_rows=kfac_rows)
         res["wall_seconds"] = round(time.perf_counter() - t_w, 1)
         results.append(res)
         payload["workloads"].append(res)
