@@ -1,7 +1,8 @@
 """Time to target: K-FAC with its library defaults against honestly tuned first-order baselines.
 
-Run ``python benchmarks/time_to_accuracy.py`` (``--help`` for options; ``--quick`` for a smoke run of a
-few minutes). Everything runs offline on the CPU, one torch thread by default.
+Run ``python benchmarks/time_to_accuracy.py`` (``--help`` for options; ``--quick`` for a smoke run of about a
+minute). Everything runs offline on the CPU, one torch thread by default. The recorded runs' commands and
+results: docs/results/time-to-accuracy.md.
 
 Workloads (the package's demo models and data, nothing downloaded):
 
@@ -20,10 +21,10 @@ Workloads (the package's demo models and data, nothing downloaded):
 * ``depthwise`` (issue 27): a MobileNet-style CNN of depthwise-separable convolutions (``DepthwiseCNN``: 3x3
   depthwise ``groups=channels`` + 1x1 pointwise, BatchNorm) on the ResNet's CIFAR-shaped digits, 6 epochs;
   target val acc 0.97 (a screen: tuned AdamW reaches it in about 4-5 epochs).
-* ``gpt2`` (issue 27): the ``transformers`` GPT-2 of examples/hf_gpt2.py (``bench_model``/``bench_data``,
-  imported: 2 layers x 64, the 50257-token tied head, byte data, 10 steps an epoch), SHORTENED to 40 optimizer
-  steps (4 epochs; benchmarks/hf_gpt2_tta.py runs 80) so that a run takes about a minute on one thread; the
-  vocabulary is kept. Target: tuned AdamW's median final val loss, as for ``transformer``.
+* ``gpt2`` (issues 26, 27): the ``transformers`` GPT-2 of examples/hf_gpt2.py (``bench_model``/``bench_data``,
+  imported: 2 layers x 64, the 50257-token tied head, byte data, 10 optimizer steps an "epoch"), 4 epochs (40
+  steps, about a minute a run on one thread; ``--budget 8`` is configs/hf_gpt2*.yaml's 80). Target: tuned
+  AdamW's median final val loss, as for ``transformer``.
 
 Baselines (``--optimizers``, all five by default; benchmarks/_tta_optimizers.py says how each is built): SGD
 (momentum 0.9, coupled weight decay), AdamW, Muon (``torch.optim.Muon`` with ``adjust_lr_fn="match_rms_adamw"``
@@ -67,7 +68,7 @@ when it raised (e.g. K-FAC's ``max_bad_steps``). Times are wall-clock seconds fr
 validation count for every optimizer; ``--clock cpu`` takes the process's CPU seconds over the same span
 instead (for a machine shared with other work; histories record both).
 
-Output (``--out``, a fresh folder; default ``benchmarks/results/tta_<timestamp>/``): ``results.json``
+Output (``--out``, a fresh folder; default ``benchmarks/results/run-<stamp>-time_to_accuracy/``): ``results.json``
 with every run's per-epoch history (metric, train loss, seconds), the summaries and the printed tables;
 ``time_to_target.png`` with the median curve (metric against seconds) per optimizer and workload.
 """
@@ -78,6 +79,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import logging
 import math
 import os
 import statistics
@@ -92,7 +94,7 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
-from _common import env_info, format_table
+from _common import bench_parser, env_info, format_table, out_dir, parse, pyplot, save_png, set_threads
 from _tta_optimizers import BASELINE_OPTIMIZERS, KFAC_BASE_OPTIMIZERS, build_optimizer
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
@@ -483,10 +485,8 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
              lrs={"sgd": [0.03, 0.1, 0.3, 1.0], "adamw": [1e-3, 3e-3, 1e-2, 3e-2],
                   **dict.fromkeys(("muon", "soap", "shampoo"), _grid(1e-3, 3e-3, 1e-2, 3e-2))},
              quick_budget=1, quick_lrs={"sgd": [0.1], "adamw": [1e-2]}),
-    # examples/hf_gpt2.py's GPT-2 (vocabulary 50257, tied head) and data (benchmarks/hf_gpt2_tta.py's workload),
-    # SHORTENED to 4 epochs of 10 steps (40 optimizer steps, about 60 s a run on 1 thread) from hf_gpt2_tta's 80
-    # steps; the vocabulary is kept (the head is the point of the workload). Target: tuned AdamW's median final
-    # val loss, as for "transformer".
+    # examples/hf_gpt2.py's GPT-2 (vocabulary 50257, tied head) and data: 4 epochs of 10 steps by default (about 60 s
+    # a run on 1 thread), --budget 8 for the configs' 80 steps. Target: tuned AdamW's median final val loss.
     Workload("gpt2", "transformers GPT-2 2x64, vocab 50257, tied head, 10 steps an epoch, val loss", gpt2, gpt2_data,
              "val_loss", "min", math.nan, budget=4,
              lrs={"sgd": [0.3, 1.0, 3.0], "adamw": [3e-3, 1e-2, 3e-2],
@@ -972,12 +972,9 @@ def _defaults_label(res: dict) -> str:
 
 
 def plot(results: list[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(results), figsize=(5.2 * len(results), 4.2), squeeze=False)
+    if not results:
+        return
+    fig, axes = pyplot().subplots(1, len(results), figsize=(5.2 * len(results), 4.2), squeeze=False)
     for ax, res in zip(axes[0], results, strict=True):
         runs, best = res["runs"], res["best_baseline"]
         curves = [(f"{o} lr {res['winners'][o]['lr']:g} (sweep)",
@@ -1003,21 +1000,21 @@ def plot(results: list[dict], path: str) -> None:
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_png(fig, path, dpi=120)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--workloads", default="digits,resnet,textlm,transformer,autoencoder,depthwise,gpt2",
-                   help=f"comma-separated subset of {','.join(WORKLOADS)}")
+# --quick: one small workload, two optimizers, one seed, the workload's short budget and grids (seconds; CI runs it)
+QUICK = {"workloads": "digits", "seeds": "0", "optimizers": "sgd,adamw"}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = bench_parser(__doc__, quick="smoke run: " + ", ".join(f"--{k} {v}" for k, v in QUICK.items())
+                     + ", short budgets, 2 lrs, a 2x2 damping grid (seconds; CI runs it)",
+                     out="a fresh output folder (default: benchmarks/results/run-<stamp>-time_to_accuracy/)", threads=1)
+    p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated subset of {','.join(WORKLOADS)}")
     p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (init weights and data order)")
     p.add_argument("--budget", default=None,
                    help="epochs per workload: one number for all, or name=epochs,... (default: per workload)")
-    p.add_argument("--quick", action="store_true", help="smoke run: shorter budgets, 2 lrs, 2x2 damping grid")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--out", default=None, help="a fresh output folder (default benchmarks/results/tta_<timestamp>)")
     p.add_argument("--baselines-from", default=None, metavar="RESULTS_JSON,...",
                    help="reuse the baseline lr sweeps of earlier results.json files (comma-separated; per optimizer "
                         "and lr the first file wins): only --optimizers they lack are swept; the winners are still "
@@ -1041,84 +1038,78 @@ def main() -> None:
                    help="run nothing: plot and print the workloads of earlier results.json files into --out")
     p.add_argument("--candidates", default=None, metavar="JSON",
                    help='further K-FAC rows: {"name": {KFAC option: value, ..., "lr_factor": x}, ...}')
-    args = p.parse_args()
-    global CLOCK
-    CLOCK = args.clock
-    torch.set_num_threads(args.threads)
-    names = [n.strip() for n in args.workloads.split(",") if n.strip()]
-    unknown = [n for n in names if n not in WORKLOADS]
-    if unknown:
-        p.error(f"unknown workloads {unknown}; known: {list(WORKLOADS)}")
-    seeds = [int(s) for s in args.seeds.split(",")]
-    optimizers = [o.strip() for o in args.optimizers.split(",") if o.strip()]
-    if [o for o in optimizers if o not in BASELINE_OPTIMIZERS]:
-        p.error(f"unknown optimizers in {optimizers}; known: {list(BASELINE_OPTIMIZERS)}")
-    kfac_rows = tuple(x for x in args.kfac_rows.split(",") if x)
-    if set(kfac_rows) - set(KFAC_ROWS):
-        p.error(f"--kfac-rows {args.kfac_rows!r}: choose from {','.join(KFAC_ROWS)}")
-    candidates = json.loads(args.candidates) if args.candidates else None
-    for cname, opts in (candidates or {}).items():
+    args = parse(p, argv, QUICK)
+    split = lambda text: [x.strip() for x in (text or "").split(",") if x.strip()]  # noqa: E731
+    args.workloads, args.optimizers, args.kfac_rows = split(args.workloads), split(args.optimizers), split(args.kfac_rows)
+    args.seeds = [int(x) for x in split(args.seeds)]
+    args.sweep_seeds = [int(x) for x in split(args.sweep_seeds)] if args.sweep_seeds else None
+    for flag, given, known in (("--workloads", args.workloads, WORKLOADS), ("--optimizers", args.optimizers,
+                               BASELINE_OPTIMIZERS), ("--kfac-rows", args.kfac_rows, KFAC_ROWS)):
+        if set(given) - set(known):
+            p.error(f"{flag}: unknown {sorted(set(given) - set(known))}; known: {','.join(known)}")
+    args.candidates = json.loads(args.candidates) if args.candidates else {}
+    for cname, opts in args.candidates.items():
         try:  # fail now, not after hours of runs: every key but lr_factor/optimizer must be a KFAC() option
             KFAC(**candidate_kfac_options(opts))
         except (TypeError, ValueError) as e:
             p.error(f"--candidates {cname!r}: KFAC() refuses {candidate_kfac_options(opts)}: {e}")
-    extra_lrs = {k: [float(x) for x in v] for k, v in json.loads(args.lrs).items()} if args.lrs else None
-    budgets: dict[str, int] = {}
-    if args.budget:
-        if "=" in args.budget:
-            for item in args.budget.split(","):
-                k, v = item.split("=")
-                budgets[k.strip()] = int(v)
-        else:
-            budgets = dict.fromkeys(names, int(args.budget))
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                   time.strftime("tta_%Y%m%d_%H%M%S"))
-    if os.path.exists(out) and os.listdir(out):
-        p.error(f"--out {out} exists and is not empty: give a fresh folder")
-    os.makedirs(out, exist_ok=True)
+    args.lrs = {k: [float(x) for x in v] for k, v in json.loads(args.lrs).items()} if args.lrs else None
+    budget = args.budget or ""
+    args.budget = ({k.strip(): int(v) for k, v in (item.split("=") for item in split(budget))} if "=" in budget
+                   else dict.fromkeys(args.workloads, int(budget)) if budget else {})
+    if args.out and os.path.exists(args.out) and os.listdir(args.out):
+        p.error(f"--out {args.out} exists and is not empty: give a fresh folder")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    global CLOCK
+    args = parse_args(argv)
+    CLOCK = args.clock
+    set_threads(args.threads)
+    out = out_dir(args, "time_to_accuracy")
     if args.plot_from:
         results = []
         for path in args.plot_from.split(","):
             with open(path) as f:
-                results += [r for r in json.load(f)["workloads"] if r["workload"] in names]
+                results += [r for r in json.load(f)["workloads"] if r["workload"] in args.workloads]
         plot(results, os.path.join(out, "time_to_target.png"))
-        print("\n\n".join(r["table"] for r in results))
-        print(f"\nwrote {out}/time_to_target.png from {args.plot_from}")
+        print("\n\n".join(r["table"] for r in results) + f"\n\nwrote {out}/time_to_target.png from {args.plot_from}")
         return
-    warnings.filterwarnings("ignore", ".*does not have many workers.*")
-    warnings.filterwarnings("ignore", ".*GPU available but not used.*")
-    warnings.filterwarnings("ignore", ".*LeafSpec.*")  # a deprecation inside Lightning, once per fit
-    import logging
-
-    for name in ("pytorch_lightning", "lightning.pytorch", "pytorch_lightning.utilities.rank_zero",
-                 "lightning.pytorch.utilities.rank_zero", "lightning_fabric"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-
-    def log(msg: str) -> None:
-        print(msg, flush=True)
-
-    log(f"time_to_accuracy: workloads {names}, seeds {seeds}, quick={args.quick}, threads {args.threads}, out {out}")
+    quiet_lightning()
+    print(f"time_to_accuracy: workloads {args.workloads}, seeds {args.seeds}, quick={args.quick}, threads "
+          f"{args.threads}, out {out}", flush=True)
     payload: dict[str, Any] = {"args": vars(args), "argv": sys.argv, "env": env_info(), "workloads": []}
-    results = []
     t_all = time.perf_counter()
-    for name in names:
+    for name in args.workloads:
         t_w = time.perf_counter()
         recorded = recorded_sweep(args.baselines_from, name) if args.baselines_from else None
-        res = run_workload(WORKLOADS[name], seeds, args.quick, budgets.get(name) or (recorded and recorded["epochs"]),
-                           log, candidates, recorded,
-                           [int(x) for x in args.sweep_seeds.split(",")] if args.sweep_seeds else None,
-                           optimizers=optimizers, kfac_phase=not args.no_kfac, widen=0 if args.quick else args.widen,
-                           extra_lrs=extra_lrs, runs_log=os.path.join(out, "runs.jsonl"), kfac_rows=kfac_rows)
+        res = run_workload(WORKLOADS[name], args.seeds, args.quick,
+                           args.budget.get(name) or (recorded and recorded["epochs"]), log, args.candidates,
+                           recorded, args.sweep_seeds, optimizers=args.optimizers, kfac_phase=not args.no_kfac,
+                           widen=0 if args.quick else args.widen, extra_lrs=args.lrs,
+                           runs_log=os.path.join(out, "runs.jsonl"), kfac_rows=tuple(args.kfac_rows))
         res["wall_seconds"] = round(time.perf_counter() - t_w, 1)
-        results.append(res)
         payload["workloads"].append(res)
         payload["wall_seconds"] = round(time.perf_counter() - t_all, 1)
         with open(os.path.join(out, "results.json"), "w") as f:  # after every workload: partial results survive
             json.dump(payload, f, indent=1, default=str)
         log("\n" + res["table"] + f"\n   workload wall time {res['wall_seconds']:.0f} s\n")
-    plot(results, os.path.join(out, "time_to_target.png"))
-    log("\n\n".join(r["table"] for r in results))
+    plot(payload["workloads"], os.path.join(out, "time_to_target.png"))
+    log("\n\n".join(r["table"] for r in payload["workloads"]))
     log(f"\nwrote {out}/results.json and {out}/time_to_target.png ({payload['wall_seconds']:.0f} s in all)")
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def quiet_lightning() -> None:
+    """Lightning's per-fit chatter (hundreds of fits) off: its info logs and three warnings that say nothing here."""
+    for pattern in (".*does not have many workers.*", ".*GPU available but not used.*", ".*LeafSpec.*"):
+        warnings.filterwarnings("ignore", pattern)
+    for name in ("pytorch_lightning", "lightning.pytorch", "lightning_fabric"):
+        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 if __name__ == "__main__":
