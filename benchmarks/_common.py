@@ -461,8 +461,8 @@ def run_gloo(worker: Callable, args: argparse.Namespace, cfg: dict, pg_timeout: 
     env = env_info()
     env.update(world_size=args.world_size, threads_per_rank=args.threads, backend="gloo",
                loadavg_before=os.getloadavg())
-    print(f"torch {env['torch']}  cpus {env['cpu_count']}  {args.world_size} gloo ranks x {args.threads} thread(s)  "
-          f"{note}load average before {loadavg(env['loadavg_before'])}", flush=True)
+    print(f"torch {env['torch']}  cpus {env['cpu_count']}  {args.world_size} gloo ranks x {args.threads} "
+          f"thread(s)  {note}load average before {loadavg(env['loadavg_before'])}", flush=True)
     t0 = time.perf_counter()
     try:
         results = run_distributed(worker, args.world_size, cfg, timeout=args.timeout,

@@ -85,22 +85,25 @@ import statistics
 import sys
 import time
 import traceback
+from importlib.util import find_spec
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from _common import (
     bench_parser,
-    env_info,
-    fresh_run_dir,
+    check_positive,
     interleave,
+    loadavg,
+    output_paths,
     parse,
     print_table,
     pyplot,
     random_batches,
+    run_gloo,
+    save_json,
     save_png,
     summarize,
-    write_json,
 )
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -111,8 +114,6 @@ from lightning_spdkfac.comm.dpkfac import DPKFACDistributor
 from lightning_spdkfac.comm.scheduler import SPDDistributor, SPDOptions
 from lightning_spdkfac.comm.triangle import pack_triu, triu_size, unpack_triu
 from lightning_spdkfac.lightning.deepspeed import DeepSpeedGradAccess
-from lightning_spdkfac.multiprocess import RanksFailed
-from lightning_spdkfac.multiprocess import run_distributed as run_ranks
 from lightning_spdkfac.telemetry import PHASES
 
 CONFIGS = ("sgd", "dkfac", "mpd", "spd", "spd-no-pipe", "spd-no-dtf", "spd-no-lbp",
@@ -203,14 +204,6 @@ def make_data(rank: int, batch: int, n_batches: int, seed: int) -> list[tuple[to
     return random_batches(torch.Generator().manual_seed(seed * 1000 + 17 + rank), n_batches, batch, 3, 32, 32)
 
 
-def _deepspeed_available() -> bool:
-    try:
-        import deepspeed  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def spd_options(name: str, profile_steps: tuple[int, int]) -> SPDOptions | None:
     if name.startswith("ds"):  # "ds<stage>-sgd" / "ds<stage>-spd"
         name = name.split("-", 1)[1]
@@ -264,7 +257,8 @@ class Runner:
         self.last_loss = float("nan")
 
     def step(self) -> list[float]:
-        """One training step; the record of FIELDS (seconds) on this rank."""
+        """One step after a barrier on the default group; the record of FIELDS (seconds) on this rank."""
+        dist.barrier()
         x, y = self.data[self.i % len(self.data)]
         self.i += 1
         pc = time.perf_counter
@@ -290,37 +284,24 @@ class Runner:
         if self.distributor is None:
             return None
         d = self.distributor.describe()
-        auto = d.get("auto")
-        names = [ly.name for ly in self.pre.layers.values()]
-        n = len(names)
-        canonical = [(i, "A") for i in range(n)] + [(i, "G") for i in reversed(range(n))]
-        label = {k: f"{names[k[0]]}.{k[1]}" for k in canonical}
-        side = {
-            k: (
-                self.pre.layers[names[k[0]]].helper.a_dim
-                if k[1] == "A"
-                else self.pre.layers[names[k[0]]].helper.g_dim
-            )
-            for k in canonical
-        }
+        layers = list(self.pre.layers.values())
+        canonical = [(i, "A") for i in range(len(layers))] + [(i, "G") for i in reversed(range(len(layers)))]
+        label = {k: f"{layers[k[0]].name}.{k[1]}" for k in canonical}
+        side = {k: getattr(layers[k[0]].helper, "a_dim" if k[1] == "A" else "g_dim") for k in canonical}
         order = [tuple(k) for k in d["order"]]
         return {
             "schedule": d["schedule"],
-            "options": {
-                k: getattr(self.distributor.options, k)
-                for k in ("pipelining", "fusion", "placement", "profile_steps")
-            },
+            "options": {k: getattr(self.distributor.options, k)
+                        for k in ("pipelining", "fusion", "placement", "profile_steps")},
             "pipelined": d["pipelined"],
             "measuring": d["measuring"],
             "order": [label[k] for k in order],
             "groups": [[label[order[i]] for i in g] for g in d["groups"]],
-            "group_elements": [
-                sum(side[order[i]] * (side[order[i]] + 1) // 2 for i in g) for g in d["groups"]
-            ],
+            "group_elements": [sum(triu_size(side[order[i]]) for i in g) for g in d["groups"]],
             "owners": {label[k]: o for k, o in zip(canonical, d["owners"])},
             "sides": {label[k]: side[k] for k in canonical},
             "models": d["models"],
-            "auto": auto,
+            "auto": d.get("auto"),
         }
 
     def close(self) -> None:
@@ -330,8 +311,6 @@ class Runner:
 
 def _deepspeed_engine(model: nn.Module, opt: torch.optim.Optimizer, stage: int, batch: int):
     """A DeepSpeed engine over ``model`` and ``opt`` on the already initialized gloo process group."""
-    import argparse
-
     import deepspeed
 
     os.environ.setdefault("LOCAL_RANK", str(dist.get_rank()))  # one machine: local rank = rank
@@ -389,11 +368,6 @@ def pack_unpack_cost(plan: dict, repeats: int) -> tuple[list[float], list[float]
     return pack[1:], unpack[1:]
 
 
-def _say(rank: int, msg: str) -> None:
-    if rank == 0:
-        print(msg, flush=True)
-
-
 def worker(rank: int, world: int, cfg: dict) -> dict:
     """All configurations, both inverse periods, on this rank; raw per-step records for the parent."""
     base = make_model(cfg["seed"])
@@ -408,13 +382,11 @@ def worker(rank: int, world: int, cfg: dict) -> dict:
         t_built = time.perf_counter()
         for r in runners.values():
             for _ in range(warmup):
-                dist.barrier()
                 r.step()
             # schedule="auto": warm up through its whole timing window (the same step on every rank), then to
             # the end of that inverse period; the timed blocks measure the schedule it chose.
             extra = 0
             while isinstance(r.distributor, AutoDistributor) and (r.distributor.chosen is None or extra % inv):
-                dist.barrier()
                 r.step()
                 extra += 1
         plans = {name: r.plan() for name, r in runners.items() if r.distributor is not None}
@@ -425,45 +397,33 @@ def worker(rank: int, world: int, cfg: dict) -> dict:
                 f"(profile_steps={cfg['profile_steps']}); raise --warmup"
             )
         t_warm = time.perf_counter()
-        _say(
-            rank,
-            f"[inv_update_steps={inv}] built {len(runners)} configurations in {t_built - t0:.1f} s "
-            f"(cost-model probes), warm-up {warmup} steps each in {t_warm - t_built:.1f} s; "
-            f"timing {cfg['blocks']} rounds x {block} steps",
-        )
+        if rank == 0:
+            print(f"[inv_update_steps={inv}] built {len(runners)} configurations in {t_built - t0:.1f} s "
+                  f"(cost-model probes), warm-up {warmup} steps each in {t_warm - t_built:.1f} s; "
+                  f"timing {cfg['blocks']} rounds x {block} steps", flush=True)
         records: dict[str, list[list[list[float]]]] = {name: [] for name in runners}
 
         def timed_block(r: Runner, into: list, steps: int):
-            def run_block() -> None:
-                recs = []
-                for _ in range(steps):
-                    dist.barrier()
-                    recs.append(r.step())
-                into.append(recs)
-            return run_block
+            return lambda: into.append([r.step() for _ in range(steps)])
 
         # one block per configuration per round, the order rotating from round to round
         interleave({name: timed_block(r, records[name], block) for name, r in runners.items()}, cfg["blocks"],
                    label="  round", progress=rank == 0)
         comm = {name: standalone_comm(p, group, cfg["comm_repeats"]) for name, p in plans.items()}
+        kfac = {name: r.pre for name, r in runners.items() if r.pre is not None}
         out["inv"][inv] = {
-            "seconds": {
-                "build": t_built - t0,
-                "warmup": t_warm - t_built,
-                "timed": time.perf_counter() - t_warm,
-            },
+            "seconds": {"build": t_built - t0, "warmup": t_warm - t_built,
+                        "timed": time.perf_counter() - t_warm},
             "standalone_comm": comm,
             "pack_unpack": {name: pack_unpack_cost(p, cfg["comm_repeats"]) for name, p in plans.items()},
             "warmup": warmup,
             "block": block,
             "records": records,
-            "plans": {name: plans[name] for name in plans} if rank == 0 else None,
+            "plans": plans if rank == 0 else None,
             "plans_agree_key": {name: (p["order"], p["groups"], p["owners"]) for name, p in plans.items()},
             "loss": {name: float(r.last_loss) for name, r in runners.items()},
-            "state_bytes": {name: r.pre.state_bytes() for name, r in runners.items() if r.pre is not None},
-            "skipped_factor_steps": {
-                name: r.pre.skipped_factor_steps for name, r in runners.items() if r.pre is not None
-            },
+            "state_bytes": {name: pre.state_bytes() for name, pre in kfac.items()},
+            "skipped_factor_steps": {name: pre.skipped_factor_steps for name, pre in kfac.items()},
         }
         for r in runners.values():
             r.close()
@@ -479,11 +439,8 @@ def _median(xs: list[float]) -> float:
 
 def segments(v: dict[str, float], iter_max: float) -> dict[str, float]:
     """The paper's categories (seconds) from rank-aggregated FIELDS of one block."""
-    in_step = sum(
-        v[p]
-        for p in ("factor_comm_wait", "factor_pack", "factor_update", "inverse_compute", "inverse_comm_wait",
-                  "precondition")
-    )
+    in_step = sum(v[p] for p in ("factor_comm_wait", "factor_pack", "factor_update", "inverse_compute",
+                                 "inverse_comm_wait", "precondition"))
     s = {
         "FF&BP": v["fwd_bwd"] - v["factor_compute"],
         "FactorComp": v["factor_compute"] + v["factor_update"],
@@ -749,7 +706,8 @@ def parse_args(argv=None):
                      refresh="write the committed benchmarks/results/iteration_time.{json,png} the README shows "
                              "(unless --json/--png say otherwise)")
     every = CONFIGS + DEEPSPEED_CONFIGS + EXTRA_CONFIGS
-    p.add_argument("--configs", default=",".join(CONFIGS + (DEEPSPEED_CONFIGS if _deepspeed_available() else ())),
+    default = CONFIGS + (DEEPSPEED_CONFIGS if find_spec("deepspeed") else ())
+    p.add_argument("--configs", default=",".join(default),
                    help=f"comma-separated subset of {','.join(every)} (default: the first {len(CONFIGS)}, plus "
                         "the ds* ones when deepspeed is installed)")
     p.add_argument("--inv-update-steps", default="1,10", help="comma-separated inverse periods, each a table")
@@ -777,12 +735,9 @@ def parse_args(argv=None):
     args = parse(p, argv, quick={"configs": "sgd,spd", "inv_update_steps": "2", "blocks": 2, "steps": 2,
                                  "warmup": 0, "profile_steps": "0,1", "batch": 4, "n_batches": 2, "comm_repeats": 1})
     args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
-    bad = [c for c in args.configs if c not in CONFIGS + DEEPSPEED_CONFIGS + EXTRA_CONFIGS]
+    bad = [c for c in args.configs if c not in every]
     if bad or not args.configs or len(set(args.configs)) != len(args.configs):
-        p.error(
-            f"--configs: unknown or repeated {bad or args.configs}; choose from "
-            f"{', '.join(CONFIGS + DEEPSPEED_CONFIGS + EXTRA_CONFIGS)}"
-        )
+        p.error(f"--configs: unknown or repeated {bad or args.configs}; choose from {', '.join(every)}")
     try:
         args.inv_update_steps = _int_list(args.inv_update_steps)
         ps = _int_list(args.profile_steps)
@@ -793,27 +748,14 @@ def parse_args(argv=None):
     if len(ps) != 2 or not 0 <= ps[0] < ps[1]:
         p.error("--profile-steps: start,end with 0 <= start < end")
     args.profile_steps = (ps[0], ps[1])
-    _resolve_outputs(args)
-    for name in ("blocks", "steps", "batch", "n_batches", "world_size", "threads", "comm_repeats"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.warmup < 0:
-        p.error("--warmup must be >= 0")
+    check_positive(p, args, "blocks", "steps", "batch", "n_batches", "world_size", "threads", "comm_repeats")
+    check_positive(p, args, "warmup", least=0)
+    output_paths(args, "iteration_time", COMMITTED_RESULTS, json="iteration_time.json",
+                 png="iteration_time.png")
     return args
 
 
 COMMITTED_RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")  # the README's charts
-
-
-def _resolve_outputs(args: argparse.Namespace) -> None:
-    """Default outputs: a fresh run folder; the committed files only with --refresh."""
-    if args.json is not None and args.png is not None:
-        return
-    folder = args.out or (COMMITTED_RESULTS if args.refresh else fresh_run_dir("iteration_time"))
-    if args.json is None:
-        args.json = os.path.join(folder, "iteration_time.json")
-    if args.png is None:
-        args.png = os.path.join(folder, "iteration_time.png")
 
 
 def main(argv=None) -> int:
@@ -822,30 +764,16 @@ def main(argv=None) -> int:
 
     cfg = {k: getattr(args, k) for k in ("configs", "inv_update_steps", "blocks", "steps", "warmup", "profile_steps",
                                          "batch", "n_batches", "lr", "damping", "seed", "comm_repeats")}
-    env = env_info()
-    env.update(world_size=args.world_size, threads_per_rank=args.threads, backend="gloo", loadavg_before=os.getloadavg())
-    la = env["loadavg_before"]
-    print(f"torch {env['torch']}  cpus {env['cpu_count']}  {args.world_size} gloo ranks x {args.threads} thread(s)  "
-          f"load average before {la[0]:.2f} {la[1]:.2f} {la[2]:.2f}", flush=True)
-    t0 = time.perf_counter()
-    try:
-        results = run_ranks(iteration_time.worker, args.world_size, cfg, timeout=args.timeout,
-                            pg_timeout=min(args.timeout, 300.0), threads=args.threads)
-    except RanksFailed as e:
-        print(f"FAILED: {e}", file=sys.stderr)
+    results, env = run_gloo(iteration_time.worker, args, cfg, pg_timeout=300.0)
+    if results is None:
         return 1
-    wall = time.perf_counter() - t0
-    env["loadavg_after"] = os.getloadavg()
-    env["wall_s"] = wall
     res = analyse(results, args)
     print_report(res, args)
-    la = env["loadavg_after"]
-    print(f"\nwall time {wall:.0f} s; load average after {la[0]:.2f} {la[1]:.2f} {la[2]:.2f} "
+    print(f"\nwall time {env['wall_s']:.0f} s; load average after {loadavg(env['loadavg_after'])} "
           f"({env['cpu_count']} cpus; this run alone keeps ~{args.world_size * args.threads} busy)")
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        write_json(args.json, {"env": env, "args": vars(args), "results": {str(k): v for k, v in res.items()}})
-        print(f"wrote {args.json}")
+        save_json(*os.path.split(os.path.abspath(args.json)),
+                  {"env": env, "args": vars(args), "results": {str(k): v for k, v in res.items()}})
     if args.png:
         try:
             print(plot(res, args.png))

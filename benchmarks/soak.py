@@ -315,7 +315,8 @@ def main(argv=None) -> int:
     print_report(results, res, args)
     print(f"wall time {env['wall_s']:.0f} s; load average after {loadavg(env['loadavg_after'])}")
     if args.json:
-        save_json(*os.path.split(os.path.abspath(args.json)), {"env": env, "args": vars(args), "ranks": results, **res})
+        payload = {"env": env, "args": vars(args), "ranks": results, **res}
+        save_json(*os.path.split(os.path.abspath(args.json)), payload)
     return 0
 
 
