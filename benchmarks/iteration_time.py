@@ -1,77 +1,60 @@
 """Distributed iteration time of D-KFAC, MPD-KFAC and SPD-KFAC (and SPD's ablations) against DDP+SGD.
 
-Run ``python benchmarks/iteration_time.py`` (``--help`` for options). It reproduces, at toy scale, the
-timing experiment of Shi, Zhang, Li (ICDCS 2021): the per-iteration time of K-FAC under each schedule,
-split into the paper's categories, on ``--world-size`` gloo ranks on this machine (127.0.0.1, one
-process per rank, ``--threads`` torch threads each).
+``python benchmarks/iteration_time.py --refresh`` writes the committed
+``benchmarks/results/iteration_time.{json,png}`` (docs/results/distributed.md; without ``--refresh``: a fresh
+run folder). At toy scale, the timing experiment of Shi, Zhang, Li (ICDCS 2021): the per-iteration time of
+K-FAC under each schedule, split into the paper's categories, on ``--world-size`` gloo ranks on this machine
+(``--threads`` torch threads each).
 
-Model and data: a small ResNet without BatchNorm (conv stem 3->32 stride 2, four basic blocks of
-32/64/128/128 channels, the last three with stride 2 and a 1x1 shortcut, residual branch scaled by
-0.25, global average pool, linear to 10) on fixed synthetic CIFAR-shaped batches (32 x 3 x 32 x 32 per rank
-by default, ``--n-batches`` distinct batches cycled, a different seed per rank, random labels; every
-configuration starts from the same weights; SGD lr 0.01, K-FAC damping 0.03, library defaults
-otherwise - smaller dampings diverge here, and few batches get memorized until the gradients
-underflow, either of which would time a degenerate run). The model is sized for the paper's
-proportions (ResNet-50 under D-KFAC: factor computation 1.6x and inversion 2.1x the forward+backward
-time): here about 1.9x and 2.0x on one core, with A factors up to 1153 x 1153 (three of that size) and
-an SGD step of ~40 ms.
+Model and data: a small ResNet without BatchNorm (:class:`SmallResNet`) on fixed synthetic CIFAR-shaped
+batches (``--batch`` 32 per rank, ``--n-batches`` distinct ones cycled, a seed per rank, random labels), every
+configuration from the same weights; SGD lr 0.01 momentum 0.9, K-FAC damping 0.03 (smaller dampings diverge
+here, and few batches get memorized until the gradients underflow: either would time a degenerate run). Sized
+for the paper's proportions (ResNet-50 under D-KFAC: factor computation 1.6x and inversion 2.1x the
+forward+backward time): here about 1.9x and 2.0x on one core, A factors up to 1153 x 1153.
 
-Configurations (all: DDP on the default group, SGD momentum 0.9, and for K-FAC a dedicated factor
-process group from ``dist.new_group()`` shared by the configurations, which never overlap in time):
-``sgd`` (no K-FAC), ``dkfac``, ``mpd``, ``spd`` (``SPDOptions.from_schedule(name)``), and the SPD
-ablations ``spd-no-pipe`` (pipelining=False), ``spd-no-dtf`` (fusion="layerwise"), ``spd-no-lbp``
-(placement="round_robin"); factor_update_steps=1 and each value of ``--inv-update-steps`` (default
-1, the paper's timing setting, and 10). With deepspeed installed, also ``ds0-sgd``, ``ds0-spd``,
-``ds2-sgd``, ``ds2-spd``: a DeepSpeed engine (fp32, ZeRO stage 0 or 2, overlap_comm) in place of DDP,
-SGD alone or with SPD-KFAC reading ZeRO's gradients through ``DeepSpeedGradAccess``; the report adds
-dsN-spd/dsN-sgd (what K-FAC costs on that stage) and dsN-spd/spd (against DDP).
+Configurations (DDP on the default group; K-FAC with a factor process group of its own, shared by the
+configurations, which never overlap in time): ``sgd``, ``dkfac``, ``mpd``, ``spd``
+(``SPDOptions.from_schedule(name)``), the SPD ablations ``spd-no-pipe`` (pipelining=False), ``spd-no-dtf``
+(fusion="layerwise"), ``spd-no-lbp`` (placement="round_robin"), ``dpkfac``, ``auto`` and ``auto-async``
+(schedule="auto", reported against the fastest fixed schedule it could pick), and ``dkfac``, ``mpd``, ``spd``,
+``spd-no-pipe``, ``dpkfac`` with asynchronous inverses (``-async``); factor_update_steps=1 and each
+``--inv-update-steps`` (1, the paper's setting, and 10). With deepspeed installed also ``ds0-sgd``,
+``ds0-spd``, ``ds2-sgd``, ``ds2-spd``, ``ds2-dpkfac``: a DeepSpeed engine (fp32, ZeRO stage 0 or 2,
+overlap_comm) in place of DDP, K-FAC reading ZeRO's gradients through
+``DeepSpeedGradAccess``. Opt-in (``--configs``): ``spd-bucket``, ``spd-all``, ``spd-bf16``, ``spd-lbp``,
+``spd-g-unfused`` (see ``_SPD_OVERRIDES``).
 
-Timing: for each inv_update_steps value, every configuration is built in the same worker processes
-and warmed up (``--warmup`` steps, at least profile_steps[1] + 2 so that SPD's profiling window is
-over and its fusion plan is fixed; rounded up to whole inverse periods). Then ``--blocks`` rounds: in
-each, every configuration runs one block of steps in turn (the starting configuration rotates from
-round to round). A block is ``--steps`` steps rounded up to a multiple of inv_update_steps, so every
-K-FAC block holds the same number of inverse steps. Each iteration starts after a ``dist.barrier()``
-on the default group; its time is the maximum over ranks (the distributed iteration time), averaged
-over the block. Reported: the median over blocks, the interquartile range, and the fastest block
-("min", the least disturbed by other load on the machine; its ratios vary less from run to run).
+Timing: per inv_update_steps value, every configuration is built in the same worker processes and warmed up
+(``--warmup`` steps, at least profile_steps[1] + 2 so that SPD's fusion plan is fixed, rounded up to whole
+inverse periods). Then ``--blocks`` rounds, each one block of ``--steps`` steps (rounded up to a multiple of
+inv_update_steps) per configuration, the first configuration rotating from round to round. Each iteration
+starts after a ``dist.barrier()``; its time is the maximum over ranks, averaged over the block. Reported: the
+median over blocks, the interquartile range, and the fastest block ("min", the least disturbed by other load).
 
-Breakdown (ms per iteration, medians over blocks of block means, each rank's values averaged over
-ranks - rank-mean; the rank-max values are in the JSON): forward+backward is timed around
-``zero_grad``/forward/loss/backward, ``pre.step()`` and ``opt.step()`` separately, and the K-FAC
-phases come from ``pre.timer.last`` (:mod:`lightning_spdkfac.telemetry`). Paper categories:
+Breakdown (ms per iteration, medians over blocks of rank-mean block means; rank-max in the JSON):
+forward+backward is timed around zero_grad/forward/loss/backward, ``pre.step()`` and ``opt.step()``
+separately, the K-FAC phases come from ``pre.timer.last`` (:mod:`lightning_spdkfac.telemetry`):
 
-* FF&BP = forward+backward - factor_compute. DDP's gradient all-reduce (GradComm) overlaps backward
-  and its exposed part lands here: it is not separable. It also holds the hooks' hand-over of a final
-  factor to the pipelined distributor (packing the triangle, launching its group's all-reduce).
-* FactorComp = factor_compute + factor_update.
-* FactorComm = factor_comm_wait: time blocked on the all-reduces (exposed communication).
-  FactorPack = factor_pack: packing triangles in ``step()`` (without pipelining) and unpacking and
-  averaging the reduced triangles into full matrices; both are also timed alone afterwards
-  ("pack", "unpack").
-  Total factor communication: after the timed rounds, the configuration's fused
-  groups (its final plan, same buffer sizes) are all-reduced one after another with nothing else
-  running (``--comm-repeats`` times, rank-max, median): "FComm tot". The library's
-  factor_comm_inflight (the union of the groups' launch -> completion intervals: an upper bound of
-  the time communication was under way) is printed too ("FComm infl").
+* FF&BP = forward+backward - factor_compute; it holds DDP's exposed gradient all-reduce (not separable) and
+  the hooks' hand-over of final factors to the pipelined distributor.
+* FactorComp = factor_compute + factor_update. FactorComm = factor_comm_wait (exposed communication).
+  FactorPack = factor_pack (packing triangles in ``step()`` without pipelining, unpacking and averaging the
+  reduced ones); "pack" and "unpack" are also timed alone afterwards.
+* "FComm tot": the configuration's final fused groups all-reduced one after another with nothing else
+  running (``--comm-repeats`` times, rank-max, median). "FComm infl": factor_comm_inflight (the union of the
+  groups' launch -> completion intervals, an upper bound of the time communication was under way).
 * InvComp = inverse_compute, InvComm = inverse_comm_wait, Precond = precondition, Opt = opt.step().
-* K-FAC other = pre.step() - its timed phases (step factors built in step() without pipelining,
-  packing inverses for broadcast, bookkeeping); Skew = rank-max iteration - rank-mean sum of all the
-  above (rank imbalance, barrier exit skew).
+* KFACOther = pre.step() - its timed phases; Skew = rank-max iteration - rank-mean sum of the above.
 
-"A perfect schedule would reach": from D-KFAC, all factor communication hidden and the inversions split
-evenly over the ranks with free broadcasts, 1 - (FComm exp + (1 - 1/world) InvComp) / iter of dkfac;
-from MPD-KFAC, all factor communication and inverse broadcasts hidden, 1 - (FComm exp + InvComm) / iter
-of mpd: the most any schedule could win on this model and world size.
+"A perfect schedule would reach": from dkfac, all factor communication hidden and the inversions split evenly
+with free broadcasts, 1 - (FComm exp + (1 - 1/world) InvComp) / iter; from mpd, all factor communication and
+inverse broadcasts hidden, 1 - (FComm exp + InvComm) / iter.
 
-Targets (issue): spd/dkfac <= 0.75, spd/mpd <= 0.9, exposed factor communication of spd <= 30% of its
-total (FComm tot; the ratio to factor_comm_inflight is printed too); PASS/MISS is printed for each,
-for every inv_update_steps value (inv=1 is the paper's setting). ``--json`` writes every number
-(per-block, rank-mean and rank-max), the environment, the arguments and the SPD plans
-(``distributor.describe()``, with factor names); ``--png`` a stacked-bar chart of the breakdown
-(needs matplotlib; skipped with a message without it). Opt-in ``--configs`` variants for
-investigation: ``spd-bucket`` (fusion="bucket"), ``spd-all`` (fusion="all"), ``spd-bf16`` (bf16
-messages). The whole default run takes ~4-5 minutes on 2 idle cores.
+Targets (issue), PASS/MISS per inv_update_steps value: spd/dkfac <= 0.75, spd/mpd <= 0.9, exposed factor
+communication of spd <= 30% of FComm tot (and of FComm infl). ``--json`` gets every number (per block,
+rank-mean and rank-max), the environment, the arguments and the plans (``distributor.describe()`` with factor
+names); ``--png`` a stacked-bar chart of the breakdown (skipped with a message without matplotlib).
 """
 
 from __future__ import annotations
@@ -149,12 +132,8 @@ SEGMENTS = ("FF&BP", "FactorComp", "FactorComm", "FactorPack", "InvComp", "InvCo
             "KFACOther", "Skew")
 COLORS = ("#4c72b0", "#dd8452", "#c44e52", "#e8a0a0", "#55a868", "#8172b3", "#937860", "#da8bc3", "#8c8c8c",
           "#cccccc")
-TARGETS = (
-    ("spd/dkfac", 0.75),
-    ("spd/mpd", 0.9),
-    ("spd exposed/total factor comm", 0.30),
-    ("spd exposed/inflight factor comm", 0.30),
-)
+TARGETS = (("spd/dkfac", 0.75), ("spd/mpd", 0.9), ("spd exposed/total factor comm", 0.30),
+           ("spd exposed/inflight factor comm", 0.30))
 NOTES = {
     "spd exposed/total factor comm": "  (total: the plan's all-reduces timed alone)",
     "spd exposed/inflight factor comm": "  (inflight: union of the all-reduces' launch->completion "
@@ -226,7 +205,6 @@ class Runner:
     """One configuration on this rank: its own model copy, DDP wrapper, optimizer and preconditioner."""
 
     def __init__(self, name: str, base: nn.Module, data, inv: int, cfg: dict, group):
-        self.name = name
         self.model = copy.deepcopy(base).train()
         self.opt = torch.optim.SGD(self.model.parameters(), lr=cfg["lr"], momentum=0.9)
         self.engine = None
@@ -236,24 +214,17 @@ class Runner:
             grad_access = DeepSpeedGradAccess(lambda: self.engine)
         else:
             self.ddp = DDP(self.model)
-        self.data = data
-        self.i = 0
-        self.distributor = None
-        self.pre = None
+        self.data, self.i = data, 0
+        self.distributor = self.pre = None
         options = spd_options(name, cfg["profile_steps"])
         if options is not None:
             kind = (AutoDistributor if options.is_auto else DPKFACDistributor if options.schedule == "dpkfac"
                     else SPDDistributor)
             self.distributor = kind(options, process_group=group)
-            self.pre = KFACPreconditioner(
-                self.model,
-                factor_update_steps=1,
-                inv_update_steps=inv,
-                damping=cfg["damping"],
-                lr=lambda step: self.opt.param_groups[0]["lr"],
-                distributor=self.distributor,
-                grad_access=grad_access,
-            )
+            self.pre = KFACPreconditioner(self.model, factor_update_steps=1, inv_update_steps=inv,
+                                          damping=cfg["damping"], distributor=self.distributor,
+                                          grad_access=grad_access,
+                                          lr=lambda step: self.opt.param_groups[0]["lr"])
         self.last_loss = float("nan")
 
     def step(self) -> list[float]:
@@ -392,10 +363,8 @@ def worker(rank: int, world: int, cfg: dict) -> dict:
         plans = {name: r.plan() for name, r in runners.items() if r.distributor is not None}
         still = [name for name, p in plans.items() if p["measuring"]]
         if still:
-            raise RuntimeError(
-                f"{still}: the SPD profiling window is not over after {warmup} warm-up steps "
-                f"(profile_steps={cfg['profile_steps']}); raise --warmup"
-            )
+            raise RuntimeError(f"{still}: the SPD profiling window is not over after {warmup} warm-up steps "
+                               f"(profile_steps={cfg['profile_steps']}); raise --warmup")
         t_warm = time.perf_counter()
         if rank == 0:
             print(f"[inv_update_steps={inv}] built {len(runners)} configurations in {t_built - t0:.1f} s "
@@ -496,16 +465,13 @@ def analyse(results: list[dict], args) -> dict:
             a = aggregate([r["records"][name] for r in rs])
             a["final_loss"] = [r["loss"][name] for r in rs]
             a["skipped_factor_steps"] = [r["skipped_factor_steps"].get(name, 0) for r in rs]
-            a["kfac_state_bytes"] = [r.get("state_bytes", {}).get(name, 0) for r in rs]  # per rank
+            a["kfac_state_bytes"] = [r["state_bytes"].get(name, 0) for r in rs]  # per rank
             p = a["phases_rank_mean_ms"]
             a["factor_comm_exposed_ms"] = p["factor_comm_wait"]
             a["factor_comm_inflight_ms"] = p["factor_comm_inflight"]
-            alone = rs[0]["standalone_comm"].get(name)
-            if alone:  # rank-max per repeat, median over repeats
-                a["factor_comm_standalone_ms"] = 1e3 * _median([max(r["standalone_comm"][name][i] for r in rs)
-                                                                 for i in range(len(alone))])
-            else:
-                a["factor_comm_standalone_ms"] = None
+            # FComm tot: rank-max per repeat, median over repeats
+            alone = [max(t) for t in zip(*(r["standalone_comm"].get(name, ()) for r in rs))]
+            a["factor_comm_standalone_ms"] = 1e3 * _median(alone) if alone else None
             pu = [r["pack_unpack"].get(name) for r in rs]
             a["pack_ms"] = 1e3 * _median([_median(x[0]) for x in pu]) if pu[0] else None
             a["unpack_ms"] = 1e3 * _median([_median(x[1]) for x in pu]) if pu[0] else None
