@@ -64,11 +64,11 @@ import copy
 import gc
 import math
 import os
-import statistics
 import sys
 import time
 import traceback
 from importlib.util import find_spec
+from statistics import fmean, median
 
 import torch
 import torch.distributed as dist
@@ -299,12 +299,8 @@ def _deepspeed_engine(model: nn.Module, opt: torch.optim.Optimizer, stage: int, 
 
 
 def standalone_comm(plan: dict, group, repeats: int) -> list[float]:
-    """Seconds to all-reduce the plan's fused groups one after another with nothing else running.
-
-    The communication work of one step's factor reduction (same buffers as the library's: upper
-    triangles plus one count per member), each group synchronous: the "total factor communication"
-    against which the exposed part is compared. One value per repeat, on this rank.
-    """
+    """Seconds (one value per repeat, on this rank) to all-reduce the plan's fused groups one after another with
+    nothing else running, in the library's buffers (upper triangles plus one count per member): FComm tot."""
     bufs = [torch.zeros(e + len(g)) for e, g in zip(plan["group_elements"], plan["groups"])]
     for b in bufs:  # warm-up (connections, allocations)
         dist.all_reduce(b, group=group)
@@ -402,10 +398,6 @@ def worker(rank: int, world: int, cfg: dict) -> dict:
 
 
 # ------------------------------------------------------------------------------ aggregation
-def _median(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
-
-
 def segments(v: dict[str, float], iter_max: float) -> dict[str, float]:
     """The paper's categories (seconds) from rank-aggregated FIELDS of one block."""
     in_step = sum(v[p] for p in ("factor_comm_wait", "factor_pack", "factor_update", "inverse_compute",
@@ -432,11 +424,9 @@ def aggregate(per_rank: list[list[list[list[float]]]]) -> dict:
     blocks = []
     for b in range(n_blocks):
         steps = list(zip(*(r[b] for r in per_rank)))  # steps[s] = (rank0 record, rank1 record, ...)
-        iter_max = statistics.fmean(max(rec[k["iter"]] for rec in st) for st in steps)
-        mean = {
-            f: statistics.fmean(statistics.fmean(rec[k[f]] for rec in st) for st in steps) for f in FIELDS
-        }
-        rmax = {f: statistics.fmean(max(rec[k[f]] for rec in st) for st in steps) for f in FIELDS}
+        iter_max = fmean(max(rec[k["iter"]] for rec in st) for st in steps)
+        mean = {f: fmean(fmean(rec[k[f]] for rec in st) for st in steps) for f in FIELDS}
+        rmax = {f: fmean(max(rec[k[f]] for rec in st) for st in steps) for f in FIELDS}
         blocks.append({"iter_max": iter_max, "mean": mean, "max": rmax, "segments": segments(mean, iter_max)})
     iters = [1e3 * b["iter_max"] for b in blocks]
     s = summarize(iters)
@@ -447,9 +437,9 @@ def aggregate(per_rank: list[list[list[list[float]]]]) -> dict:
         "iter_min_ms": s["min_s"],
         "drift": s["drift"],
         "iter_per_block_ms": iters,
-        "segments_ms": {s: _median([1e3 * b["segments"][s] for b in blocks]) for s in SEGMENTS},
-        "phases_rank_mean_ms": {f: _median([1e3 * b["mean"][f] for b in blocks]) for f in FIELDS},
-        "phases_rank_max_ms": {f: _median([1e3 * b["max"][f] for b in blocks]) for f in FIELDS},
+        "segments_ms": {s: median([1e3 * b["segments"][s] for b in blocks]) for s in SEGMENTS},
+        "phases_rank_mean_ms": {f: median([1e3 * b["mean"][f] for b in blocks]) for f in FIELDS},
+        "phases_rank_max_ms": {f: median([1e3 * b["max"][f] for b in blocks]) for f in FIELDS},
     }
 
 
@@ -471,10 +461,10 @@ def analyse(results: list[dict], args) -> dict:
             a["factor_comm_inflight_ms"] = p["factor_comm_inflight"]
             # FComm tot: rank-max per repeat, median over repeats
             alone = [max(t) for t in zip(*(r["standalone_comm"].get(name, ()) for r in rs))]
-            a["factor_comm_standalone_ms"] = 1e3 * _median(alone) if alone else None
+            a["factor_comm_standalone_ms"] = 1e3 * median(alone) if alone else None
             pu = [r["pack_unpack"].get(name) for r in rs]
-            a["pack_ms"] = 1e3 * _median([_median(x[0]) for x in pu]) if pu[0] else None
-            a["unpack_ms"] = 1e3 * _median([_median(x[1]) for x in pu]) if pu[0] else None
+            a["pack_ms"] = 1e3 * median([median(x[0]) for x in pu]) if pu[0] else None
+            a["unpack_ms"] = 1e3 * median([median(x[1]) for x in pu]) if pu[0] else None
             configs[name] = a
         sgd = configs.get("sgd")
         for a in configs.values():
@@ -553,16 +543,14 @@ def print_report(res: dict, args) -> None:
             ("FactorPack", "pack", ".1f"), ("InvComp", "InvComp", ".1f"), ("InvComm", "InvComm", ".1f"),
             ("Precond", "Precond", ".1f"), ("Opt", "Opt", ".1f"), ("KFACOther", "KFAC other", ".1f"),
             ("Skew", "skew", ".1f")])
-        print(
-            "(iter: median over rounds of the block-mean rank-max iteration time; min: its fastest "
-            "round, the least disturbed by other load on the machine; breakdown in ms: medians of "
-            "rank-mean block means; FF&BP includes DDP's exposed gradient all-reduce (GradComm, not "
-            "separable); FComm exp = exposed factor communication (factor_comm_wait); FComm tot = the "
-            "plan's fused all-reduces timed alone, one after another (rank-max); FComm infl = "
-            "factor_comm_inflight (union of launch->completion intervals, overlapping compute); neither "
-            "is a segment; pack = factor_pack (triangles packed in step() and unpacked); "
-            "skew = iter - sum of segments)"
-        )
+        print("(iter: median over rounds of the block-mean rank-max iteration time; min: its fastest "
+              "round, the least disturbed by other load on the machine; breakdown in ms: medians of "
+              "rank-mean block means; FF&BP includes DDP's exposed gradient all-reduce (GradComm, not "
+              "separable); FComm exp = exposed factor communication (factor_comm_wait); FComm tot = the "
+              "plan's fused all-reduces timed alone, one after another (rank-max); FComm infl = "
+              "factor_comm_inflight (union of launch->completion intervals, overlapping compute); neither "
+              "is a segment; pack = factor_pack (triangles packed in step() and unpacked); skew = iter - "
+              "sum of segments)")
         noisy = [n for n, a in r["configs"].items() if a["iter_q3_ms"] - a["iter_q1_ms"] > 0.1 * a["iter_ms"]]
         if noisy:
             print(f"WARNING: noisy timings for {', '.join(noisy)} (IQR > 10% of the median)")
@@ -629,7 +617,7 @@ def print_report(res: dict, args) -> None:
             for lab, o in p["owners"].items():
                 owned.setdefault(o, []).append(lab)
             print(f"\nspd plan (inv_update_steps={inv}): {len(p['groups'])} fused groups of "
-                  f"{[len(g) for g in p['groups']]} factors ({[e for e in p['group_elements']]} elements); "
+                  f"{[len(g) for g in p['groups']]} factors ({p['group_elements']} elements); "
                   f"all-reduce alpha {1e3 * m.allreduce.alpha:.3f} ms beta {m.allreduce.beta * 1e9:.3f} ns/B; "
                   f"broadcast alpha {1e3 * m.broadcast.alpha:.3f} ms beta {m.broadcast.beta * 1e9:.3f} ns/B")
             for o in sorted(owned):

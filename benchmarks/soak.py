@@ -1,49 +1,38 @@
 """Soak (load) benchmark: a long SPD-KFAC run with re-planning, watched for memory and step-time growth.
 
-Run ``python benchmarks/soak.py`` (``--help`` for options). It is a benchmark, not a timed test: it
-reports numbers and a verdict against stated thresholds, and writes ``soak.json`` into a fresh
-``benchmarks/results/run-*-soak/`` (``--refresh``: the committed ``benchmarks/results/soak.json``; ``--out DIR``:
-``DIR/soak.json``). ``--quick``: 20 steps of a 32-wide MLP in windows of 10, re-planning every 5 (seconds).
+Run ``python benchmarks/soak.py`` (``--help`` for options): numbers and a verdict against stated thresholds,
+in ``soak.json`` in a fresh ``benchmarks/results/run-*-soak/`` (``--refresh``: the committed
+``benchmarks/results/soak.json``; ``--out DIR``: ``DIR/soak.json``). ``--quick``: 20 steps of a 32-wide MLP
+in windows of 10, re-planning every 5 (seconds).
 
-Setup: ``--world-size`` (2) gloo ranks on 127.0.0.1 (``lightning_spdkfac.multiprocess.run_distributed``),
-``--threads`` (1) torch thread each. Model: an MLP 256-256-256-10 with ReLU (three K-FAC layers, factors
-of side 257/256/10) wrapped in ``DistributedDataParallel`` on the default group; the plain
-``KFACPreconditioner`` with an ``SPDDistributor`` (schedule "spd": pipelined factor all-reduces, dynamic
-tensor fusion, load-balanced placement) on a process group of its own, ``profile_steps=(3, 8)`` and
-``replan_every`` (50): every 50 factor steps the distributor re-measures the factor ready times for 5
-steps and makes a new fusion plan, so a 2000-step run re-plans 39 times. SGD with momentum, lr 0.01,
-damping 0.03, ``--inv-update-steps`` (10); every step a fresh random batch of ``--batch`` (64) inputs
-and labels per rank (a different stream per rank), so the loss stays near log(10) and the gradients
-keep their size for the whole run.
+Setup: ``--world-size`` (2) gloo ranks of ``--threads`` (1) torch threads. Model: an MLP 256-256-256-10 with
+ReLU (factors of side 257/256/10) in ``DistributedDataParallel``; ``KFACPreconditioner`` with an
+``SPDDistributor`` (schedule "spd") on a process group of its own, ``profile_steps=(3, 8)`` and
+``--replan-every`` (50): every 50 factor steps the distributor re-measures the factor ready times for 5 steps
+and makes a new fusion plan (39 re-plans in 2000 steps). SGD with momentum, lr 0.01, damping 0.03,
+``--inv-update-steps`` (10); every step a fresh random batch of ``--batch`` (64) per rank (a stream per rank),
+so the loss stays near log(10) and the gradients keep their size for the whole run.
 
-Measured on every rank, per window of ``--window`` (100) steps: the resident set size at the end of the
-window (``VmRSS`` of ``/proc/self/status``; psutil is not needed), the median wall time of a step
-(zero_grad, forward, backward, ``pre.step()``, ``opt.step()``) and of ``pre.step()`` alone, the number
-of re-plans that started in the window, the number of objects tracked by Python's gc (a leak of Python
-objects shows there first) and the number of subnormal entries in the running factors and their
-inverses. Reported: a table per window; least-squares slopes of RSS (MiB per 1000 steps) and of the
-median step time (ms and % per 1000 steps) over the windows after the first (the first holds the
-start-up: cost-model measurement, first profile), and of RSS over the second half of the run; the
-last-window / first-window ratios (of window 0 and of window 1). At the end of the run, RSS after
-``gc.collect()`` and after glibc's ``malloc_trim(0)``: growth that ``malloc_trim`` gives back was free
-heap the allocator kept, not memory still in use.
+Measured on every rank, per window of ``--window`` (100) steps: the resident set size at the window's end
+(``VmRSS``), the median wall time of a step (zero_grad, forward, backward, ``pre.step()``, ``opt.step()``)
+and of ``pre.step()`` alone, the re-plans started, the objects tracked by Python's gc (where a leak of Python
+objects shows first) and the subnormal entries of the running factors and their inverses (``subn``).
+Reported: a table per window; least-squares slopes of RSS (MiB per 1000 steps) and of the median step time
+(ms and % per 1000 steps) over the windows after the first (which holds the start-up: cost-model
+measurement, first profile), and of RSS over the second half; last-window / first-window ratios (of window 0
+and of window 1). At the end, RSS after ``gc.collect()`` and after glibc's ``malloc_trim(0)``: growth that
+``malloc_trim`` gives back was free heap the allocator kept, not memory in use.
 
 Verdict "no growth" when, on every rank, the RSS slope over the second half is below ``--max-rss-slope``
-(2 MiB per 1000 steps, i.e. a leak of 2 KiB per step) and the step-time slope below ``--max-time-slope``
-(5 % of the median step per 1000 steps). Why the second half for RSS: glibc's heap reaches its high-water
-mark over the first ~1000 steps (a few MiB; identical with ``--replan-every 0``, returned by
-``malloc_trim``), and grows or shrinks in steps of 0.5-2 MiB at any time; a leak would keep a constant
-slope. On a shared machine the step time is noisy: the medians per window and the slope over all
-windows are what keep it readable.
+(2 MiB per 1000 steps, a leak of 2 KiB per step) and the step-time slope below ``--max-time-slope`` (5 % of
+the median step per 1000 steps). The second half for RSS because glibc's heap reaches its high-water mark
+over the first ~1000 steps (a few MiB, the same with ``--replan-every 0``, returned by ``malloc_trim``) and
+moves in steps of 0.5-2 MiB at any time, where a leak keeps a constant slope.
 
-Subnormal factors (found by this benchmark): with ReLU units that stop firing, the rows and columns of a
-G factor that get no new contribution decay geometrically in the running average (``factor_decay`` per
-step: 0.95**1700 is about 1e-38) into the subnormal range, where x86 arithmetic is many times slower,
-and the inverses inherit them. Here they appear from step ~1500 (the second layer's G and its inverse);
-over 6000 steps (``--steps 6000 --window 250``) the K-FAC step grows from 4 to 44 ms per step by step
-~4300 and stays near 40 ms, RSS stays flat; with ``--flush-denormal`` (flush-to-zero in the ranks) the
-same run stays at 4.0 ms with no subnormal entry (benchmarks/results/soak_6000_steps*.json). The
-``subn`` columns count those entries.
+Subnormal entries (found by this benchmark, docs/faults.md): G rows and columns of ReLU units that stop firing
+decay geometrically in the running average into the subnormal range, where x86 arithmetic is many times
+slower; ``--steps 6000 --window 250`` showed the K-FAC step growing from 4 to 44 ms, and ``--flush-denormal``
+(flush-to-zero in the ranks) kept it at 4.0 ms (benchmarks/results/soak_6000_steps*.json).
 """
 
 from __future__ import annotations
@@ -53,7 +42,6 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -67,6 +55,7 @@ from _common import (
     output_paths,
     parse,
     print_table,
+    random_batches,
     run_gloo,
     save_json,
 )
@@ -75,7 +64,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from lightning_spdkfac import KFACPreconditioner
 from lightning_spdkfac.comm.scheduler import SPDDistributor, SPDOptions
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")  # the committed soak.json
 
 
 def rss_mib() -> float:
@@ -135,8 +124,7 @@ def worker(rank: int, world: int, cfg: dict) -> dict:
     bar = Progress(cfg["steps"] // cfg["window"], "window") if rank == 0 else None
     for step in range(cfg["steps"]):
         # fresh random inputs and labels every step: nothing to memorize (see the module docstring)
-        x = torch.randn(cfg["batch"], cfg["width"], generator=gen)
-        y = torch.randint(0, 10, (cfg["batch"],), generator=gen)
+        ((x, y),) = random_batches(gen, 1, cfg["batch"], cfg["width"])
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         loss = F.cross_entropy(ddp(x), y)
