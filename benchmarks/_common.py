@@ -431,3 +431,49 @@ class Progress:
         left = el / self.done * (self.total - self.done)
         print(f"{self.label} {self.done}/{self.total} done, {el:.0f} s, about {left:.0f} s left"
               + (f"; {note}" if note else ""), file=sys.stderr, flush=True)
+
+
+# ---- shared by iteration_time and soak
+def output_paths(args: argparse.Namespace, name: str, committed: str | os.PathLike, **files: str) -> None:
+    """Set each option of ``files`` (option -> file name) that the command line left None to that file in
+    :func:`out_dir`; the folder is chosen (and a fresh one made) only when one is needed."""
+    missing = [k for k in files if getattr(args, k) is None]
+    if missing:
+        folder = out_dir(args, name, committed)
+        for k in missing:
+            setattr(args, k, os.path.join(folder, files[k]))
+
+
+def check_positive(p: argparse.ArgumentParser, args: argparse.Namespace, *names: str, least: int = 1) -> None:
+    """``p.error`` unless each option in ``names`` is at least ``least``."""
+    for k in names:
+        if getattr(args, k) < least:
+            p.error(f"--{k.replace('_', '-')} must be >= {least}")
+
+
+def run_gloo(worker: Callable, args: argparse.Namespace, cfg: dict, pg_timeout: float, note: str = ""
+             ) -> tuple[list | None, dict]:
+    """``worker(rank, world, cfg)`` on ``args.world_size`` gloo ranks of ``args.threads`` threads, bounded by
+    ``args.timeout``: (the ranks' results, or None after printing why they failed; the environment, with load
+    averages before and after and the wall time). A start line names the setup, ``note`` in it."""
+    from lightning_spdkfac.multiprocess import RanksFailed, run_distributed
+
+    env = env_info()
+    env.update(world_size=args.world_size, threads_per_rank=args.threads, backend="gloo",
+               loadavg_before=os.getloadavg())
+    print(f"torch {env['torch']}  cpus {env['cpu_count']}  {args.world_size} gloo ranks x {args.threads} "
+          f"thread(s)  {note}load average before {loadavg(env['loadavg_before'])}", flush=True)
+    t0 = time.perf_counter()
+    try:
+        results = run_distributed(worker, args.world_size, cfg, timeout=args.timeout,
+                                  pg_timeout=min(args.timeout, pg_timeout), threads=args.threads)
+    except RanksFailed as e:
+        print(f"FAILED: {e}", file=sys.stderr)
+        return None, env
+    env["wall_s"] = time.perf_counter() - t0
+    env["loadavg_after"] = os.getloadavg()
+    return results, env
+
+
+def loadavg(values: Sequence[float]) -> str:
+    return " ".join(f"{v:.2f}" for v in values)

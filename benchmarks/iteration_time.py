@@ -1,77 +1,60 @@
 """Distributed iteration time of D-KFAC, MPD-KFAC and SPD-KFAC (and SPD's ablations) against DDP+SGD.
 
-Run ``python benchmarks/iteration_time.py`` (``--help`` for options). It reproduces, at toy scale, the
-timing experiment of Shi, Zhang, Li (ICDCS 2021): the per-iteration time of K-FAC under each schedule,
-split into the paper's categories, on ``--world-size`` gloo ranks on this machine (127.0.0.1, one
-process per rank, ``--threads`` torch threads each).
+``python benchmarks/iteration_time.py --refresh`` writes the committed
+``benchmarks/results/iteration_time.{json,png}`` (docs/results/distributed.md; without ``--refresh``: a fresh
+run folder). At toy scale, the timing experiment of Shi, Zhang, Li (ICDCS 2021): the per-iteration time of
+K-FAC under each schedule, split into the paper's categories, on ``--world-size`` gloo ranks on this machine
+(``--threads`` torch threads each).
 
-Model and data: a small ResNet without BatchNorm (conv stem 3->32 stride 2, four basic blocks of
-32/64/128/128 channels, the last three with stride 2 and a 1x1 shortcut, residual branch scaled by
-0.25, global average pool, linear to 10) on fixed synthetic CIFAR-shaped batches (32 x 3 x 32 x 32 per rank
-by default, ``--n-batches`` distinct batches cycled, a different seed per rank, random labels; every
-configuration starts from the same weights; SGD lr 0.01, K-FAC damping 0.03, library defaults
-otherwise - smaller dampings diverge here, and few batches get memorized until the gradients
-underflow, either of which would time a degenerate run). The model is sized for the paper's
-proportions (ResNet-50 under D-KFAC: factor computation 1.6x and inversion 2.1x the forward+backward
-time): here about 1.9x and 2.0x on one core, with A factors up to 1153 x 1153 (three of that size) and
-an SGD step of ~40 ms.
+Model and data: a small ResNet without BatchNorm (:class:`SmallResNet`) on fixed synthetic CIFAR-shaped
+batches (``--batch`` 32 per rank, ``--n-batches`` distinct ones cycled, a seed per rank, random labels), every
+configuration from the same weights; SGD lr 0.01 momentum 0.9, K-FAC damping 0.03 (smaller dampings diverge
+here, and few batches get memorized until the gradients underflow: either would time a degenerate run). Sized
+for the paper's proportions (ResNet-50 under D-KFAC: factor computation 1.6x and inversion 2.1x the
+forward+backward time): here about 1.9x and 2.0x on one core, A factors up to 1153 x 1153.
 
-Configurations (all: DDP on the default group, SGD momentum 0.9, and for K-FAC a dedicated factor
-process group from ``dist.new_group()`` shared by the configurations, which never overlap in time):
-``sgd`` (no K-FAC), ``dkfac``, ``mpd``, ``spd`` (``SPDOptions.from_schedule(name)``), and the SPD
-ablations ``spd-no-pipe`` (pipelining=False), ``spd-no-dtf`` (fusion="layerwise"), ``spd-no-lbp``
-(placement="round_robin"); factor_update_steps=1 and each value of ``--inv-update-steps`` (default
-1, the paper's timing setting, and 10). With deepspeed installed, also ``ds0-sgd``, ``ds0-spd``,
-``ds2-sgd``, ``ds2-spd``: a DeepSpeed engine (fp32, ZeRO stage 0 or 2, overlap_comm) in place of DDP,
-SGD alone or with SPD-KFAC reading ZeRO's gradients through ``DeepSpeedGradAccess``; the report adds
-dsN-spd/dsN-sgd (what K-FAC costs on that stage) and dsN-spd/spd (against DDP).
+Configurations (DDP on the default group; K-FAC with a factor process group of its own, shared by the
+configurations, which never overlap in time): ``sgd``, ``dkfac``, ``mpd``, ``spd``
+(``SPDOptions.from_schedule(name)``), the SPD ablations ``spd-no-pipe`` (pipelining=False), ``spd-no-dtf``
+(fusion="layerwise"), ``spd-no-lbp`` (placement="round_robin"), ``dpkfac``, ``auto`` and ``auto-async``
+(schedule="auto", reported against the fastest fixed schedule it could pick), and ``dkfac``, ``mpd``, ``spd``,
+``spd-no-pipe``, ``dpkfac`` with asynchronous inverses (``-async``); factor_update_steps=1 and each
+``--inv-update-steps`` (1, the paper's setting, and 10). With deepspeed installed also ``ds0-sgd``,
+``ds0-spd``, ``ds2-sgd``, ``ds2-spd``, ``ds2-dpkfac``: a DeepSpeed engine (fp32, ZeRO stage 0 or 2,
+overlap_comm) in place of DDP, K-FAC reading ZeRO's gradients through
+``DeepSpeedGradAccess``. Opt-in (``--configs``): ``spd-bucket``, ``spd-all``, ``spd-bf16``, ``spd-lbp``,
+``spd-g-unfused`` (see ``_SPD_OVERRIDES``).
 
-Timing: for each inv_update_steps value, every configuration is built in the same worker processes
-and warmed up (``--warmup`` steps, at least profile_steps[1] + 2 so that SPD's profiling window is
-over and its fusion plan is fixed; rounded up to whole inverse periods). Then ``--blocks`` rounds: in
-each, every configuration runs one block of steps in turn (the starting configuration rotates from
-round to round). A block is ``--steps`` steps rounded up to a multiple of inv_update_steps, so every
-K-FAC block holds the same number of inverse steps. Each iteration starts after a ``dist.barrier()``
-on the default group; its time is the maximum over ranks (the distributed iteration time), averaged
-over the block. Reported: the median over blocks, the interquartile range, and the fastest block
-("min", the least disturbed by other load on the machine; its ratios vary less from run to run).
+Timing: per inv_update_steps value, every configuration is built in the same worker processes and warmed up
+(``--warmup`` steps, at least profile_steps[1] + 2 so that SPD's fusion plan is fixed, rounded up to whole
+inverse periods). Then ``--blocks`` rounds, each one block of ``--steps`` steps (rounded up to a multiple of
+inv_update_steps) per configuration, the first configuration rotating from round to round. Each iteration
+starts after a ``dist.barrier()``; its time is the maximum over ranks, averaged over the block. Reported: the
+median over blocks, the interquartile range, and the fastest block ("min", the least disturbed by other load).
 
-Breakdown (ms per iteration, medians over blocks of block means, each rank's values averaged over
-ranks - rank-mean; the rank-max values are in the JSON): forward+backward is timed around
-``zero_grad``/forward/loss/backward, ``pre.step()`` and ``opt.step()`` separately, and the K-FAC
-phases come from ``pre.timer.last`` (:mod:`lightning_spdkfac.telemetry`). Paper categories:
+Breakdown (ms per iteration, medians over blocks of rank-mean block means; rank-max in the JSON):
+forward+backward is timed around zero_grad/forward/loss/backward, ``pre.step()`` and ``opt.step()``
+separately, the K-FAC phases come from ``pre.timer.last`` (:mod:`lightning_spdkfac.telemetry`):
 
-* FF&BP = forward+backward - factor_compute. DDP's gradient all-reduce (GradComm) overlaps backward
-  and its exposed part lands here: it is not separable. It also holds the hooks' hand-over of a final
-  factor to the pipelined distributor (packing the triangle, launching its group's all-reduce).
-* FactorComp = factor_compute + factor_update.
-* FactorComm = factor_comm_wait: time blocked on the all-reduces (exposed communication).
-  FactorPack = factor_pack: packing triangles in ``step()`` (without pipelining) and unpacking and
-  averaging the reduced triangles into full matrices; both are also timed alone afterwards
-  ("pack", "unpack").
-  Total factor communication: after the timed rounds, the configuration's fused
-  groups (its final plan, same buffer sizes) are all-reduced one after another with nothing else
-  running (``--comm-repeats`` times, rank-max, median): "FComm tot". The library's
-  factor_comm_inflight (the union of the groups' launch -> completion intervals: an upper bound of
-  the time communication was under way) is printed too ("FComm infl").
+* FF&BP = forward+backward - factor_compute; it holds DDP's exposed gradient all-reduce (not separable) and
+  the hooks' hand-over of final factors to the pipelined distributor.
+* FactorComp = factor_compute + factor_update. FactorComm = factor_comm_wait (exposed communication).
+  FactorPack = factor_pack (packing triangles in ``step()`` without pipelining, unpacking and averaging the
+  reduced ones); "pack" and "unpack" are also timed alone afterwards.
+* "FComm tot": the configuration's final fused groups all-reduced one after another with nothing else
+  running (``--comm-repeats`` times, rank-max, median). "FComm infl": factor_comm_inflight (the union of the
+  groups' launch -> completion intervals, an upper bound of the time communication was under way).
 * InvComp = inverse_compute, InvComm = inverse_comm_wait, Precond = precondition, Opt = opt.step().
-* K-FAC other = pre.step() - its timed phases (step factors built in step() without pipelining,
-  packing inverses for broadcast, bookkeeping); Skew = rank-max iteration - rank-mean sum of all the
-  above (rank imbalance, barrier exit skew).
+* KFACOther = pre.step() - its timed phases; Skew = rank-max iteration - rank-mean sum of the above.
 
-"A perfect schedule would reach": from D-KFAC, all factor communication hidden and the inversions split
-evenly over the ranks with free broadcasts, 1 - (FComm exp + (1 - 1/world) InvComp) / iter of dkfac;
-from MPD-KFAC, all factor communication and inverse broadcasts hidden, 1 - (FComm exp + InvComm) / iter
-of mpd: the most any schedule could win on this model and world size.
+"A perfect schedule would reach": from dkfac, all factor communication hidden and the inversions split evenly
+with free broadcasts, 1 - (FComm exp + (1 - 1/world) InvComp) / iter; from mpd, all factor communication and
+inverse broadcasts hidden, 1 - (FComm exp + InvComm) / iter.
 
-Targets (issue): spd/dkfac <= 0.75, spd/mpd <= 0.9, exposed factor communication of spd <= 30% of its
-total (FComm tot; the ratio to factor_comm_inflight is printed too); PASS/MISS is printed for each,
-for every inv_update_steps value (inv=1 is the paper's setting). ``--json`` writes every number
-(per-block, rank-mean and rank-max), the environment, the arguments and the SPD plans
-(``distributor.describe()``, with factor names); ``--png`` a stacked-bar chart of the breakdown
-(needs matplotlib; skipped with a message without it). Opt-in ``--configs`` variants for
-investigation: ``spd-bucket`` (fusion="bucket"), ``spd-all`` (fusion="all"), ``spd-bf16`` (bf16
-messages). The whole default run takes ~4-5 minutes on 2 idle cores.
+Targets (issue), PASS/MISS per inv_update_steps value: spd/dkfac <= 0.75, spd/mpd <= 0.9, exposed factor
+communication of spd <= 30% of FComm tot (and of FComm infl). ``--json`` gets every number (per block,
+rank-mean and rank-max), the environment, the arguments and the plans (``distributor.describe()`` with factor
+names); ``--png`` a stacked-bar chart of the breakdown (skipped with a message without matplotlib).
 """
 
 from __future__ import annotations
@@ -81,26 +64,29 @@ import copy
 import gc
 import math
 import os
-import statistics
 import sys
 import time
 import traceback
+from importlib.util import find_spec
+from statistics import fmean, median
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from _common import (
     bench_parser,
-    env_info,
-    fresh_run_dir,
+    check_positive,
     interleave,
+    loadavg,
+    output_paths,
     parse,
     print_table,
     pyplot,
     random_batches,
+    run_gloo,
+    save_json,
     save_png,
     summarize,
-    write_json,
 )
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -111,8 +97,6 @@ from lightning_spdkfac.comm.dpkfac import DPKFACDistributor
 from lightning_spdkfac.comm.scheduler import SPDDistributor, SPDOptions
 from lightning_spdkfac.comm.triangle import pack_triu, triu_size, unpack_triu
 from lightning_spdkfac.lightning.deepspeed import DeepSpeedGradAccess
-from lightning_spdkfac.multiprocess import RanksFailed
-from lightning_spdkfac.multiprocess import run_distributed as run_ranks
 from lightning_spdkfac.telemetry import PHASES
 
 CONFIGS = ("sgd", "dkfac", "mpd", "spd", "spd-no-pipe", "spd-no-dtf", "spd-no-lbp",
@@ -148,12 +132,8 @@ SEGMENTS = ("FF&BP", "FactorComp", "FactorComm", "FactorPack", "InvComp", "InvCo
             "KFACOther", "Skew")
 COLORS = ("#4c72b0", "#dd8452", "#c44e52", "#e8a0a0", "#55a868", "#8172b3", "#937860", "#da8bc3", "#8c8c8c",
           "#cccccc")
-TARGETS = (
-    ("spd/dkfac", 0.75),
-    ("spd/mpd", 0.9),
-    ("spd exposed/total factor comm", 0.30),
-    ("spd exposed/inflight factor comm", 0.30),
-)
+TARGETS = (("spd/dkfac", 0.75), ("spd/mpd", 0.9), ("spd exposed/total factor comm", 0.30),
+           ("spd exposed/inflight factor comm", 0.30))
 NOTES = {
     "spd exposed/total factor comm": "  (total: the plan's all-reduces timed alone)",
     "spd exposed/inflight factor comm": "  (inflight: union of the all-reduces' launch->completion "
@@ -203,14 +183,6 @@ def make_data(rank: int, batch: int, n_batches: int, seed: int) -> list[tuple[to
     return random_batches(torch.Generator().manual_seed(seed * 1000 + 17 + rank), n_batches, batch, 3, 32, 32)
 
 
-def _deepspeed_available() -> bool:
-    try:
-        import deepspeed  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def spd_options(name: str, profile_steps: tuple[int, int]) -> SPDOptions | None:
     if name.startswith("ds"):  # "ds<stage>-sgd" / "ds<stage>-spd"
         name = name.split("-", 1)[1]
@@ -233,7 +205,6 @@ class Runner:
     """One configuration on this rank: its own model copy, DDP wrapper, optimizer and preconditioner."""
 
     def __init__(self, name: str, base: nn.Module, data, inv: int, cfg: dict, group):
-        self.name = name
         self.model = copy.deepcopy(base).train()
         self.opt = torch.optim.SGD(self.model.parameters(), lr=cfg["lr"], momentum=0.9)
         self.engine = None
@@ -243,28 +214,22 @@ class Runner:
             grad_access = DeepSpeedGradAccess(lambda: self.engine)
         else:
             self.ddp = DDP(self.model)
-        self.data = data
-        self.i = 0
-        self.distributor = None
-        self.pre = None
+        self.data, self.i = data, 0
+        self.distributor = self.pre = None
         options = spd_options(name, cfg["profile_steps"])
         if options is not None:
             kind = (AutoDistributor if options.is_auto else DPKFACDistributor if options.schedule == "dpkfac"
                     else SPDDistributor)
             self.distributor = kind(options, process_group=group)
-            self.pre = KFACPreconditioner(
-                self.model,
-                factor_update_steps=1,
-                inv_update_steps=inv,
-                damping=cfg["damping"],
-                lr=lambda step: self.opt.param_groups[0]["lr"],
-                distributor=self.distributor,
-                grad_access=grad_access,
-            )
+            self.pre = KFACPreconditioner(self.model, factor_update_steps=1, inv_update_steps=inv,
+                                          damping=cfg["damping"], distributor=self.distributor,
+                                          grad_access=grad_access,
+                                          lr=lambda step: self.opt.param_groups[0]["lr"])
         self.last_loss = float("nan")
 
     def step(self) -> list[float]:
-        """One training step; the record of FIELDS (seconds) on this rank."""
+        """One step after a barrier on the default group; the record of FIELDS (seconds) on this rank."""
+        dist.barrier()
         x, y = self.data[self.i % len(self.data)]
         self.i += 1
         pc = time.perf_counter
@@ -290,37 +255,24 @@ class Runner:
         if self.distributor is None:
             return None
         d = self.distributor.describe()
-        auto = d.get("auto")
-        names = [ly.name for ly in self.pre.layers.values()]
-        n = len(names)
-        canonical = [(i, "A") for i in range(n)] + [(i, "G") for i in reversed(range(n))]
-        label = {k: f"{names[k[0]]}.{k[1]}" for k in canonical}
-        side = {
-            k: (
-                self.pre.layers[names[k[0]]].helper.a_dim
-                if k[1] == "A"
-                else self.pre.layers[names[k[0]]].helper.g_dim
-            )
-            for k in canonical
-        }
+        layers = list(self.pre.layers.values())
+        canonical = [(i, "A") for i in range(len(layers))] + [(i, "G") for i in reversed(range(len(layers)))]
+        label = {k: f"{layers[k[0]].name}.{k[1]}" for k in canonical}
+        side = {k: getattr(layers[k[0]].helper, "a_dim" if k[1] == "A" else "g_dim") for k in canonical}
         order = [tuple(k) for k in d["order"]]
         return {
             "schedule": d["schedule"],
-            "options": {
-                k: getattr(self.distributor.options, k)
-                for k in ("pipelining", "fusion", "placement", "profile_steps")
-            },
+            "options": {k: getattr(self.distributor.options, k)
+                        for k in ("pipelining", "fusion", "placement", "profile_steps")},
             "pipelined": d["pipelined"],
             "measuring": d["measuring"],
             "order": [label[k] for k in order],
             "groups": [[label[order[i]] for i in g] for g in d["groups"]],
-            "group_elements": [
-                sum(side[order[i]] * (side[order[i]] + 1) // 2 for i in g) for g in d["groups"]
-            ],
+            "group_elements": [sum(triu_size(side[order[i]]) for i in g) for g in d["groups"]],
             "owners": {label[k]: o for k, o in zip(canonical, d["owners"])},
             "sides": {label[k]: side[k] for k in canonical},
             "models": d["models"],
-            "auto": auto,
+            "auto": d.get("auto"),
         }
 
     def close(self) -> None:
@@ -330,8 +282,6 @@ class Runner:
 
 def _deepspeed_engine(model: nn.Module, opt: torch.optim.Optimizer, stage: int, batch: int):
     """A DeepSpeed engine over ``model`` and ``opt`` on the already initialized gloo process group."""
-    import argparse
-
     import deepspeed
 
     os.environ.setdefault("LOCAL_RANK", str(dist.get_rank()))  # one machine: local rank = rank
@@ -349,12 +299,8 @@ def _deepspeed_engine(model: nn.Module, opt: torch.optim.Optimizer, stage: int, 
 
 
 def standalone_comm(plan: dict, group, repeats: int) -> list[float]:
-    """Seconds to all-reduce the plan's fused groups one after another with nothing else running.
-
-    The communication work of one step's factor reduction (same buffers as the library's: upper
-    triangles plus one count per member), each group synchronous: the "total factor communication"
-    against which the exposed part is compared. One value per repeat, on this rank.
-    """
+    """Seconds (one value per repeat, on this rank) to all-reduce the plan's fused groups one after another with
+    nothing else running, in the library's buffers (upper triangles plus one count per member): FComm tot."""
     bufs = [torch.zeros(e + len(g)) for e, g in zip(plan["group_elements"], plan["groups"])]
     for b in bufs:  # warm-up (connections, allocations)
         dist.all_reduce(b, group=group)
@@ -389,11 +335,6 @@ def pack_unpack_cost(plan: dict, repeats: int) -> tuple[list[float], list[float]
     return pack[1:], unpack[1:]
 
 
-def _say(rank: int, msg: str) -> None:
-    if rank == 0:
-        print(msg, flush=True)
-
-
 def worker(rank: int, world: int, cfg: dict) -> dict:
     """All configurations, both inverse periods, on this rank; raw per-step records for the parent."""
     base = make_model(cfg["seed"])
@@ -408,62 +349,46 @@ def worker(rank: int, world: int, cfg: dict) -> dict:
         t_built = time.perf_counter()
         for r in runners.values():
             for _ in range(warmup):
-                dist.barrier()
                 r.step()
             # schedule="auto": warm up through its whole timing window (the same step on every rank), then to
             # the end of that inverse period; the timed blocks measure the schedule it chose.
             extra = 0
             while isinstance(r.distributor, AutoDistributor) and (r.distributor.chosen is None or extra % inv):
-                dist.barrier()
                 r.step()
                 extra += 1
         plans = {name: r.plan() for name, r in runners.items() if r.distributor is not None}
         still = [name for name, p in plans.items() if p["measuring"]]
         if still:
-            raise RuntimeError(
-                f"{still}: the SPD profiling window is not over after {warmup} warm-up steps "
-                f"(profile_steps={cfg['profile_steps']}); raise --warmup"
-            )
+            raise RuntimeError(f"{still}: the SPD profiling window is not over after {warmup} warm-up steps "
+                               f"(profile_steps={cfg['profile_steps']}); raise --warmup")
         t_warm = time.perf_counter()
-        _say(
-            rank,
-            f"[inv_update_steps={inv}] built {len(runners)} configurations in {t_built - t0:.1f} s "
-            f"(cost-model probes), warm-up {warmup} steps each in {t_warm - t_built:.1f} s; "
-            f"timing {cfg['blocks']} rounds x {block} steps",
-        )
+        if rank == 0:
+            print(f"[inv_update_steps={inv}] built {len(runners)} configurations in {t_built - t0:.1f} s "
+                  f"(cost-model probes), warm-up {warmup} steps each in {t_warm - t_built:.1f} s; "
+                  f"timing {cfg['blocks']} rounds x {block} steps", flush=True)
         records: dict[str, list[list[list[float]]]] = {name: [] for name in runners}
 
         def timed_block(r: Runner, into: list, steps: int):
-            def run_block() -> None:
-                recs = []
-                for _ in range(steps):
-                    dist.barrier()
-                    recs.append(r.step())
-                into.append(recs)
-            return run_block
+            return lambda: into.append([r.step() for _ in range(steps)])
 
         # one block per configuration per round, the order rotating from round to round
         interleave({name: timed_block(r, records[name], block) for name, r in runners.items()}, cfg["blocks"],
                    label="  round", progress=rank == 0)
         comm = {name: standalone_comm(p, group, cfg["comm_repeats"]) for name, p in plans.items()}
+        kfac = {name: r.pre for name, r in runners.items() if r.pre is not None}
         out["inv"][inv] = {
-            "seconds": {
-                "build": t_built - t0,
-                "warmup": t_warm - t_built,
-                "timed": time.perf_counter() - t_warm,
-            },
+            "seconds": {"build": t_built - t0, "warmup": t_warm - t_built,
+                        "timed": time.perf_counter() - t_warm},
             "standalone_comm": comm,
             "pack_unpack": {name: pack_unpack_cost(p, cfg["comm_repeats"]) for name, p in plans.items()},
             "warmup": warmup,
             "block": block,
             "records": records,
-            "plans": {name: plans[name] for name in plans} if rank == 0 else None,
+            "plans": plans if rank == 0 else None,
             "plans_agree_key": {name: (p["order"], p["groups"], p["owners"]) for name, p in plans.items()},
             "loss": {name: float(r.last_loss) for name, r in runners.items()},
-            "state_bytes": {name: r.pre.state_bytes() for name, r in runners.items() if r.pre is not None},
-            "skipped_factor_steps": {
-                name: r.pre.skipped_factor_steps for name, r in runners.items() if r.pre is not None
-            },
+            "state_bytes": {name: pre.state_bytes() for name, pre in kfac.items()},
+            "skipped_factor_steps": {name: pre.skipped_factor_steps for name, pre in kfac.items()},
         }
         for r in runners.values():
             r.close()
@@ -473,17 +398,10 @@ def worker(rank: int, world: int, cfg: dict) -> dict:
 
 
 # ------------------------------------------------------------------------------ aggregation
-def _median(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
-
-
 def segments(v: dict[str, float], iter_max: float) -> dict[str, float]:
     """The paper's categories (seconds) from rank-aggregated FIELDS of one block."""
-    in_step = sum(
-        v[p]
-        for p in ("factor_comm_wait", "factor_pack", "factor_update", "inverse_compute", "inverse_comm_wait",
-                  "precondition")
-    )
+    in_step = sum(v[p] for p in ("factor_comm_wait", "factor_pack", "factor_update", "inverse_compute",
+                                 "inverse_comm_wait", "precondition"))
     s = {
         "FF&BP": v["fwd_bwd"] - v["factor_compute"],
         "FactorComp": v["factor_compute"] + v["factor_update"],
@@ -506,11 +424,9 @@ def aggregate(per_rank: list[list[list[list[float]]]]) -> dict:
     blocks = []
     for b in range(n_blocks):
         steps = list(zip(*(r[b] for r in per_rank)))  # steps[s] = (rank0 record, rank1 record, ...)
-        iter_max = statistics.fmean(max(rec[k["iter"]] for rec in st) for st in steps)
-        mean = {
-            f: statistics.fmean(statistics.fmean(rec[k[f]] for rec in st) for st in steps) for f in FIELDS
-        }
-        rmax = {f: statistics.fmean(max(rec[k[f]] for rec in st) for st in steps) for f in FIELDS}
+        iter_max = fmean(max(rec[k["iter"]] for rec in st) for st in steps)
+        mean = {f: fmean(fmean(rec[k[f]] for rec in st) for st in steps) for f in FIELDS}
+        rmax = {f: fmean(max(rec[k[f]] for rec in st) for st in steps) for f in FIELDS}
         blocks.append({"iter_max": iter_max, "mean": mean, "max": rmax, "segments": segments(mean, iter_max)})
     iters = [1e3 * b["iter_max"] for b in blocks]
     s = summarize(iters)
@@ -521,9 +437,9 @@ def aggregate(per_rank: list[list[list[list[float]]]]) -> dict:
         "iter_min_ms": s["min_s"],
         "drift": s["drift"],
         "iter_per_block_ms": iters,
-        "segments_ms": {s: _median([1e3 * b["segments"][s] for b in blocks]) for s in SEGMENTS},
-        "phases_rank_mean_ms": {f: _median([1e3 * b["mean"][f] for b in blocks]) for f in FIELDS},
-        "phases_rank_max_ms": {f: _median([1e3 * b["max"][f] for b in blocks]) for f in FIELDS},
+        "segments_ms": {s: median([1e3 * b["segments"][s] for b in blocks]) for s in SEGMENTS},
+        "phases_rank_mean_ms": {f: median([1e3 * b["mean"][f] for b in blocks]) for f in FIELDS},
+        "phases_rank_max_ms": {f: median([1e3 * b["max"][f] for b in blocks]) for f in FIELDS},
     }
 
 
@@ -539,19 +455,16 @@ def analyse(results: list[dict], args) -> dict:
             a = aggregate([r["records"][name] for r in rs])
             a["final_loss"] = [r["loss"][name] for r in rs]
             a["skipped_factor_steps"] = [r["skipped_factor_steps"].get(name, 0) for r in rs]
-            a["kfac_state_bytes"] = [r.get("state_bytes", {}).get(name, 0) for r in rs]  # per rank
+            a["kfac_state_bytes"] = [r["state_bytes"].get(name, 0) for r in rs]  # per rank
             p = a["phases_rank_mean_ms"]
             a["factor_comm_exposed_ms"] = p["factor_comm_wait"]
             a["factor_comm_inflight_ms"] = p["factor_comm_inflight"]
-            alone = rs[0]["standalone_comm"].get(name)
-            if alone:  # rank-max per repeat, median over repeats
-                a["factor_comm_standalone_ms"] = 1e3 * _median([max(r["standalone_comm"][name][i] for r in rs)
-                                                                 for i in range(len(alone))])
-            else:
-                a["factor_comm_standalone_ms"] = None
+            # FComm tot: rank-max per repeat, median over repeats
+            alone = [max(t) for t in zip(*(r["standalone_comm"].get(name, ()) for r in rs))]
+            a["factor_comm_standalone_ms"] = 1e3 * median(alone) if alone else None
             pu = [r["pack_unpack"].get(name) for r in rs]
-            a["pack_ms"] = 1e3 * _median([_median(x[0]) for x in pu]) if pu[0] else None
-            a["unpack_ms"] = 1e3 * _median([_median(x[1]) for x in pu]) if pu[0] else None
+            a["pack_ms"] = 1e3 * median([median(x[0]) for x in pu]) if pu[0] else None
+            a["unpack_ms"] = 1e3 * median([median(x[1]) for x in pu]) if pu[0] else None
             configs[name] = a
         sgd = configs.get("sgd")
         for a in configs.values():
@@ -630,16 +543,14 @@ def print_report(res: dict, args) -> None:
             ("FactorPack", "pack", ".1f"), ("InvComp", "InvComp", ".1f"), ("InvComm", "InvComm", ".1f"),
             ("Precond", "Precond", ".1f"), ("Opt", "Opt", ".1f"), ("KFACOther", "KFAC other", ".1f"),
             ("Skew", "skew", ".1f")])
-        print(
-            "(iter: median over rounds of the block-mean rank-max iteration time; min: its fastest "
-            "round, the least disturbed by other load on the machine; breakdown in ms: medians of "
-            "rank-mean block means; FF&BP includes DDP's exposed gradient all-reduce (GradComm, not "
-            "separable); FComm exp = exposed factor communication (factor_comm_wait); FComm tot = the "
-            "plan's fused all-reduces timed alone, one after another (rank-max); FComm infl = "
-            "factor_comm_inflight (union of launch->completion intervals, overlapping compute); neither "
-            "is a segment; pack = factor_pack (triangles packed in step() and unpacked); "
-            "skew = iter - sum of segments)"
-        )
+        print("(iter: median over rounds of the block-mean rank-max iteration time; min: its fastest "
+              "round, the least disturbed by other load on the machine; breakdown in ms: medians of "
+              "rank-mean block means; FF&BP includes DDP's exposed gradient all-reduce (GradComm, not "
+              "separable); FComm exp = exposed factor communication (factor_comm_wait); FComm tot = the "
+              "plan's fused all-reduces timed alone, one after another (rank-max); FComm infl = "
+              "factor_comm_inflight (union of launch->completion intervals, overlapping compute); neither "
+              "is a segment; pack = factor_pack (triangles packed in step() and unpacked); skew = iter - "
+              "sum of segments)")
         noisy = [n for n, a in r["configs"].items() if a["iter_q3_ms"] - a["iter_q1_ms"] > 0.1 * a["iter_ms"]]
         if noisy:
             print(f"WARNING: noisy timings for {', '.join(noisy)} (IQR > 10% of the median)")
@@ -706,7 +617,7 @@ def print_report(res: dict, args) -> None:
             for lab, o in p["owners"].items():
                 owned.setdefault(o, []).append(lab)
             print(f"\nspd plan (inv_update_steps={inv}): {len(p['groups'])} fused groups of "
-                  f"{[len(g) for g in p['groups']]} factors ({[e for e in p['group_elements']]} elements); "
+                  f"{[len(g) for g in p['groups']]} factors ({p['group_elements']} elements); "
                   f"all-reduce alpha {1e3 * m.allreduce.alpha:.3f} ms beta {m.allreduce.beta * 1e9:.3f} ns/B; "
                   f"broadcast alpha {1e3 * m.broadcast.alpha:.3f} ms beta {m.broadcast.beta * 1e9:.3f} ns/B")
             for o in sorted(owned):
@@ -749,7 +660,8 @@ def parse_args(argv=None):
                      refresh="write the committed benchmarks/results/iteration_time.{json,png} the README shows "
                              "(unless --json/--png say otherwise)")
     every = CONFIGS + DEEPSPEED_CONFIGS + EXTRA_CONFIGS
-    p.add_argument("--configs", default=",".join(CONFIGS + (DEEPSPEED_CONFIGS if _deepspeed_available() else ())),
+    default = CONFIGS + (DEEPSPEED_CONFIGS if find_spec("deepspeed") else ())
+    p.add_argument("--configs", default=",".join(default),
                    help=f"comma-separated subset of {','.join(every)} (default: the first {len(CONFIGS)}, plus "
                         "the ds* ones when deepspeed is installed)")
     p.add_argument("--inv-update-steps", default="1,10", help="comma-separated inverse periods, each a table")
@@ -777,12 +689,9 @@ def parse_args(argv=None):
     args = parse(p, argv, quick={"configs": "sgd,spd", "inv_update_steps": "2", "blocks": 2, "steps": 2,
                                  "warmup": 0, "profile_steps": "0,1", "batch": 4, "n_batches": 2, "comm_repeats": 1})
     args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
-    bad = [c for c in args.configs if c not in CONFIGS + DEEPSPEED_CONFIGS + EXTRA_CONFIGS]
+    bad = [c for c in args.configs if c not in every]
     if bad or not args.configs or len(set(args.configs)) != len(args.configs):
-        p.error(
-            f"--configs: unknown or repeated {bad or args.configs}; choose from "
-            f"{', '.join(CONFIGS + DEEPSPEED_CONFIGS + EXTRA_CONFIGS)}"
-        )
+        p.error(f"--configs: unknown or repeated {bad or args.configs}; choose from {', '.join(every)}")
     try:
         args.inv_update_steps = _int_list(args.inv_update_steps)
         ps = _int_list(args.profile_steps)
@@ -793,27 +702,14 @@ def parse_args(argv=None):
     if len(ps) != 2 or not 0 <= ps[0] < ps[1]:
         p.error("--profile-steps: start,end with 0 <= start < end")
     args.profile_steps = (ps[0], ps[1])
-    _resolve_outputs(args)
-    for name in ("blocks", "steps", "batch", "n_batches", "world_size", "threads", "comm_repeats"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.warmup < 0:
-        p.error("--warmup must be >= 0")
+    check_positive(p, args, "blocks", "steps", "batch", "n_batches", "world_size", "threads", "comm_repeats")
+    check_positive(p, args, "warmup", least=0)
+    output_paths(args, "iteration_time", COMMITTED_RESULTS, json="iteration_time.json",
+                 png="iteration_time.png")
     return args
 
 
 COMMITTED_RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")  # the README's charts
-
-
-def _resolve_outputs(args: argparse.Namespace) -> None:
-    """Default outputs: a fresh run folder; the committed files only with --refresh."""
-    if args.json is not None and args.png is not None:
-        return
-    folder = args.out or (COMMITTED_RESULTS if args.refresh else fresh_run_dir("iteration_time"))
-    if args.json is None:
-        args.json = os.path.join(folder, "iteration_time.json")
-    if args.png is None:
-        args.png = os.path.join(folder, "iteration_time.png")
 
 
 def main(argv=None) -> int:
@@ -822,30 +718,16 @@ def main(argv=None) -> int:
 
     cfg = {k: getattr(args, k) for k in ("configs", "inv_update_steps", "blocks", "steps", "warmup", "profile_steps",
                                          "batch", "n_batches", "lr", "damping", "seed", "comm_repeats")}
-    env = env_info()
-    env.update(world_size=args.world_size, threads_per_rank=args.threads, backend="gloo", loadavg_before=os.getloadavg())
-    la = env["loadavg_before"]
-    print(f"torch {env['torch']}  cpus {env['cpu_count']}  {args.world_size} gloo ranks x {args.threads} thread(s)  "
-          f"load average before {la[0]:.2f} {la[1]:.2f} {la[2]:.2f}", flush=True)
-    t0 = time.perf_counter()
-    try:
-        results = run_ranks(iteration_time.worker, args.world_size, cfg, timeout=args.timeout,
-                            pg_timeout=min(args.timeout, 300.0), threads=args.threads)
-    except RanksFailed as e:
-        print(f"FAILED: {e}", file=sys.stderr)
+    results, env = run_gloo(iteration_time.worker, args, cfg, pg_timeout=300.0)
+    if results is None:
         return 1
-    wall = time.perf_counter() - t0
-    env["loadavg_after"] = os.getloadavg()
-    env["wall_s"] = wall
     res = analyse(results, args)
     print_report(res, args)
-    la = env["loadavg_after"]
-    print(f"\nwall time {wall:.0f} s; load average after {la[0]:.2f} {la[1]:.2f} {la[2]:.2f} "
+    print(f"\nwall time {env['wall_s']:.0f} s; load average after {loadavg(env['loadavg_after'])} "
           f"({env['cpu_count']} cpus; this run alone keeps ~{args.world_size * args.threads} busy)")
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        write_json(args.json, {"env": env, "args": vars(args), "results": {str(k): v for k, v in res.items()}})
-        print(f"wrote {args.json}")
+        save_json(*os.path.split(os.path.abspath(args.json)),
+                  {"env": env, "args": vars(args), "results": {str(k): v for k, v in res.items()}})
     if args.png:
         try:
             print(plot(res, args.png))

@@ -1,49 +1,38 @@
 """Soak (load) benchmark: a long SPD-KFAC run with re-planning, watched for memory and step-time growth.
 
-Run ``python benchmarks/soak.py`` (``--help`` for options). It is a benchmark, not a timed test: it
-reports numbers and a verdict against stated thresholds, and writes ``soak.json`` into a fresh
-``benchmarks/results/run-*-soak/`` (``--refresh``: the committed ``benchmarks/results/soak.json``; ``--out DIR``:
-``DIR/soak.json``). ``--quick``: 20 steps of a 32-wide MLP in windows of 10, re-planning every 5 (seconds).
+Run ``python benchmarks/soak.py`` (``--help`` for options): numbers and a verdict against stated thresholds,
+in ``soak.json`` in a fresh ``benchmarks/results/run-*-soak/`` (``--refresh``: the committed
+``benchmarks/results/soak.json``; ``--out DIR``: ``DIR/soak.json``). ``--quick``: 20 steps of a 32-wide MLP
+in windows of 10, re-planning every 5 (seconds).
 
-Setup: ``--world-size`` (2) gloo ranks on 127.0.0.1 (``lightning_spdkfac.multiprocess.run_distributed``),
-``--threads`` (1) torch thread each. Model: an MLP 256-256-256-10 with ReLU (three K-FAC layers, factors
-of side 257/256/10) wrapped in ``DistributedDataParallel`` on the default group; the plain
-``KFACPreconditioner`` with an ``SPDDistributor`` (schedule "spd": pipelined factor all-reduces, dynamic
-tensor fusion, load-balanced placement) on a process group of its own, ``profile_steps=(3, 8)`` and
-``replan_every`` (50): every 50 factor steps the distributor re-measures the factor ready times for 5
-steps and makes a new fusion plan, so a 2000-step run re-plans 39 times. SGD with momentum, lr 0.01,
-damping 0.03, ``--inv-update-steps`` (10); every step a fresh random batch of ``--batch`` (64) inputs
-and labels per rank (a different stream per rank), so the loss stays near log(10) and the gradients
-keep their size for the whole run.
+Setup: ``--world-size`` (2) gloo ranks of ``--threads`` (1) torch threads. Model: an MLP 256-256-256-10 with
+ReLU (factors of side 257/256/10) in ``DistributedDataParallel``; ``KFACPreconditioner`` with an
+``SPDDistributor`` (schedule "spd") on a process group of its own, ``profile_steps=(3, 8)`` and
+``--replan-every`` (50): every 50 factor steps the distributor re-measures the factor ready times for 5 steps
+and makes a new fusion plan (39 re-plans in 2000 steps). SGD with momentum, lr 0.01, damping 0.03,
+``--inv-update-steps`` (10); every step a fresh random batch of ``--batch`` (64) per rank (a stream per rank),
+so the loss stays near log(10) and the gradients keep their size for the whole run.
 
-Measured on every rank, per window of ``--window`` (100) steps: the resident set size at the end of the
-window (``VmRSS`` of ``/proc/self/status``; psutil is not needed), the median wall time of a step
-(zero_grad, forward, backward, ``pre.step()``, ``opt.step()``) and of ``pre.step()`` alone, the number
-of re-plans that started in the window, the number of objects tracked by Python's gc (a leak of Python
-objects shows there first) and the number of subnormal entries in the running factors and their
-inverses. Reported: a table per window; least-squares slopes of RSS (MiB per 1000 steps) and of the
-median step time (ms and % per 1000 steps) over the windows after the first (the first holds the
-start-up: cost-model measurement, first profile), and of RSS over the second half of the run; the
-last-window / first-window ratios (of window 0 and of window 1). At the end of the run, RSS after
-``gc.collect()`` and after glibc's ``malloc_trim(0)``: growth that ``malloc_trim`` gives back was free
-heap the allocator kept, not memory still in use.
+Measured on every rank, per window of ``--window`` (100) steps: the resident set size at the window's end
+(``VmRSS``), the median wall time of a step (zero_grad, forward, backward, ``pre.step()``, ``opt.step()``)
+and of ``pre.step()`` alone, the re-plans started, the objects tracked by Python's gc (where a leak of Python
+objects shows first) and the subnormal entries of the running factors and their inverses (``subn``).
+Reported: a table per window; least-squares slopes of RSS (MiB per 1000 steps) and of the median step time
+(ms and % per 1000 steps) over the windows after the first (which holds the start-up: cost-model
+measurement, first profile), and of RSS over the second half; last-window / first-window ratios (of window 0
+and of window 1). At the end, RSS after ``gc.collect()`` and after glibc's ``malloc_trim(0)``: growth that
+``malloc_trim`` gives back was free heap the allocator kept, not memory in use.
 
 Verdict "no growth" when, on every rank, the RSS slope over the second half is below ``--max-rss-slope``
-(2 MiB per 1000 steps, i.e. a leak of 2 KiB per step) and the step-time slope below ``--max-time-slope``
-(5 % of the median step per 1000 steps). Why the second half for RSS: glibc's heap reaches its high-water
-mark over the first ~1000 steps (a few MiB; identical with ``--replan-every 0``, returned by
-``malloc_trim``), and grows or shrinks in steps of 0.5-2 MiB at any time; a leak would keep a constant
-slope. On a shared machine the step time is noisy: the medians per window and the slope over all
-windows are what keep it readable.
+(2 MiB per 1000 steps, a leak of 2 KiB per step) and the step-time slope below ``--max-time-slope`` (5 % of
+the median step per 1000 steps). The second half for RSS because glibc's heap reaches its high-water mark
+over the first ~1000 steps (a few MiB, the same with ``--replan-every 0``, returned by ``malloc_trim``) and
+moves in steps of 0.5-2 MiB at any time, where a leak keeps a constant slope.
 
-Subnormal factors (found by this benchmark): with ReLU units that stop firing, the rows and columns of a
-G factor that get no new contribution decay geometrically in the running average (``factor_decay`` per
-step: 0.95**1700 is about 1e-38) into the subnormal range, where x86 arithmetic is many times slower,
-and the inverses inherit them. Here they appear from step ~1500 (the second layer's G and its inverse);
-over 6000 steps (``--steps 6000 --window 250``) the K-FAC step grows from 4 to 44 ms per step by step
-~4300 and stays near 40 ms, RSS stays flat; with ``--flush-denormal`` (flush-to-zero in the ranks) the
-same run stays at 4.0 ms with no subnormal entry (benchmarks/results/soak_6000_steps*.json). The
-``subn`` columns count those entries.
+Subnormal entries (found by this benchmark, docs/faults.md): G rows and columns of ReLU units that stop firing
+decay geometrically in the running average into the subnormal range, where x86 arithmetic is many times
+slower; ``--steps 6000 --window 250`` showed the K-FAC step growing from 4 to 44 ms, and ``--flush-denormal``
+(flush-to-zero in the ranks) kept it at 4.0 ms (benchmarks/results/soak_6000_steps*.json).
 """
 
 from __future__ import annotations
@@ -53,20 +42,29 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _common import Progress, bench_parser, env_info, fresh_run_dir, mlp, parse, print_table, write_json
-from torch import nn
+from _common import (
+    Progress,
+    bench_parser,
+    check_positive,
+    loadavg,
+    mlp,
+    output_paths,
+    parse,
+    print_table,
+    random_batches,
+    run_gloo,
+    save_json,
+)
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_spdkfac import KFACPreconditioner
 from lightning_spdkfac.comm.scheduler import SPDDistributor, SPDOptions
-from lightning_spdkfac.multiprocess import RanksFailed, run_distributed
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")  # the committed soak.json
 
 
 def rss_mib() -> float:
@@ -90,9 +88,7 @@ def _malloc_trim_rss() -> float | None:
 
 
 def subnormal_entries(pre: KFACPreconditioner) -> int:
-    """Entries of the running factors and their inverses that are subnormal (0 < |x| < finfo.tiny).
-
-    Arithmetic on subnormal floats is many times slower on x86 CPUs; see the module docstring."""
+    """Entries of the running factors and their inverses that are subnormal (0 < |x| < finfo.tiny)."""
     count = 0
     for layer in pre.layers.values():
         for t in (layer.A, layer.G, layer.A_inv, layer.G_inv):
@@ -102,16 +98,12 @@ def subnormal_entries(pre: KFACPreconditioner) -> int:
     return count
 
 
-def make_model(width: int) -> nn.Module:
-    return mlp(width, width, width, 10)
-
-
 def worker(rank: int, world: int, cfg: dict) -> dict:
     """One rank of the soak run; returns its per-window records."""
     torch.manual_seed(cfg["seed"])  # identical initial weights on every rank
     if cfg["flush_denormal"]:
         torch.set_flush_denormal(True)  # subnormal results become 0 (x86 FTZ/DAZ), in this rank only
-    model = make_model(cfg["width"])
+    model = mlp(cfg["width"], cfg["width"], cfg["width"], 10)
     gen = torch.Generator().manual_seed(cfg["seed"] + 1 + rank)  # a different data stream per rank
     ddp = DDP(model)
     opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=0.9)
@@ -131,11 +123,8 @@ def worker(rank: int, world: int, cfg: dict) -> dict:
     t_run = time.perf_counter()
     bar = Progress(cfg["steps"] // cfg["window"], "window") if rank == 0 else None
     for step in range(cfg["steps"]):
-        # Fresh random inputs and labels every step: nothing to memorize, so the loss stays near log(10)
-        # and the gradients keep their size (a memorized set drives them towards denormals, which
-        # would change the step time for reasons that have nothing to do with the library).
-        x = torch.randn(cfg["batch"], cfg["width"], generator=gen)
-        y = torch.randint(0, 10, (cfg["batch"],), generator=gen)
+        # fresh random inputs and labels every step: nothing to memorize (see the module docstring)
+        ((x, y),) = random_batches(gen, 1, cfg["batch"], cfg["width"])
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         loss = F.cross_entropy(ddp(x), y)
@@ -171,18 +160,14 @@ def worker(rank: int, world: int, cfg: dict) -> dict:
             if bar is not None:
                 bar.tick(f"rank 0 at {windows[-1]['rss_mib']:.0f} MiB, step {windows[-1]['step_ms']:.1f} ms")
     wall = time.perf_counter() - t_run
-    # Diagnosis of any RSS growth: what is left after a full gc and after glibc hands free heap pages back
-    # (growth that disappears here was allocator retention, not memory still referenced).
     rss_end = rss_mib()
-    gc.collect()
-    rss_gc = rss_mib()
-    rss_trim = _malloc_trim_rss()
+    gc.collect()  # then what a full gc and glibc's malloc_trim give back (allocator retention, not a leak)
     return {
         "rank": rank,
         "rss_start_mib": rss_start,
         "rss_end_mib": rss_end,
-        "rss_after_gc_mib": rss_gc,
-        "rss_after_malloc_trim_mib": rss_trim,
+        "rss_after_gc_mib": rss_mib(),
+        "rss_after_malloc_trim_mib": _malloc_trim_rss(),
         "wall_s": wall,
         "windows": windows,
         "factor_steps": distributor.factor_steps,
@@ -194,12 +179,7 @@ def worker(rank: int, world: int, cfg: dict) -> dict:
 # ------------------------------------------------------------------------------ analysis
 def slope_per_1000(xs: list[float], ys: list[float]) -> float:
     """Least-squares slope of ys over xs (steps), per 1000 steps."""
-    n = len(xs)
-    if n < 2:
-        return float("nan")
-    mx, my = sum(xs) / n, sum(ys) / n
-    sxx = sum((x - mx) ** 2 for x in xs)
-    return 1000.0 * sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    return 1000.0 * statistics.linear_regression(xs, ys).slope if len(xs) > 1 else float("nan")
 
 
 def analyse(results: list[dict], args) -> dict:
@@ -222,10 +202,10 @@ def analyse(results: list[dict], args) -> dict:
             "gc_objects_slope_per_1000": slope_per_1000(xs, [row["gc_objects"] for row in fit]),
             "median_step_ms": median_ms,
             "rss_last_over_first": w[-1]["rss_mib"] / w[0]["rss_mib"],
-            "rss_last_over_second": w[-1]["rss_mib"] / w[1]["rss_mib"] if len(w) > 1 else float("nan"),
-            "rss_last_minus_second_mib": w[-1]["rss_mib"] - w[1]["rss_mib"] if len(w) > 1 else float("nan"),
+            "rss_last_over_second": w[-1]["rss_mib"] / w[1]["rss_mib"],  # parse_args: at least two windows
+            "rss_last_minus_second_mib": w[-1]["rss_mib"] - w[1]["rss_mib"],
             "step_last_over_first": w[-1]["step_ms"] / w[0]["step_ms"],
-            "step_last_over_second": w[-1]["step_ms"] / w[1]["step_ms"] if len(w) > 1 else float("nan"),
+            "step_last_over_second": w[-1]["step_ms"] / w[1]["step_ms"],
             "replans": sum(row["replans"] for row in w),
             "rss_start_mib": r["rss_start_mib"],
         }
@@ -304,11 +284,8 @@ def parse_args(argv=None):
                                  "batch": 8, "inv_update_steps": 2})
     if args.steps < 2 * args.window or args.window < 10:
         p.error("--steps must be at least two windows and --window at least 10")
-    if args.world_size < 1 or args.threads < 1:
-        p.error("--world-size and --threads must be >= 1")
-    if args.json is None:
-        folder = args.out or (str(RESULTS) if args.refresh else fresh_run_dir("soak"))
-        args.json = os.path.join(folder, "soak.json")
+    check_positive(p, args, "world_size", "threads")
+    output_paths(args, "soak", RESULTS, json="soak.json")
     return args
 
 
@@ -318,29 +295,16 @@ def main(argv=None) -> int:
 
     cfg = {k: getattr(args, k) for k in ("steps", "window", "replan_every", "profile_steps", "inv_update_steps",
                                          "width", "batch", "lr", "damping", "seed", "flush_denormal")}
-    cfg["profile_steps"] = list(cfg["profile_steps"])
-    env = env_info()
-    env.update(world_size=args.world_size, threads_per_rank=args.threads, backend="gloo",
-               loadavg_before=os.getloadavg())
-    print(f"torch {env['torch']}  cpus {env['cpu_count']}  {args.world_size} gloo ranks x {args.threads} thread(s)  "
-          f"{args.steps} steps, replan_every {args.replan_every}  load average before "
-          f"{' '.join(f'{v:.2f}' for v in env['loadavg_before'])}", flush=True)
-    t0 = time.perf_counter()
-    try:
-        results = run_distributed(soak.worker, args.world_size, cfg, timeout=args.timeout,
-                                  pg_timeout=min(args.timeout, 600.0), threads=args.threads)
-    except RanksFailed as e:
-        print(f"FAILED: {e}", file=sys.stderr)
+    results, env = run_gloo(soak.worker, args, cfg, pg_timeout=600.0,
+                            note=f"{args.steps} steps, replan_every {args.replan_every}  ")
+    if results is None:
         return 1
-    env["wall_s"] = time.perf_counter() - t0
-    env["loadavg_after"] = os.getloadavg()
     res = analyse(results, args)
     print_report(results, res, args)
-    print(f"wall time {env['wall_s']:.0f} s; load average after {' '.join(f'{v:.2f}' for v in env['loadavg_after'])}")
+    print(f"wall time {env['wall_s']:.0f} s; load average after {loadavg(env['loadavg_after'])}")
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        write_json(args.json, {"env": env, "args": vars(args), "ranks": results, **res})
-        print(f"wrote {args.json}")
+        payload = {"env": env, "args": vars(args), "ranks": results, **res}
+        save_json(*os.path.split(os.path.abspath(args.json)), payload)
     return 0
 
 
