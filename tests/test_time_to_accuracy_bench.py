@@ -105,16 +105,12 @@ def test_kfac_loss_parts_is_the_training_loss(bench, workload):
     batch = _one_batch(w)
     model = w.model("adamw", 1e-3, 0)
     model.train()
-    bns = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
-    stats = [(b.running_mean.clone(), b.running_var.clone(), int(b.num_batches_tracked)) for b in bns]
     forward, loss = model.kfac_loss_parts(batch)
     with torch.no_grad():
         ours = loss(forward())
         again = loss(forward())  # recomputed each call, the same parameters: the same value
-        # an extra forward leaves BatchNorm's running statistics alone
-        for b, (mean, var, n) in zip(bns, stats, strict=True):
-            assert torch.equal(b.running_mean, mean) and torch.equal(b.running_var, var)
-            assert int(b.num_batches_tracked) == n
+        # (BatchNorm's running statistics, which these extra forwards update, are the rule's to restore:
+        # tests/test_step_size.py checks that it does)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # self.log without a Trainer
             step = model.training_step(batch, 0)
