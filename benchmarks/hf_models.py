@@ -28,20 +28,17 @@ from __future__ import annotations
 import os
 import resource
 import statistics
-import sys
 import time
 import warnings
 
 import torch
+from _common import bench_parser, env_info, interleave, out_dir, parse, save_json, set_threads, spread
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import bench_parser, env_info, interleave, out_dir, parse, save_json, set_threads, spread  # noqa: E402
-
-from lightning_spdkfac.factor_shapes import FactorShape, numel  # noqa: E402
-from lightning_spdkfac.kfac.preconditioner import KFACPreconditioner  # noqa: E402
-from lightning_spdkfac.kfac.summary import format_bytes  # noqa: E402
-from lightning_spdkfac.schedule import precondition_flops  # noqa: E402
+from lightning_spdkfac.factor_shapes import FactorShape, numel
+from lightning_spdkfac.kfac.preconditioner import KFACPreconditioner
+from lightning_spdkfac.kfac.summary import format_bytes
+from lightning_spdkfac.schedule import precondition_flops
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

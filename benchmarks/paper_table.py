@@ -41,10 +41,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import bench_parser, fresh_run_dir, pyplot, save_png
 
-from _common import bench_parser, fresh_run_dir, pyplot, save_png  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lightning_spdkfac.simulate import CATEGORIES, simulate, with_schedule  # noqa: E402
 from lightning_spdkfac.simulate.paper import (  # noqa: E402

@@ -28,10 +28,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (  # noqa: E402
+from _common import (
     bench_parser,
     env_info,
     interleave,
@@ -42,9 +39,10 @@ from _common import (  # noqa: E402
     save_json,
     spread,
 )
+from torch import nn
 
-from lightning_spdkfac import KFACPreconditioner  # noqa: E402
-from lightning_spdkfac.demo import DigitsCNN  # noqa: E402
+from lightning_spdkfac import KFACPreconditioner
+from lightning_spdkfac.demo import DigitsCNN
 
 VARIANTS = (("sgd@1", "sgd", 1, None), ("sgd@2", "sgd", 2, None), ("kfac@1", "kfac", 1, None),
             ("kfac@2", "kfac", 2, None), ("kfac@2 cap1", "kfac", 2, 1))

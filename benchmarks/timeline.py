@@ -68,10 +68,8 @@ import warnings
 from dataclasses import asdict
 
 import torch
+from _common import bench_parser, out_dir, parse, pyplot, save_json, save_png
 from torch.profiler import record_function
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import bench_parser, fresh_run_dir, parse, pyplot, save_png, write_json  # noqa: E402
 
 DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs")  # committed figure
 
@@ -488,7 +486,7 @@ def to_json(ranks: list[dict], origin: float, cfg: dict) -> dict:
 
 
 # ------------------------------------------------------------------------------ the picture
-def plot(ranks: list[dict], origin: float, cfg: dict, path: str) -> None:
+def plot(ranks: list[dict], origin: float, cfg: dict, path: str) -> str:
     plt = pyplot()
     from matplotlib.patches import Patch
 
@@ -557,7 +555,7 @@ def plot(ranks: list[dict], origin: float, cfg: dict, path: str) -> None:
         fontsize=10.5,
     )
     fig.tight_layout(rect=(0, 0.16, 1, 1))
-    save_png(fig, path, dpi=120)
+    return save_png(fig, path, dpi=120)
 
 
 # ------------------------------------------------------------------------------ main
@@ -633,7 +631,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.analyse_only and not args.trace_dir:
         p.error("--analyse-only needs --trace-dir")
     if args.json is None or args.png is None:
-        folder = args.out or (DOCS if args.refresh else fresh_run_dir("timeline"))
+        folder = out_dir(args, "timeline", DOCS)
         args.json = os.path.join(folder, "timeline.json") if args.json is None else args.json
         args.png = os.path.join(folder, "timeline.png") if args.png is None else args.png
     return args
@@ -690,7 +688,6 @@ def main(argv=None) -> int:
             if not attempts:
                 raise SystemExit(f"no attempt*/ folder with traces in {trace_dir}")
         else:
-            sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
             import timeline  # the ranks need a function of an importable module, not of __main__
 
             from lightning_spdkfac.multiprocess import run_distributed
@@ -719,12 +716,10 @@ def main(argv=None) -> int:
     print_summary(ranks)
     checks(ranks)
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        write_json(args.json, to_json(ranks, origin, cfg), indent=1)
-        print(f"wrote {args.json}")
+        save_json(os.path.dirname(os.path.abspath(args.json)), os.path.basename(args.json),
+                  to_json(ranks, origin, cfg), indent=1)
     if args.png:
-        plot(ranks, origin, cfg, args.png)
-        print(f"wrote {args.png}")
+        print(f"wrote {plot(ranks, origin, cfg, args.png)}")
     return 0
 
 

@@ -32,14 +32,12 @@ import warnings
 
 import torch
 import torch.distributed as dist
+from _common import bench_parser, env_info, interleave, mlp, out_dir, parse, print_table, save_json, spread
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import bench_parser, env_info, interleave, mlp, out_dir, parse, print_table, save_json, spread  # noqa: E402
-
-from lightning_spdkfac.lightning import deepspeed_grads as ds_module  # noqa: E402  (where the fused gather lives)
-from lightning_spdkfac.lightning.deepspeed import DeepSpeedGradAccess  # noqa: E402
-from lightning_spdkfac.multiprocess import run_distributed  # noqa: E402
+from lightning_spdkfac.lightning import deepspeed_grads as ds_module  # where the fused gather lives
+from lightning_spdkfac.lightning.deepspeed import DeepSpeedGradAccess
+from lightning_spdkfac.multiprocess import run_distributed
 
 VARIANTS = ("allreduce", "allgather", "gloo_allgather", "each")
 
