@@ -272,9 +272,6 @@ class PhaseTimer:
 
         return timed
 
-    def reset(self) -> None:
-        self.totals.clear()
-
 
 # ------------------------------------------------------------------------------ output
 def print_table(rows: Sequence[dict], columns: Sequence[tuple[str, str, str]], title: str | None = None) -> None:
