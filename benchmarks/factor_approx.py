@@ -1,24 +1,18 @@
 """K-FAC-expand versus K-FAC-reduce (``factor_approx``) versus plain SGD: time per training step.
 
-Run ``python benchmarks/factor_approx.py`` (``--help`` for options). Model: the CIFAR ResNet of the
-demo (``lightning_spdkfac.demo.cifar.ResNetCIFAR``, used as a plain ``nn.Module``; default ResNet-8,
-``--blocks 3`` for ResNet-20) on random ``(batch, 3, 32, 32)`` inputs with random labels (a fixed
-set of ``--n-batches`` batches, cycled), one torch thread by default. Three identical copies of the
-model, each with SGD (momentum 0.9, lr 0.01): one plain, one with ``KFACPreconditioner(
-factor_approx="expand")`` and one with ``factor_approx="reduce"`` (factors every
-``--factor-update-steps`` = 1 step, inverses every ``--inv-update-steps`` = 10 steps: the paper's
-timing setting; ``--defaults``: the library's default factor and inverse intervals; library defaults
-otherwise).
+Run ``python benchmarks/factor_approx.py`` (``--help`` for options). Model: the demo's CIFAR ResNet
+(``lightning_spdkfac.demo.cifar.ResNetCIFAR`` as a plain ``nn.Module``; ResNet-8, ``--blocks 3`` for ResNet-20)
+on a fixed set of ``--n-batches`` random ``(batch, 3, 32, 32)`` batches, cycled, one torch thread by default.
+Three copies of the model with SGD (momentum 0.9, lr 0.01): plain, ``KFACPreconditioner(factor_approx="expand")``
+and ``factor_approx="reduce"``, factors every step and inverses every 10 (the paper's timing setting;
+``--defaults``: the library's intervals). A step is zero_grad, forward, backward (the K-FAC hooks run here),
+``pre.step()`` and ``opt.step()``, timed with overhead.py's runner in interleaved blocks of
+``inv_update_steps`` steps (every K-FAC block holds one inverse step) after ``--warmup`` steps.
 
-One step is zero_grad, forward, backward (the K-FAC hooks run here), ``pre.step()`` (K-FAC only) and
-``opt.step()``. Timing: ``--warmup`` steps of each, then ``--blocks-timed`` rounds of interleaved blocks
-(SGD, expand, reduce, SGD, ...); a block is ``inv_update_steps`` consecutive steps timed as a whole,
-so every K-FAC block holds exactly one inverse step. Reported: the median per-step time of each, the
-ratios to SGD, the FLOP floor of each (the step's multiply-adds with K-FAC over those without: what the
-ratio would be if K-FAC's matrix products ran at the model's own FLOP rate), the K-FAC overhead (median minus SGD's median) of each and their ratio, and the mean
-per-step time of K-FAC's own phases (``pre.timer``: factor statistics in the hooks, factor update,
-inversion amortized over the block, preconditioning). ``--out DIR`` also writes DIR/factor_approx.json;
-``--quick``: 2 blocks of 2 steps at batch 8 (seconds).
+Reported: median ms per step, the ratio to SGD, the FLOP floor (the step's multiply-adds with K-FAC over those
+without), the K-FAC overhead (median minus SGD's) and the mean per-step time of K-FAC's own phases
+(``pre.timer``). docs/results/single-process.md has the recorded runs. ``--out DIR`` also writes
+DIR/factor_approx.json; ``--quick``: 2 blocks of 2 steps at batch 8 (seconds).
 """
 
 from __future__ import annotations
@@ -59,8 +53,7 @@ class Runner(OverheadRunner):
         else:
             super().__init__(model, data, args, kfac=True, factor_approx=approx,
                              factor_update_steps=args.factor_update_steps)
-        self.phases = dict.fromkeys(PHASES, 0.0)
-        self.steps = 0
+        self.reset_phases()
 
     def step(self) -> None:
         super().step()

@@ -7,11 +7,8 @@ the gradient all-reduce) and the network (the fitted all-reduce model) are input
 D-KFAC, MPD-KFAC and SPD-KFAC is a prediction.
 
 Prints, and writes paper_table.json, scaling_resnet50.png and simulated_timeline.png into a fresh
-benchmarks/results/run-<date>-<time>-paper_table/; with ``--out PATH`` everything goes beside PATH instead;
-``--refresh`` rewrites the committed benchmarks/results/paper_table.json, scaling_resnet50.png and
-docs/simulated_timeline.png (``--docs-figure``: the timeline figure refreshes the committed one even with --out;
-``--out DIR`` with a folder: DIR/paper_table.json and the figures in DIR). ``--quick``: ResNet-50 only, P = 8 and
-64, sections 1, 2, 4 and 5's first table (seconds).
+benchmarks/results/run-*-paper_table/ (``--out``, ``--refresh`` and ``--docs-figure``: see ``--help``).
+``--quick``: ResNet-50 only, P = 8 and 64, sections 1, 2, 4 and 5's first table (seconds).
 
 1. per model, the simulated breakdown of D-KFAC, MPD-KFAC and SPD-KFAC (as the paper's code ran it:
    ``spd-paper``) beside the paper's, and the ratio of the totals (target: within 10%); then (issue 19)

@@ -1,28 +1,24 @@
 """What the KFAC callback's step-time telemetry costs, against what K-FAC itself costs (issues 14, 16).
 
-Run ``python benchmarks/telemetry_overhead.py`` (``--help`` for options; about a minute per repeat on
-one core). It fits the digits CNN of ``configs/digits.yaml`` (model, data, seed, K-FAC
-hyperparameters; ``--epochs`` epochs, factors and inverses every ``--factor-update-steps`` /
-``--inv-update-steps`` steps) with a CSVLogger at Lightning's default ``log_every_n_steps`` (50) in
-these variants, interleaved within every repeat (the order rotates from repeat to repeat, so that a
-slow spell of a shared machine does not always hit the same variant):
+Run ``python benchmarks/telemetry_overhead.py`` (``--help`` for options; about a minute per repeat on one
+core). It fits the digits CNN of ``configs/digits.yaml`` (model, data, seed, K-FAC hyperparameters;
+``--epochs`` epochs, factors and inverses every ``--factor-update-steps`` / ``--inv-update-steps`` steps) with
+a CSVLogger at Lightning's default ``log_every_n_steps`` (50), one torch thread, in these variants,
+interleaved within every repeat (the order rotating from repeat to repeat):
 
 - ``sgd``: no KFAC callback (the same optimizer, schedule and logger);
 - ``kfac_off``: ``KFAC(log_step_time=False)`` (the fault counters are still logged);
 - ``kfac_on``: ``KFAC(log_step_time=True)``, the default;
 - ``kfac_nologger``: ``KFAC()`` with ``Trainer(logger=False)``.
 
-Printed: the median fit seconds of each variant (``trainer.fit`` only, one torch thread), the
-*overhead share* ``(t_on - t_off) / (t_off - t_sgd)`` (the part of K-FAC's cost that step-time
-telemetry adds; issue 14's target: at most 2%), and, since fit times on a busy machine move by more
-than that, the same share from a direct measurement: the time spent in the callback's
-``on_before_optimizer_step`` outside ``KFACPreconditioner.step()`` (timing, aggregation, the logging
-decision and the writes to the loggers), summed over the fit, ``(hook_on - hook_off) / (t_off - t_sgd)``.
+Printed: the median ``trainer.fit`` seconds of each, the *overhead share* ``(t_on - t_off) / (t_off - t_sgd)``
+(issue 14's target: at most 2%) and, since fit times on a busy machine move by more than that, the same share
+measured directly: the seconds the callback's ``on_before_optimizer_step`` spends outside
+``KFACPreconditioner.step()``, summed over the fit, ``(hook_on - hook_off) / (t_off - t_sgd)``.
 
-Results go to a fresh folder (``--out``, default a new ``benchmarks/results/run-*-telemetry_overhead/``; an
-existing non-empty folder is refused): ``summary.json`` and the CSV logs of every run. ``--quick``: one repeat
-of one epoch, no warm-up fit. The timed code is the
-checkout this script lives in (its root goes first on ``sys.path``).
+Results (``summary.json`` and every run's CSV logs) go to ``--out``, a new or empty folder, by default a fresh
+``benchmarks/results/run-*-telemetry_overhead/``. ``--quick``: one repeat of one epoch, no warm-up fit. The
+timed code is the checkout this script lives in (its root goes first on ``sys.path``).
 """
 
 from __future__ import annotations

@@ -50,14 +50,11 @@ VARIANTS = (("sgd@1", "sgd", 1, None), ("sgd@2", "sgd", 2, None), ("kfac@1", "kf
 
 def make_model(name: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
     if name == "mlp":
-        torch.manual_seed(0)
-        model: nn.Module = mlp(256, 256, 256, 10)
-        return (model, *random_batches(g, 1, 128, 256)[0])
-    else:
-        torch.manual_seed(0)
-        model = DigitsCNN().net  # the demo's CNN: 2 convs, 2 linears
-        x = torch.rand(64, 1, 8, 8, generator=g)
+        return (mlp(256, 256, 256, 10), *random_batches(g, 1, 128, 256)[0])
+    model = DigitsCNN().net  # the demo's CNN: 2 convs, 2 linears
+    x = torch.rand(64, 1, 8, 8, generator=g)
     return model, x, torch.randint(0, 10, (len(x),), generator=g)
 
 
