@@ -39,7 +39,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import pytorch_lightning as pl  # noqa: E402
 import torch  # noqa: E402
 import yaml  # noqa: E402
-from _common import bench_parser, interleave, out_dir, parse, save_json, set_threads  # noqa: E402
+from _common import PhaseTimer, bench_parser, interleave, out_dir, parse, save_json, set_threads  # noqa: E402
 from pytorch_lightning.loggers import CSVLogger  # noqa: E402
 
 import lightning_spdkfac  # noqa: E402
@@ -54,33 +54,25 @@ class TimedKFAC(KFAC):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.hook_s = 0.0  # whole hook
-        self.kfac_step_s = 0.0  # pre.step() inside it
+        self.timer = PhaseTimer()  # "hook": the whole hook; "kfac_step": pre.step() inside it
         self.hook_calls = 0
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
-        pre = self.preconditioner
-        if pre is None:
-            return
-        step = pre.step
-
-        def timed_step() -> None:
-            t = time.perf_counter()
-            step()
-            self.kfac_step_s += time.perf_counter() - t
-
-        pre.step = timed_step  # type: ignore[method-assign]
+        if self.preconditioner is not None:
+            self.preconditioner.step = self.timer.wrap("kfac_step", self.preconditioner.step)  # type: ignore
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        t = time.perf_counter()
-        super().on_before_optimizer_step(trainer, pl_module, optimizer)
-        self.hook_s += time.perf_counter() - t
+        self.timer.wrap("hook", super().on_before_optimizer_step)(trainer, pl_module, optimizer)
         self.hook_calls += 1
 
     @property
+    def kfac_step_s(self) -> float:
+        return self.timer.totals.get("kfac_step", 0.0)
+
+    @property
     def telemetry_s(self) -> float:
-        return self.hook_s - self.kfac_step_s
+        return self.timer.totals.get("hook", 0.0) - self.kfac_step_s
 
 
 def load_config(path: Path) -> dict:
