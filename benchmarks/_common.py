@@ -294,6 +294,7 @@ def format_table(rows: Sequence[dict], columns: Sequence[tuple[str, str, str]]) 
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(REPO, "benchmarks", "results")
+DOCS = os.path.join(REPO, "docs")  # the figures the README and docs/ show
 
 
 def fresh_run_dir(tag: str) -> str:

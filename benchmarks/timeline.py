@@ -51,10 +51,8 @@ import warnings
 from dataclasses import asdict
 
 import torch
-from _common import bench_parser, out_dir, parse, pyplot, save_json, save_png
+from _common import DOCS, bench_parser, out_dir, parse, pyplot, save_json, save_png
 from torch.profiler import record_function
-
-DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs")  # committed figure
 
 MAIN_CATEGORIES = {  # key: (legend label, colour, where its intervals come from), main thread, in legend order
     "forward": ("forward", "#4c72b0", "DistributedDataParallel.forward range"),
