@@ -266,31 +266,20 @@ def breakdown(sgd: Runner, kfac: Runner, base: dict, added: dict, args) -> dict:
     sgd_total = sum(S.values())
     kfac_total = sum(K[n] for n in ("zero_grad", "forward", "backward", "pre.step", "opt.step"))
     rate = base["total"] / (sgd_total / 1e3)  # FLOP/s the SGD step achieves end to end
-    rows = []
-    for phase, t_ms, flops, sgd_name in phases:
-        rows.append({
-            "phase": phase,
-            "ms": t_ms,
-            "sgd_ms": None if sgd_name is None else S.get(sgd_name),
-            "gflop": None if flops is None else flops / 1e9,
-            "gflops_rate": None if not flops or t_ms is None or t_ms <= 0 else flops / (t_ms / 1e3) / 1e9,
-            "excess_ms": None if t_ms is None else t_ms - (0.0 if flops is None else 1e3 * flops / rate),
-        })
+    rows = [{
+        "phase": phase, "ms": t_ms, "sgd_ms": None if sgd_name is None else S.get(sgd_name),
+        "gflop": None if flops is None else flops / 1e9,
+        "gflops_rate": None if not flops or t_ms is None or t_ms <= 0 else flops / (t_ms / 1e3) / 1e9,
+        "excess_ms": None if t_ms is None else t_ms - (0.0 if flops is None else 1e3 * flops / rate),
+    } for phase, t_ms, flops, sgd_name in phases]
     total_flops = base["total"] + added["total"]
     rows.append({
         "phase": "total", "ms": kfac_total, "sgd_ms": sgd_total, "gflop": total_flops / 1e9,
         "gflops_rate": total_flops / (kfac_total / 1e3) / 1e9,
         "excess_ms": kfac_total - 1e3 * total_flops / rate,
     })
-    return {
-        "steps": steps,
-        "kfac_total_ms": kfac_total,
-        "sgd_total_ms": sgd_total,
-        "sgd_phases_ms": S,
-        "sgd_rate_gflops": rate / 1e9,
-        "instrumented": sorted(have),
-        "phases": rows,
-    }
+    return {"steps": steps, "kfac_total_ms": kfac_total, "sgd_total_ms": sgd_total, "sgd_phases_ms": S,
+            "sgd_rate_gflops": rate / 1e9, "instrumented": sorted(have), "phases": rows}
 
 
 def profile(kfac: Runner, steps: int) -> str:

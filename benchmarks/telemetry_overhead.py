@@ -163,17 +163,13 @@ def main(argv: list[str] | None = None) -> dict:
     hook = {v: median(runs[v], "telemetry_s") for v in VARIANTS}
     kfac_cost = None if t["kfac_off"] is None or t["sgd"] is None else t["kfac_off"] - t["sgd"]
     results = {
-        "fit_s_median": t,
-        "telemetry_in_hook_s_median": hook,
-        "kfac_cost_s": kfac_cost,
+        "fit_s_median": t, "telemetry_in_hook_s_median": hook, "kfac_cost_s": kfac_cost,
         "overhead_share_fit": share(t["kfac_on"] - t["kfac_off"], kfac_cost),
         "overhead_share_hook": share(hook["kfac_on"] - hook["kfac_off"], kfac_cost),  # type: ignore[operator]
         "logging_share_vs_no_logger_fit": share(t["kfac_on"] - t["kfac_nologger"], t["kfac_nologger"] - t["sgd"]),
-        "steps": runs["kfac_on"][0]["steps"],
-        "runs": runs,
+        "steps": runs["kfac_on"][0]["steps"], "runs": runs,
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in {"repeats": args.reps, **vars(args)}.items()},
-        "code": str(Path(lightning_spdkfac.__file__).parent),
-        "torch": torch.__version__,
+        "code": str(Path(lightning_spdkfac.__file__).parent), "torch": torch.__version__,
         "pytorch_lightning": pl.__version__,
     }
     save_json(out, "summary.json", results)
