@@ -25,6 +25,7 @@ from _common import (
     bench_parser,
     env_info,
     interleaved_blocks,
+    layer_shapes,
     parse,
     print_table,
     random_batches,
@@ -79,24 +80,11 @@ def flop_floor(model: torch.nn.Module, x: torch.Tensor, approx: str, factor_ever
     factor Gram matrices 2 (R_a a^2 + R_g g^2) every ``factor_every`` steps, Cholesky and inverse of
     both about a^3 + g^3 every ``inv_every`` steps, preconditioning 2 (g^2 a + g a^2) every step.
     """
-    shapes: list[tuple[torch.nn.Module, torch.Size]] = []
-    hooks = [m.register_forward_hook(lambda m, i, o: shapes.append((m, o.shape)))
-             for m in model.modules() if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear))]
-    with torch.no_grad():
-        model(x)
-    for h in hooks:
-        h.remove()
     base = kfac = 0.0
-    batch = x.shape[0]
-    for m, out in shapes:
-        if isinstance(m, torch.nn.Conv2d):
-            kh, kw = m.kernel_size
-            a, g, positions = m.in_channels * kh * kw, m.out_channels, out[2] * out[3]
-        else:
-            a, g, positions = m.in_features, m.out_features, out[:-1].numel() // batch
-        a += m.bias is not None
-        base += 3 * 2 * batch * positions * (a - (m.bias is not None)) * g
-        rows = batch * positions if approx == "expand" else batch
+    for s in layer_shapes(model, x):  # rows: batch x positions (im2col locations, a Linear's leading dims)
+        a, g = s.a_dim, s.out_features
+        base += 3 * 2 * s.rows * s.in_features * g
+        rows = s.rows if approx == "expand" else x.shape[0]
         kfac += 2 * rows * (a * a + g * g) / factor_every + (a**3 + g**3) / inv_every + 2 * (g * g * a + g * a * a)
     return (base + kfac) / base
 
