@@ -77,10 +77,6 @@ def make_step(model_name: str, kind: str, cap: int | None, inv_every: int) -> Ca
     return step
 
 
-def spinner() -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", "while True: pass"])
-
-
 def switch_cost_us(n: int = 20000) -> float:
     t0 = time.perf_counter()
     for _ in range(n):
@@ -109,7 +105,7 @@ def run(args: argparse.Namespace) -> dict:
         def run_block() -> float:
             nonlocal proc
             if busy == "busy" and proc is None:
-                proc = spinner()
+                proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])  # the background spinner
                 time.sleep(0.3)  # let it take a core
             elif busy == "idle" and proc is not None:
                 proc.kill()
