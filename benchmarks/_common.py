@@ -247,16 +247,10 @@ def spread(values: Sequence[float], scale: float = 1.0) -> dict[str, float]:
 
 def summarize(per_step: Sequence[float]) -> dict[str, float]:
     """Median and spread of per-step times (seconds), plus a drift check (last third / first third)."""
-    q = statistics.quantiles(per_step, n=4, method="inclusive") if len(per_step) >= 2 else [per_step[0]] * 3
-    third = max(1, len(per_step) // 3)
-    return {
-        "median_s": statistics.median(per_step),
-        "q1_s": q[0],
-        "q3_s": q[2],
-        "min_s": min(per_step),
-        "drift": statistics.median(per_step[-third:]) / statistics.median(per_step[:third]),
-        "n_blocks": len(per_step),
-    }
+    s, third = spread(per_step), max(1, len(per_step) // 3)
+    drift = statistics.median(per_step[-third:]) / statistics.median(per_step[:third])
+    return {"median_s": s["median"], "q1_s": s["q1"], "q3_s": s["q3"], "min_s": s["min"], "drift": drift,
+            "n_blocks": s["n"]}
 
 
 class PhaseTimer:
@@ -277,9 +271,6 @@ class PhaseTimer:
                 self.add(name, time.perf_counter() - t0)
 
         return timed
-
-    def reset(self) -> None:
-        self.totals.clear()
 
 
 # ------------------------------------------------------------------------------ output
@@ -303,6 +294,7 @@ def format_table(rows: Sequence[dict], columns: Sequence[tuple[str, str, str]]) 
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(REPO, "benchmarks", "results")
+DOCS = os.path.join(REPO, "docs")  # the figures the README and docs/ show
 
 
 def fresh_run_dir(tag: str) -> str:
@@ -334,11 +326,11 @@ def write_json(path: str, payload: dict, indent: int = 2) -> None:
         f.write("\n")
 
 
-def save_json(folder: str | os.PathLike, name: str, payload: dict) -> str:
+def save_json(folder: str | os.PathLike, name: str, payload: dict, indent: int = 2) -> str:
     """Write ``payload`` to ``folder/name`` (folder created), say so, return the path."""
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, name)
-    write_json(path, payload)
+    write_json(path, payload, indent)
     print(f"wrote {path}", flush=True)
     return path
 

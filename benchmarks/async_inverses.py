@@ -30,10 +30,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (  # noqa: E402
+from _common import (
     bench_parser,
     env_info,
     interleave,
@@ -44,8 +41,9 @@ from _common import (  # noqa: E402
     save_json,
     set_threads,
 )
+from torch import nn
 
-from lightning_spdkfac import KFACPreconditioner  # noqa: E402
+from lightning_spdkfac import KFACPreconditioner
 
 TARGET = 0.8
 

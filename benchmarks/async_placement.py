@@ -18,10 +18,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import bench_parser, parse, print_table, save_json
 
-from _common import bench_parser, parse, print_table, save_json  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 
 from lightning_spdkfac.schedule.placement import owned_prefix_candidates  # noqa: E402
 from lightning_spdkfac.simulate import Cluster, Workload, simulate  # noqa: E402

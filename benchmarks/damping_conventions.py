@@ -27,19 +27,16 @@ import json
 import logging
 import math
 import os
-import sys
 import warnings
 from collections.abc import Callable
 from pathlib import Path
 
+import time_to_accuracy as tta
 import torch
+from _common import Progress, bench_parser, parse, set_threads
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import time_to_accuracy as tta  # noqa: E402
-from _common import Progress, bench_parser, parse, set_threads  # noqa: E402
-
-from lightning_spdkfac.kfac.layer_state import KFACLayer  # noqa: E402
-from lightning_spdkfac.kfac.preconditioner import KFACPreconditioner  # noqa: E402
+from lightning_spdkfac.kfac.layer_state import KFACLayer
+from lightning_spdkfac.kfac.preconditioner import KFACPreconditioner
 
 Split = dict[tuple[int, str], torch.Tensor]
 PI = KFACPreconditioner._factor_dampings

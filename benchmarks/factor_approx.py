@@ -1,24 +1,18 @@
 """K-FAC-expand versus K-FAC-reduce (``factor_approx``) versus plain SGD: time per training step.
 
-Run ``python benchmarks/factor_approx.py`` (``--help`` for options). Model: the CIFAR ResNet of the
-demo (``lightning_spdkfac.demo.cifar.ResNetCIFAR``, used as a plain ``nn.Module``; default ResNet-8,
-``--blocks 3`` for ResNet-20) on random ``(batch, 3, 32, 32)`` inputs with random labels (a fixed
-set of ``--n-batches`` batches, cycled), one torch thread by default. Three identical copies of the
-model, each with SGD (momentum 0.9, lr 0.01): one plain, one with ``KFACPreconditioner(
-factor_approx="expand")`` and one with ``factor_approx="reduce"`` (factors every
-``--factor-update-steps`` = 1 step, inverses every ``--inv-update-steps`` = 10 steps: the paper's
-timing setting; ``--defaults``: the library's default factor and inverse intervals; library defaults
-otherwise).
+Run ``python benchmarks/factor_approx.py`` (``--help`` for options). Model: the demo's CIFAR ResNet
+(``lightning_spdkfac.demo.cifar.ResNetCIFAR`` as a plain ``nn.Module``; ResNet-8, ``--blocks 3`` for ResNet-20)
+on a fixed set of ``--n-batches`` random ``(batch, 3, 32, 32)`` batches, cycled, one torch thread by default.
+Three copies of the model with SGD (momentum 0.9, lr 0.01): plain, ``KFACPreconditioner(factor_approx="expand")``
+and ``factor_approx="reduce"``, factors every step and inverses every 10 (the paper's timing setting;
+``--defaults``: the library's intervals). A step is zero_grad, forward, backward (the K-FAC hooks run here),
+``pre.step()`` and ``opt.step()``, timed with overhead.py's runner in interleaved blocks of
+``inv_update_steps`` steps (every K-FAC block holds one inverse step) after ``--warmup`` steps.
 
-One step is zero_grad, forward, backward (the K-FAC hooks run here), ``pre.step()`` (K-FAC only) and
-``opt.step()``. Timing: ``--warmup`` steps of each, then ``--blocks-timed`` rounds of interleaved blocks
-(SGD, expand, reduce, SGD, ...); a block is ``inv_update_steps`` consecutive steps timed as a whole,
-so every K-FAC block holds exactly one inverse step. Reported: the median per-step time of each, the
-ratios to SGD, the FLOP floor of each (the step's multiply-adds with K-FAC over those without: what the
-ratio would be if K-FAC's matrix products ran at the model's own FLOP rate), the K-FAC overhead (median minus SGD's median) of each and their ratio, and the mean
-per-step time of K-FAC's own phases (``pre.timer``: factor statistics in the hooks, factor update,
-inversion amortized over the block, preconditioning). ``--out DIR`` also writes DIR/factor_approx.json;
-``--quick``: 2 blocks of 2 steps at batch 8 (seconds).
+Reported: median ms per step, the ratio to SGD, the FLOP floor (the step's multiply-adds with K-FAC over those
+without), the K-FAC overhead (median minus SGD's) and the mean per-step time of K-FAC's own phases
+(``pre.timer``). docs/results/single-process.md has the recorded runs. ``--out DIR`` also writes
+DIR/factor_approx.json; ``--quick``: 2 blocks of 2 steps at batch 8 (seconds).
 """
 
 from __future__ import annotations
@@ -31,6 +25,7 @@ from _common import (
     bench_parser,
     env_info,
     interleaved_blocks,
+    layer_shapes,
     parse,
     print_table,
     random_batches,
@@ -59,8 +54,7 @@ class Runner(OverheadRunner):
         else:
             super().__init__(model, data, args, kfac=True, factor_approx=approx,
                              factor_update_steps=args.factor_update_steps)
-        self.phases = dict.fromkeys(PHASES, 0.0)
-        self.steps = 0
+        self.reset_phases()
 
     def step(self) -> None:
         super().step()
@@ -86,24 +80,11 @@ def flop_floor(model: torch.nn.Module, x: torch.Tensor, approx: str, factor_ever
     factor Gram matrices 2 (R_a a^2 + R_g g^2) every ``factor_every`` steps, Cholesky and inverse of
     both about a^3 + g^3 every ``inv_every`` steps, preconditioning 2 (g^2 a + g a^2) every step.
     """
-    shapes: list[tuple[torch.nn.Module, torch.Size]] = []
-    hooks = [m.register_forward_hook(lambda m, i, o: shapes.append((m, o.shape)))
-             for m in model.modules() if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear))]
-    with torch.no_grad():
-        model(x)
-    for h in hooks:
-        h.remove()
     base = kfac = 0.0
-    batch = x.shape[0]
-    for m, out in shapes:
-        if isinstance(m, torch.nn.Conv2d):
-            kh, kw = m.kernel_size
-            a, g, positions = m.in_channels * kh * kw, m.out_channels, out[2] * out[3]
-        else:
-            a, g, positions = m.in_features, m.out_features, out[:-1].numel() // batch
-        a += m.bias is not None
-        base += 3 * 2 * batch * positions * (a - (m.bias is not None)) * g
-        rows = batch * positions if approx == "expand" else batch
+    for s in layer_shapes(model, x):  # rows: batch x positions (im2col locations, a Linear's leading dims)
+        a, g = s.a_dim, s.out_features
+        base += 3 * 2 * s.rows * s.in_features * g
+        rows = s.rows if approx == "expand" else x.shape[0]
         kfac += 2 * rows * (a * a + g * g) / factor_every + (a**3 + g**3) / inv_every + 2 * (g * g * a + g * a * a)
     return (base + kfac) / base
 

@@ -28,20 +28,17 @@ from __future__ import annotations
 import os
 import resource
 import statistics
-import sys
 import time
 import warnings
 
 import torch
+from _common import bench_parser, env_info, interleave, out_dir, parse, save_json, set_threads, spread
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import bench_parser, env_info, interleave, out_dir, parse, save_json, set_threads, spread  # noqa: E402
-
-from lightning_spdkfac.factor_shapes import FactorShape, numel  # noqa: E402
-from lightning_spdkfac.kfac.preconditioner import KFACPreconditioner  # noqa: E402
-from lightning_spdkfac.kfac.summary import format_bytes  # noqa: E402
-from lightning_spdkfac.schedule import precondition_flops  # noqa: E402
+from lightning_spdkfac.factor_shapes import FactorShape, numel
+from lightning_spdkfac.kfac.preconditioner import KFACPreconditioner
+from lightning_spdkfac.kfac.summary import format_bytes
+from lightning_spdkfac.schedule import precondition_flops
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -69,14 +66,6 @@ def vision(cls: str, cfg: str, size: int = 32, **kw):
     return build
 
 
-def seq2seq():
-    tf = _tf()
-    model = tf.T5ForConditionalGeneration(tf.T5Config(d_model=64, d_ff=128, num_layers=2, num_heads=2, d_kv=32,
-                                                       decoder_start_token_id=0, pad_token_id=0))
-    return model, lambda b=2, t=16: dict(input_ids=torch.randint(0, 32128, (b, t)),
-                                         labels=torch.randint(0, 32128, (b, t)))
-
-
 SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128)
 MODELS = {
     # in tests/test_hf_models.py
@@ -92,7 +81,8 @@ MODELS = {
     "mistral": lm("MistralForCausalLM", "MistralConfig", 32000, **SMALL, num_key_value_heads=1),
     "opt": lm("OPTForCausalLM", "OPTConfig", 50272, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
               ffn_dim=128, word_embed_proj_dim=64),
-    "t5": seq2seq,
+    "t5": lm("T5ForConditionalGeneration", "T5Config", 32128, d_model=64, d_ff=128, num_layers=2, num_heads=2,
+             d_kv=32, decoder_start_token_id=0, pad_token_id=0),
     "mobilenet_v2": vision("MobileNetV2ForImageClassification", "MobileNetV2Config", depth_multiplier=0.35),
     "efficientnet": vision("EfficientNetForImageClassification", "EfficientNetConfig", width_coefficient=1.0,
                            depth_coefficient=1.0, hidden_dim=1280, image_size=32),  # B0

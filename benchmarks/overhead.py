@@ -1,29 +1,23 @@
 """K-FAC step overhead versus SGD, against the FLOP floor.
 
-Run ``python benchmarks/overhead.py`` (``--help`` for options). For each model it times an SGD
-(momentum 0.9) training step and the same step with ``KFACPreconditioner.step()`` added
-(factor_update_steps=1, inv_update_steps=10, library defaults otherwise), on identical copies
-of the model and the same fixed-seed random data (random inputs and labels, cycled through
-``--n-batches`` batches; SGD lr 0.01 by default: with lr 0.1 K-FAC diverges on this data, which
-would time a degenerate run). The final losses and a count of subnormal values are checked.
+Run ``python benchmarks/overhead.py`` (``--help`` for options; ``make bench`` runs it with ``--blocks 40``).
+For each model (the MLP 784-256-256-10 and a digits-style CNN) it times an SGD step (momentum 0.9, lr 0.01:
+at 0.1 K-FAC diverges on this random data) and the same step with ``KFACPreconditioner.step()`` added
+(factor_update_steps=1, inv_update_steps=10, library defaults otherwise), on identical copies of the model and
+the same fixed-seed random batches (``--n-batches``, cycled). The final losses and a count of subnormal
+values are checked. After warm-up steps the two alternate in blocks of ``inv_update_steps`` steps, each
+timed as a whole, so every K-FAC block holds exactly one inverse step (amortized, not dropped by the
+median). Reported: the median per-step time of each and the ratio of the medians.
 
-Timing: warm-up steps, then interleaved blocks (SGD block, K-FAC block, SGD block, ...). One
-block is ``inv_update_steps`` consecutive steps timed as a whole with ``time.perf_counter``, so
-every K-FAC block contains exactly one inverse step and the inverses are amortized rather than
-dropped by the median. Reported: the median per-step time (block time / steps) of each and the
-ratio of the medians.
+FLOP floor: ``(baseline + kfac_added) / baseline`` (the FLOP conventions of ``_common.py``), with the
+baseline 3 x the forward GEMMs: the stricter choice, since autograd skips the first layer's grad-input GEMM
+(the exact-autograd variant is printed too). Efficiency = floor ratio / measured ratio (1.0: K-FAC's extra
+FLOPs run at the SGD step's rate). The recorded runs: docs/results/single-process.md.
 
-FLOP floor: ``(baseline + kfac_added) / baseline`` with 2*m*n*k per GEMM, inverses n^3 per
-factor amortized over inv_update_steps (``_common.py``), and baseline = 3 x the forward GEMMs
-of the Linear/Conv2d layers. That baseline is the stricter choice: autograd skips the first
-layer's grad-input GEMM, so the exact baseline is smaller, the floor larger and the efficiency
-higher; the script prints that variant too. Efficiency = floor ratio / measured ratio (1.0 = K-FAC costs no more than its
-extra FLOPs at the rate the SGD step achieves).
-
-``--breakdown-blocks N`` (default 10) adds a separate, instrumented pass that splits the
-K-FAC step into phases (wall time per phase, its FLOPs and rate, and the time it takes beyond
-its FLOPs at the SGD step's rate); it does not affect the main figures. ``--profile N`` prints
-the torch.profiler operator table of N K-FAC blocks. ``--quick``: the MLP, 2 blocks of 2 steps, batch 8.
+``--breakdown-blocks N`` (default 10) adds a separate instrumented pass that splits the K-FAC step into
+phases (time, FLOPs, rate, time beyond its FLOPs at the SGD step's rate); it does not affect the main
+figures. ``--profile N`` prints the torch.profiler operator table of N K-FAC blocks. ``--quick``: the MLP,
+2 blocks of 2 steps, batch 8.
 """
 
 from __future__ import annotations
@@ -31,7 +25,6 @@ from __future__ import annotations
 import copy
 import math
 import sys
-import time
 import warnings
 
 import torch
@@ -120,23 +113,12 @@ class Runner:
         """Same as step(), with the phases outside the library timed into ``t``."""
         x, y = self.data[self.i % len(self.data)]
         self.i += 1
-        pc = time.perf_counter
-        t0 = pc()
-        self.opt.zero_grad()
-        t1 = pc()
-        loss = F.cross_entropy(self.model(x), y)
-        t2 = pc()
-        loss.backward()
-        t3 = pc()
-        if self.pre is not None:
-            self.pre.step(self.opt)
-        t4 = pc()
-        self.opt.step()
-        t5 = pc()
+        t.wrap("zero_grad", self.opt.zero_grad)()
+        loss = t.wrap("forward", lambda: F.cross_entropy(self.model(x), y))()
+        t.wrap("backward", loss.backward)()
+        t.wrap("pre.step", self.pre.step if self.pre is not None else lambda opt: None)(self.opt)
+        t.wrap("opt.step", self.opt.step)()
         self.last_loss = loss.detach()
-        for name, dt in (("zero_grad", t1 - t0), ("forward", t2 - t1), ("backward", t3 - t2),
-                         ("pre.step", t4 - t3), ("opt.step", t5 - t4)):
-            t.add(name, dt)
 
 
 PRE_METHODS = ("_accumulate_a", "_accumulate_g", "_update_factors", "_all_finite",
@@ -185,36 +167,22 @@ def bench_model(name: str, args) -> dict:
     added = kfac_added_flops(shapes, inv_update_steps=k, factor_update_steps=1)
     s_sgd, s_kfac = summarize(times["sgd"]), summarize(times["kfac"])
     measured = s_kfac["median_s"] / s_sgd["median_s"]
-    # Headline floor: the baseline is 3 x the forward GEMMs (the usual convention, and the
-    # stricter one: it credits SGD with a first-layer grad-input GEMM autograd never runs, so
-    # SGD's apparent FLOP rate is higher and K-FAC's extra FLOPs are priced lower).
+    # Headline floor: baseline 3 x the forward GEMMs (the stricter count: see the module docstring).
     fwd3 = 3 * base["forward"]
     floor = (fwd3 + added["total"]) / fwd3
     floor_autograd = (base["total"] + added["total"]) / base["total"]
     result = {
-        "model": name,
-        "batch": args.batch,
-        "layers": shapes,
-        "sgd": s_sgd,
-        "kfac": s_kfac,
-        "sgd_ms": 1e3 * s_sgd["median_s"],
-        "kfac_ms": 1e3 * s_kfac["median_s"],
-        "measured_ratio": measured,
-        "floor_ratio": floor,
-        "efficiency": floor / measured,
-        "floor_ratio_autograd": floor_autograd,
-        "efficiency_autograd": floor_autograd / measured,
-        "baseline_flops": base,
-        "kfac_added_flops": added,
-        "baseline_gflop": base["total"] / 1e9,
-        "added_gflop": added["total"] / 1e9,
-        "sgd_gflops_rate": base["total"] / s_sgd["median_s"] / 1e9,
-        "per_block_s": times,
+        "model": name, "batch": args.batch, "layers": shapes, "sgd": s_sgd, "kfac": s_kfac,
+        "sgd_ms": 1e3 * s_sgd["median_s"], "kfac_ms": 1e3 * s_kfac["median_s"], "measured_ratio": measured,
+        "floor_ratio": floor, "efficiency": floor / measured, "floor_ratio_autograd": floor_autograd,
+        "efficiency_autograd": floor_autograd / measured, "baseline_flops": base, "kfac_added_flops": added,
+        "baseline_gflop": base["total"] / 1e9, "added_gflop": added["total"] / 1e9,
+        "sgd_gflops_rate": base["total"] / s_sgd["median_s"] / 1e9, "per_block_s": times,
     }
     if args.breakdown_blocks > 0:
         result["breakdown"] = breakdown(sgd, kfac, base, added, args)
     if args.profile > 0:
-        result["_profile_table"] = profile(kfac, args.profile * k, args.profile_rows)
+        result["_profile_table"] = profile(kfac, args.profile * k)
     for label, r in (("sgd", sgd), ("kfac", kfac)):
         loss = float(r.last_loss)
         result[f"{label}_final_loss"] = loss
@@ -298,34 +266,23 @@ def breakdown(sgd: Runner, kfac: Runner, base: dict, added: dict, args) -> dict:
     sgd_total = sum(S.values())
     kfac_total = sum(K[n] for n in ("zero_grad", "forward", "backward", "pre.step", "opt.step"))
     rate = base["total"] / (sgd_total / 1e3)  # FLOP/s the SGD step achieves end to end
-    rows = []
-    for phase, t_ms, flops, sgd_name in phases:
-        rows.append({
-            "phase": phase,
-            "ms": t_ms,
-            "sgd_ms": None if sgd_name is None else S.get(sgd_name),
-            "gflop": None if flops is None else flops / 1e9,
-            "gflops_rate": None if not flops or t_ms is None or t_ms <= 0 else flops / (t_ms / 1e3) / 1e9,
-            "excess_ms": None if t_ms is None else t_ms - (0.0 if flops is None else 1e3 * flops / rate),
-        })
+    rows = [{
+        "phase": phase, "ms": t_ms, "sgd_ms": None if sgd_name is None else S.get(sgd_name),
+        "gflop": None if flops is None else flops / 1e9,
+        "gflops_rate": None if not flops or t_ms is None or t_ms <= 0 else flops / (t_ms / 1e3) / 1e9,
+        "excess_ms": None if t_ms is None else t_ms - (0.0 if flops is None else 1e3 * flops / rate),
+    } for phase, t_ms, flops, sgd_name in phases]
     total_flops = base["total"] + added["total"]
     rows.append({
         "phase": "total", "ms": kfac_total, "sgd_ms": sgd_total, "gflop": total_flops / 1e9,
         "gflops_rate": total_flops / (kfac_total / 1e3) / 1e9,
         "excess_ms": kfac_total - 1e3 * total_flops / rate,
     })
-    return {
-        "steps": steps,
-        "kfac_total_ms": kfac_total,
-        "sgd_total_ms": sgd_total,
-        "sgd_phases_ms": S,
-        "sgd_rate_gflops": rate / 1e9,
-        "instrumented": sorted(have),
-        "phases": rows,
-    }
+    return {"steps": steps, "kfac_total_ms": kfac_total, "sgd_total_ms": sgd_total, "sgd_phases_ms": S,
+            "sgd_rate_gflops": rate / 1e9, "instrumented": sorted(have), "phases": rows}
 
 
-def profile(kfac: Runner, steps: int, row_limit: int) -> str:
+def profile(kfac: Runner, steps: int) -> str:
     """torch.profiler operator table (sorted by self CPU time) of ``steps`` K-FAC steps."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as tprofile
@@ -333,7 +290,7 @@ def profile(kfac: Runner, steps: int, row_limit: int) -> str:
     with tprofile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             kfac.step()
-    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=row_limit)
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
     return f"{steps} K-FAC steps, self CPU time:\n{table}"
 
 
@@ -355,7 +312,6 @@ def parse_args(argv=None):
     p.add_argument("--breakdown-blocks", type=int, default=10,
                    help="instrumented blocks for the per-phase K-FAC breakdown (0: off)")
     p.add_argument("--profile", type=int, default=0, metavar="N", help="torch.profiler over N K-FAC blocks")
-    p.add_argument("--profile-rows", type=int, default=25)
     p.add_argument("--json", metavar="OUT", default=None, help="write the results as JSON")
     args = parse(p, argv, quick={"models": "mlp", "blocks": 2, "warmup": 0, "batch": 8, "n_batches": 2,
                                  "inv_update_steps": 2, "breakdown_blocks": 1})
@@ -385,18 +341,12 @@ def main(argv=None) -> int:
           f"cpus {env['cpu_count']}  "
           f"blocks {args.blocks} x {args.inv_update_steps} steps per optimizer (interleaved)  "
           f"warm-up {args.warmup} steps  batch {args.batch}")
-    cols = [
-        ("model", "model", "s"),
-        ("sgd_ms", "SGD ms/step", ".3f"),
-        ("kfac_ms", "K-FAC ms/step", ".3f"),
-        ("measured_ratio", "measured", ".2f"),
-        ("floor_ratio", "FLOP floor", ".2f"),
-        ("efficiency", "efficiency", ".2f"),
-        ("baseline_gflop", "SGD GFLOP", ".4f"),
-        ("added_gflop", "K-FAC +GFLOP", ".4f"),
-        ("sgd_gflops_rate", "SGD GFLOP/s", ".1f"),
-    ]
-    print_table(results, cols)
+    print_table(results, [
+        ("model", "model", "s"), ("sgd_ms", "SGD ms/step", ".3f"), ("kfac_ms", "K-FAC ms/step", ".3f"),
+        ("measured_ratio", "measured", ".2f"), ("floor_ratio", "FLOP floor", ".2f"),
+        ("efficiency", "efficiency", ".2f"), ("baseline_gflop", "SGD GFLOP", ".4f"),
+        ("added_gflop", "K-FAC +GFLOP", ".4f"), ("sgd_gflops_rate", "SGD GFLOP/s", ".1f"),
+    ])
     print("(medians of per-step block times; measured = K-FAC/SGD; efficiency = floor/measured, "
           "target >= 0.85)")
     noisy = [r["model"] for r in results

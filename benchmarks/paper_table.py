@@ -7,11 +7,8 @@ the gradient all-reduce) and the network (the fitted all-reduce model) are input
 D-KFAC, MPD-KFAC and SPD-KFAC is a prediction.
 
 Prints, and writes paper_table.json, scaling_resnet50.png and simulated_timeline.png into a fresh
-benchmarks/results/run-<date>-<time>-paper_table/; with ``--out PATH`` everything goes beside PATH instead;
-``--refresh`` rewrites the committed benchmarks/results/paper_table.json, scaling_resnet50.png and
-docs/simulated_timeline.png (``--docs-figure``: the timeline figure refreshes the committed one even with --out;
-``--out DIR`` with a folder: DIR/paper_table.json and the figures in DIR). ``--quick``: ResNet-50 only, P = 8 and
-64, sections 1, 2, 4 and 5's first table (seconds).
+benchmarks/results/run-*-paper_table/ (``--out``, ``--refresh`` and ``--docs-figure``: see ``--help``).
+``--quick``: ResNet-50 only, P = 8 and 64, sections 1, 2, 4 and 5's first table (seconds).
 
 1. per model, the simulated breakdown of D-KFAC, MPD-KFAC and SPD-KFAC (as the paper's code ran it:
    ``spd-paper``) beside the paper's, and the ratio of the totals (target: within 10%); then (issue 19)
@@ -38,14 +35,15 @@ import json
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from _common import bench_parser, fresh_run_dir, pyplot, save_png
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import bench_parser, fresh_run_dir, pyplot, save_png  # noqa: E402
-
+from lightning_spdkfac.schedule import AlphaBeta  # noqa: E402
 from lightning_spdkfac.simulate import CATEGORIES, simulate, with_schedule  # noqa: E402
 from lightning_spdkfac.simulate.paper import (  # noqa: E402
     PAPER_ALGORITHMS,
@@ -60,6 +58,7 @@ from lightning_spdkfac.simulate.paper import (  # noqa: E402
     paper_inverse,
     small_factor_share,
 )
+from lightning_spdkfac.simulate.timeline import _grad_comm  # noqa: E402
 
 MODELS = ("resnet50", "resnet152", "densenet201", "inception_v4")
 PAPER_NAMES = {"dkfac": "D-KFAC", "mpd": "MPD-KFAC", "spd-paper": "SPD-KFAC"}
@@ -275,10 +274,6 @@ def _causes() -> dict[str, Any]:
 
 def _grad_gap(name: str) -> dict[str, float]:
     """The gradient all-reduce (an input, measured by the paper) against the fitted model on the same bytes."""
-    from dataclasses import replace
-
-    from lightning_spdkfac.simulate.timeline import _grad_comm
-
     case = paper_case(name)
     fit = _grad_comm(replace(case.workload, grad_comm=None), case.cluster)
     paper = PAPER_BREAKDOWN[name]["dkfac"][1]
@@ -318,10 +313,6 @@ def _ablation_cause() -> dict[str, Any]:
     """Section 3b: the per-message start-up cost from which layer-wise pipelining (one all-reduce per
     factor) is slower than none (every factor in 64 MiB buckets after backward, the paper's row), found by
     bisection on the all-reduce's alpha (64 GPUs)."""
-    from dataclasses import replace
-
-    from lightning_spdkfac.schedule import AlphaBeta
-
     print("\nLayer-wise pipelining vs none (exposed FactorComm, s): the all-reduce latency alpha at which the paper's "
           "direction (layer-wise slower) appears")
     out: dict[str, Any] = {}

@@ -20,10 +20,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import bench_parser, parse, print_table, save_json
 
-from _common import bench_parser, parse, print_table, save_json  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 
 from lightning_spdkfac.simulate import simulate  # noqa: E402
 from lightning_spdkfac.simulate.dpkfac import memory_per_gpu  # noqa: E402

@@ -1,28 +1,24 @@
 """What the KFAC callback's step-time telemetry costs, against what K-FAC itself costs (issues 14, 16).
 
-Run ``python benchmarks/telemetry_overhead.py`` (``--help`` for options; about a minute per repeat on
-one core). It fits the digits CNN of ``configs/digits.yaml`` (model, data, seed, K-FAC
-hyperparameters; ``--epochs`` epochs, factors and inverses every ``--factor-update-steps`` /
-``--inv-update-steps`` steps) with a CSVLogger at Lightning's default ``log_every_n_steps`` (50) in
-these variants, interleaved within every repeat (the order rotates from repeat to repeat, so that a
-slow spell of a shared machine does not always hit the same variant):
+Run ``python benchmarks/telemetry_overhead.py`` (``--help`` for options; about a minute per repeat on one
+core). It fits the digits CNN of ``configs/digits.yaml`` (model, data, seed, K-FAC hyperparameters;
+``--epochs`` epochs, factors and inverses every ``--factor-update-steps`` / ``--inv-update-steps`` steps) with
+a CSVLogger at Lightning's default ``log_every_n_steps`` (50), one torch thread, in these variants,
+interleaved within every repeat (the order rotating from repeat to repeat):
 
 - ``sgd``: no KFAC callback (the same optimizer, schedule and logger);
 - ``kfac_off``: ``KFAC(log_step_time=False)`` (the fault counters are still logged);
 - ``kfac_on``: ``KFAC(log_step_time=True)``, the default;
 - ``kfac_nologger``: ``KFAC()`` with ``Trainer(logger=False)``.
 
-Printed: the median fit seconds of each variant (``trainer.fit`` only, one torch thread), the
-*overhead share* ``(t_on - t_off) / (t_off - t_sgd)`` (the part of K-FAC's cost that step-time
-telemetry adds; issue 14's target: at most 2%), and, since fit times on a busy machine move by more
-than that, the same share from a direct measurement: the time spent in the callback's
-``on_before_optimizer_step`` outside ``KFACPreconditioner.step()`` (timing, aggregation, the logging
-decision and the writes to the loggers), summed over the fit, ``(hook_on - hook_off) / (t_off - t_sgd)``.
+Printed: the median ``trainer.fit`` seconds of each, the *overhead share* ``(t_on - t_off) / (t_off - t_sgd)``
+(issue 14's target: at most 2%) and, since fit times on a busy machine move by more than that, the same share
+measured directly: the seconds the callback's ``on_before_optimizer_step`` spends outside
+``KFACPreconditioner.step()``, summed over the fit, ``(hook_on - hook_off) / (t_off - t_sgd)``.
 
-Results go to a fresh folder (``--out``, default a new ``benchmarks/results/run-*-telemetry_overhead/``; an
-existing non-empty folder is refused): ``summary.json`` and the CSV logs of every run. ``--quick``: one repeat
-of one epoch, no warm-up fit. The timed code is the
-checkout this script lives in (its root goes first on ``sys.path``).
+Results (``summary.json`` and every run's CSV logs) go to ``--out``, a new or empty folder, by default a fresh
+``benchmarks/results/run-*-telemetry_overhead/``. ``--quick``: one repeat of one epoch, no warm-up fit. The
+timed code is the checkout this script lives in (its root goes first on ``sys.path``).
 """
 
 from __future__ import annotations
@@ -43,7 +39,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import pytorch_lightning as pl  # noqa: E402
 import torch  # noqa: E402
 import yaml  # noqa: E402
-from _common import bench_parser, interleave, out_dir, parse, save_json, set_threads  # noqa: E402
+from _common import PhaseTimer, bench_parser, interleave, out_dir, parse, save_json, set_threads  # noqa: E402
 from pytorch_lightning.loggers import CSVLogger  # noqa: E402
 
 import lightning_spdkfac  # noqa: E402
@@ -58,33 +54,25 @@ class TimedKFAC(KFAC):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.hook_s = 0.0  # whole hook
-        self.kfac_step_s = 0.0  # pre.step() inside it
+        self.timer = PhaseTimer()  # "hook": the whole hook; "kfac_step": pre.step() inside it
         self.hook_calls = 0
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
-        pre = self.preconditioner
-        if pre is None:
-            return
-        step = pre.step
-
-        def timed_step() -> None:
-            t = time.perf_counter()
-            step()
-            self.kfac_step_s += time.perf_counter() - t
-
-        pre.step = timed_step  # type: ignore[method-assign]
+        if self.preconditioner is not None:
+            self.preconditioner.step = self.timer.wrap("kfac_step", self.preconditioner.step)  # type: ignore
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        t = time.perf_counter()
-        super().on_before_optimizer_step(trainer, pl_module, optimizer)
-        self.hook_s += time.perf_counter() - t
+        self.timer.wrap("hook", super().on_before_optimizer_step)(trainer, pl_module, optimizer)
         self.hook_calls += 1
 
     @property
+    def kfac_step_s(self) -> float:
+        return self.timer.totals.get("kfac_step", 0.0)
+
+    @property
     def telemetry_s(self) -> float:
-        return self.hook_s - self.kfac_step_s
+        return self.timer.totals.get("hook", 0.0) - self.kfac_step_s
 
 
 def load_config(path: Path) -> dict:
@@ -175,17 +163,13 @@ def main(argv: list[str] | None = None) -> dict:
     hook = {v: median(runs[v], "telemetry_s") for v in VARIANTS}
     kfac_cost = None if t["kfac_off"] is None or t["sgd"] is None else t["kfac_off"] - t["sgd"]
     results = {
-        "fit_s_median": t,
-        "telemetry_in_hook_s_median": hook,
-        "kfac_cost_s": kfac_cost,
+        "fit_s_median": t, "telemetry_in_hook_s_median": hook, "kfac_cost_s": kfac_cost,
         "overhead_share_fit": share(t["kfac_on"] - t["kfac_off"], kfac_cost),
         "overhead_share_hook": share(hook["kfac_on"] - hook["kfac_off"], kfac_cost),  # type: ignore[operator]
         "logging_share_vs_no_logger_fit": share(t["kfac_on"] - t["kfac_nologger"], t["kfac_nologger"] - t["sgd"]),
-        "steps": runs["kfac_on"][0]["steps"],
-        "runs": runs,
+        "steps": runs["kfac_on"][0]["steps"], "runs": runs,
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in {"repeats": args.reps, **vars(args)}.items()},
-        "code": str(Path(lightning_spdkfac.__file__).parent),
-        "torch": torch.__version__,
+        "code": str(Path(lightning_spdkfac.__file__).parent), "torch": torch.__version__,
         "pytorch_lightning": pl.__version__,
     }
     save_json(out, "summary.json", results)

@@ -23,10 +23,8 @@ import os
 import sys
 import warnings
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import bench_parser, out_dir, parse, pyplot, save_png, set_threads  # noqa: E402
+from _common import DOCS, bench_parser, out_dir, parse, pyplot, save_png, set_threads
 
-DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs")
 CURVES = ("kfac/step_ms", "kfac/step_ms_max", "kfac/inverse_step_share", "kfac/steps_in_window")
 
 

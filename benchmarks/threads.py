@@ -28,10 +28,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (  # noqa: E402
+from _common import (
     bench_parser,
     env_info,
     interleave,
@@ -42,9 +39,10 @@ from _common import (  # noqa: E402
     save_json,
     spread,
 )
+from torch import nn
 
-from lightning_spdkfac import KFACPreconditioner  # noqa: E402
-from lightning_spdkfac.demo import DigitsCNN  # noqa: E402
+from lightning_spdkfac import KFACPreconditioner
+from lightning_spdkfac.demo import DigitsCNN
 
 VARIANTS = (("sgd@1", "sgd", 1, None), ("sgd@2", "sgd", 2, None), ("kfac@1", "kfac", 1, None),
             ("kfac@2", "kfac", 2, None), ("kfac@2 cap1", "kfac", 2, 1))
@@ -52,14 +50,11 @@ VARIANTS = (("sgd@1", "sgd", 1, None), ("sgd@2", "sgd", 2, None), ("kfac@1", "kf
 
 def make_model(name: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
     if name == "mlp":
-        torch.manual_seed(0)
-        model: nn.Module = mlp(256, 256, 256, 10)
-        return (model, *random_batches(g, 1, 128, 256)[0])
-    else:
-        torch.manual_seed(0)
-        model = DigitsCNN().net  # the demo's CNN: 2 convs, 2 linears
-        x = torch.rand(64, 1, 8, 8, generator=g)
+        return (mlp(256, 256, 256, 10), *random_batches(g, 1, 128, 256)[0])
+    model = DigitsCNN().net  # the demo's CNN: 2 convs, 2 linears
+    x = torch.rand(64, 1, 8, 8, generator=g)
     return model, x, torch.randint(0, 10, (len(x),), generator=g)
 
 
@@ -80,10 +75,6 @@ def make_step(model_name: str, kind: str, cap: int | None, inv_every: int) -> Ca
         opt.step()
 
     return step
-
-
-def spinner() -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", "while True: pass"])
 
 
 def switch_cost_us(n: int = 20000) -> float:
@@ -114,7 +105,7 @@ def run(args: argparse.Namespace) -> dict:
         def run_block() -> float:
             nonlocal proc
             if busy == "busy" and proc is None:
-                proc = spinner()
+                proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])  # the background spinner
                 time.sleep(0.3)  # let it take a core
             elif busy == "idle" and proc is not None:
                 proc.kill()

@@ -1,57 +1,40 @@
 """Timeline of one SPD-KFAC training iteration on 2 ranks, drawn from real PyTorch profiler traces.
 
-Run ``PYTHONPATH=. python benchmarks/timeline.py`` from the repository root (``--help`` for options;
-about a minute on 2 cores: 3 independent runs of ~20 s, the least disturbed one is drawn). It trains
-the small ResNet of ``benchmarks/iteration_time.py`` (same model, synthetic CIFAR-shaped data, 32
-images per rank, SGD lr 0.01 momentum 0.9, K-FAC damping 0.03) for 13 steps with the Lightning
-``Trainer`` on ``--world-size`` gloo processes (one torch thread each), strategy
-``SPDKFACStrategy(schedule="spd", profile_steps=(2, 5))`` and callback ``KFAC(factor_update_steps=1, inv_update_steps=4,
-trace_step=12)``: optimizer step 12 comes after the SPD profiling window (the fusion plan is fixed,
-factor all-reduces are pipelined) and is an inverse-update step (inversions and inverse broadcasts
-happen). The callback records that step with the PyTorch profiler and writes one Chrome trace per
-rank; this script reads them back, extracts the intervals, writes ``docs/timeline.json`` and draws
-``docs/timeline.png``: per rank, the main thread coloured by what it does, and the gloo worker
-threads of the K-FAC process group and of DDP's group with the collectives they run. It prints, per
-rank, the milliseconds of each category next to the library's own ``StepTimer`` numbers
-(:mod:`lightning_spdkfac.telemetry`) of the same step. ``--trace-dir`` keeps the traces (open them
-in Perfetto); ``--analyse-only`` redraws from kept traces.
+Run ``PYTHONPATH=. python benchmarks/timeline.py`` from the repository root (``--help`` for options; about a
+minute on 2 cores: 3 independent runs of ~20 s, the least disturbed one is drawn; ``--refresh`` rewrites the
+committed docs/timeline.{json,png}). It trains the small ResNet of ``benchmarks/iteration_time.py`` (synthetic
+CIFAR-shaped data, 32 images per rank, SGD lr 0.01 momentum 0.9, K-FAC damping 0.03) for 13 steps with the
+Lightning ``Trainer`` on ``--world-size`` gloo processes (one torch thread each), strategy
+``SPDKFACStrategy(schedule="spd", profile_steps=(2, 5))`` and callback ``KFAC(factor_update_steps=1,
+inv_update_steps=4, trace_step=12)``: step 12 comes after the SPD profiling window (the fusion plan is fixed,
+factor all-reduces are pipelined) and updates the inverses. The callback writes one Chrome trace per rank of
+that step; this script extracts the intervals, writes ``timeline.json``, draws ``timeline.png`` (per rank the
+main thread coloured by what it does, and the gloo worker threads of the K-FAC and DDP process groups with
+their collectives) and prints, per rank, the milliseconds of each category beside the library's own
+``StepTimer`` numbers of the same step. ``--trace-dir`` keeps the traces (open them in Perfetto);
+``--analyse-only`` redraws from kept traces.
 
-Where each interval comes from (the ranks share the host's clock; 0 is the earliest rank's start of
-the step):
+Where the intervals come from (the categories below, also in the JSON; the ranks share the host's clock, 0 is
+the earliest rank's start of the step). Under Lightning the optimizer closure (forward, backward, the K-FAC
+step in ``on_before_optimizer_step``) runs inside ``Optimizer.step#SGD.step``, the step's range. Backward
+after the last ``autograd::engine::evaluate_function`` event is DDP's reducer waiting for its gradient
+all-reduces. ``kfac/factor_comm_wait`` also holds the unpacking of the reduced triangles, so it is split with
+the library's per-group stamps (``FusedAllReduce.last_timings``: ``wait_start`` to ``work_end`` is blocked
+on the all-reduce), put on the trace's clock with ``timeline/clock`` ranges recorded between two
+``time.perf_counter`` reads. The ``timeline/*`` ranges are this script's, opened around library calls only
+while the profiler records: ``factor_handover`` around ``SPDDistributor.factor_final``, ``inverse_publish``
+around ``InverseBroadcaster.publish`` / ``expect`` and ``inverse_wait`` around ``InverseBroadcaster.wait``
+(the library times these with ``StepTimer.add`` only), and a ``kfac_step_end`` marker after the ``KFAC``
+callback's hook.
 
-* the step: the ``Optimizer.step#SGD.step`` range (under Lightning the optimizer closure - forward,
-  backward and the K-FAC step in ``on_before_optimizer_step`` - runs inside ``optimizer.step``);
-* forward: the ``DistributedDataParallel.forward`` range (``training_step``, loss included);
-  backward: a ``timeline/backward`` range around ``loss.backward()`` (this script's
-  ``LightningModule.backward``). Its part after the last ``autograd::engine::evaluate_function``
-  event is DDP's reducer waiting for its gradient all-reduces (no profiler event covers it);
-* K-FAC phases: the library's ``kfac/<phase>`` ranges (``factor_compute``, ``factor_update``,
-  ``inverse_compute``, ``inverse_comm_wait``, ``precondition``). The ``kfac/factor_comm_wait``
-  range of ``SPDDistributor.reduce_factors`` also holds the unpacking of the reduced triangles, so it
-  is split with the library's own per-group stamps (``FusedAllReduce.last_timings``: ``wait_start``
-  to ``work_end`` is blocked on the all-reduce, the rest unpacking and averaging), put on the trace's
-  clock with ``timeline/clock`` marker ranges recorded between two ``time.perf_counter`` reads;
-* ranges the library does not open, added by this script around library calls while the profiler
-  records (nothing else changes): ``timeline/factor_handover`` around
-  ``SPDDistributor.factor_final`` (a hook hands a final factor over: triangle packed, its group's
-  all-reduce launched when complete), ``timeline/inverse_publish`` around
-  ``InverseBroadcaster.publish`` / ``expect`` (inverse packed and its broadcast launched / receive
-  posted) and ``timeline/inverse_wait`` around ``InverseBroadcaster.wait`` (blocked on an inverse
-  broadcast, then unpacking it; the library times these with ``StepTimer.add`` only, so without the
-  range they are unlabelled time in a trace);
-* optimizer step: from the end of the K-FAC step (a ``timeline/kfac_step_end`` marker in
-  ``on_before_optimizer_step``, after the ``KFAC`` callback's) to the end of ``SGD.step``;
-* communication: ``gloo:all_reduce`` / ``gloo:broadcast`` events, recorded by gloo on its worker
-  threads from the moment a worker starts a collective to its completion (waiting for the peer
-  included). Worker threads are told apart by process group by listing this process's
-  ``pt_gloo_runloop`` threads before and after the strategy creates the K-FAC group. The launch is
-  the ``c10d::allreduce_`` / ``c10d::broadcast_`` op on the main thread (the K-FAC all-reduces found
-  by the library's launch stamps, the others are DDP's), matched to the k-th collective its group's
-  workers start; launch to start is drawn thin and pale (queued behind the group's other work). A
-  collective shorter than a pixel is drawn one pixel wide (the JSON has the real times).
-
-Main-thread time in none of these is "other" (Lightning hooks, ``zero_grad``, the K-FAC step's own
-bookkeeping). Times include the profiler's overhead and whatever else runs on the machine.
+Communication: ``gloo:all_reduce`` / ``gloo:broadcast`` events on gloo's worker threads, from the start of a
+collective to its completion (waiting for the peer included); the threads are told apart by process group by
+listing this process's ``pt_gloo_runloop`` threads before and after the strategy creates the K-FAC group.
+The launch is the ``c10d::allreduce_`` / ``c10d::broadcast_`` op on the main thread (the K-FAC all-reduces
+found by the library's launch stamps, the others are DDP's), matched to the k-th collective its group's
+workers start; launch to start is drawn thin and pale (queued). A collective shorter than a pixel is drawn
+one pixel wide (the JSON has the real times). Main-thread time in none of these is "other" (Lightning hooks,
+``zero_grad``, bookkeeping). Times include the profiler's overhead and whatever else runs on the machine.
 """
 
 from __future__ import annotations
@@ -68,32 +51,37 @@ import warnings
 from dataclasses import asdict
 
 import torch
+from _common import DOCS, bench_parser, out_dir, parse, pyplot, save_json, save_png
 from torch.profiler import record_function
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import bench_parser, fresh_run_dir, parse, pyplot, save_png, write_json  # noqa: E402
-
-DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs")  # committed figure
-
-MAIN_CATEGORIES = {  # key: (legend label, colour), main thread, in legend order
-    "forward": ("forward", "#4c72b0"),
-    "backward": ("backward", "#9ab8e0"),
-    "ddp_wait": ("wait: DDP gradient all-reduce (end of backward)", "#5f6f82"),
-    "factor_compute": ("K-FAC factors (hooks)", "#dd8452"),
-    "handover": ("pack + launch a K-FAC collective", "#f5c89a"),
-    "factor_wait": ("wait: factor all-reduce", "#c44e52"),
-    "factor_unpack": ("factor unpack + average", "#e8a0a0"),
-    "factor_update": ("factor running averages", "#ccb974"),
-    "inverse_compute": ("inversion", "#55a868"),
-    "inverse_wait": ("wait: inverse broadcast (+ unpack)", "#8172b3"),
-    "precondition": ("preconditioning", "#937860"),
-    "optimizer": ("optimizer step (SGD)", "#da8bc3"),
-    "other": ("other (Lightning, zero_grad, bookkeeping)", "#e3e3e3"),
+MAIN_CATEGORIES = {  # key: (legend label, colour, where its intervals come from), main thread, in legend order
+    "forward": ("forward", "#4c72b0", "DistributedDataParallel.forward range"),
+    "backward": ("backward", "#9ab8e0", "timeline/backward range (script's LightningModule.backward)"),
+    "ddp_wait": ("wait: DDP gradient all-reduce (end of backward)", "#5f6f82",
+                 "timeline/backward after the last autograd::engine::evaluate_function event"),
+    "factor_compute": ("K-FAC factors (hooks)", "#dd8452", "kfac/factor_compute ranges"),
+    "handover": ("pack + launch a K-FAC collective", "#f5c89a",
+                 "timeline/factor_handover and timeline/inverse_publish ranges (script, around library calls)"),
+    "factor_wait": ("wait: factor all-reduce", "#c44e52",
+                    "FusedAllReduce.last_timings wait_start..work_end (library stamps on the trace clock)"),
+    "factor_unpack": ("factor unpack + average", "#e8a0a0", "kfac/factor_comm_wait ranges minus factor_wait"),
+    "factor_update": ("factor running averages", "#ccb974", "kfac/factor_update ranges"),
+    "inverse_compute": ("inversion", "#55a868", "kfac/inverse_compute ranges"),
+    "inverse_wait": ("wait: inverse broadcast (+ unpack)", "#8172b3",
+                     "timeline/inverse_wait (script, around InverseBroadcaster.wait) and kfac/inverse_comm_wait"),
+    "precondition": ("preconditioning", "#937860", "kfac/precondition ranges"),
+    "optimizer": ("optimizer step (SGD)", "#da8bc3",
+                  "timeline/kfac_step_end marker to the end of Optimizer.step#SGD.step"),
+    "other": ("other (Lightning, zero_grad, bookkeeping)", "#e3e3e3",
+              "Optimizer.step#SGD.step time in none of the above"),
 }
-COMM_CATEGORIES = {  # kind: (legend label, colour)
-    "factor_allreduce": ("factor all-reduce on a gloo thread", "#c44e52"),
-    "inverse_broadcast": ("inverse broadcast on a gloo thread", "#8172b3"),
-    "ddp_allreduce": ("DDP gradient all-reduce on a gloo thread", "#7f7f7f"),
+COMM_CATEGORIES = {  # kind: (legend label, colour, source)
+    "factor_allreduce": ("factor all-reduce on a gloo thread", "#c44e52",
+                         "c10d::allreduce_ launch on the main thread, gloo:all_reduce on a K-FAC group gloo thread"),
+    "inverse_broadcast": ("inverse broadcast on a gloo thread", "#8172b3",
+                          "c10d::broadcast_ launch on the main thread, gloo:broadcast on a K-FAC group gloo thread"),
+    "ddp_allreduce": ("DDP gradient all-reduce on a gloo thread", "#7f7f7f",
+                      "c10d::allreduce_ launch on the main thread, gloo:all_reduce on a default group gloo thread"),
 }
 RANGE_CATEGORY = {
     "timeline/backward": "backward",
@@ -106,24 +94,6 @@ RANGE_CATEGORY = {
     "kfac/inverse_comm_wait": "inverse_wait",
     "timeline/inverse_wait": "inverse_wait",
     "kfac/precondition": "precondition",
-}
-SOURCES = {  # where each category's intervals come from (written to the JSON)
-    "forward": "DistributedDataParallel.forward range",
-    "backward": "timeline/backward range (script's LightningModule.backward)",
-    "ddp_wait": "timeline/backward after the last autograd::engine::evaluate_function event",
-    "factor_compute": "kfac/factor_compute ranges",
-    "handover": "timeline/factor_handover and timeline/inverse_publish ranges (script, around library calls)",
-    "factor_wait": "FusedAllReduce.last_timings wait_start..work_end (library stamps on the trace clock)",
-    "factor_unpack": "kfac/factor_comm_wait ranges minus factor_wait",
-    "factor_update": "kfac/factor_update ranges",
-    "inverse_compute": "kfac/inverse_compute ranges",
-    "inverse_wait": "timeline/inverse_wait (script, around InverseBroadcaster.wait) and kfac/inverse_comm_wait",
-    "precondition": "kfac/precondition ranges",
-    "optimizer": "timeline/kfac_step_end marker to the end of Optimizer.step#SGD.step",
-    "other": "Optimizer.step#SGD.step time in none of the above",
-    "factor_allreduce": "c10d::allreduce_ launch on the main thread, gloo:all_reduce on a K-FAC group gloo thread",
-    "inverse_broadcast": "c10d::broadcast_ launch on the main thread, gloo:broadcast on a K-FAC group gloo thread",
-    "ddp_allreduce": "c10d::allreduce_ launch on the main thread, gloo:all_reduce on a default group gloo thread",
 }
 MODEL_NAME = "SmallResNet (benchmarks/iteration_time.py)"
 
@@ -461,10 +431,9 @@ def to_json(ranks: list[dict], origin: float, cfg: dict) -> dict:
         "description": "One SPD-KFAC training iteration per rank, from PyTorch profiler traces "
                        "(see benchmarks/timeline.py). Times in ms from the earliest rank's start of the step.",
         "config": cfg,
-        "categories": {k: {"label": v[0], "color": v[1], "thread": "main", "source": SOURCES[k]}
-                       for k, v in MAIN_CATEGORIES.items()}
-        | {k: {"label": v[0], "color": v[1], "thread": "gloo worker", "source": SOURCES[k]}
-           for k, v in COMM_CATEGORIES.items()},
+        "categories": {k: {"label": label, "color": color, "thread": thread, "source": source}
+                       for cats, thread in ((MAIN_CATEGORIES, "main"), (COMM_CATEGORIES, "gloo worker"))
+                       for k, (label, color, source) in cats.items()},
         "ranks": [
             {
                 "rank": r["rank"],
@@ -488,7 +457,7 @@ def to_json(ranks: list[dict], origin: float, cfg: dict) -> dict:
 
 
 # ------------------------------------------------------------------------------ the picture
-def plot(ranks: list[dict], origin: float, cfg: dict, path: str) -> None:
+def plot(ranks: list[dict], origin: float, cfg: dict, path: str) -> str:
     plt = pyplot()
     from matplotlib.patches import Patch
 
@@ -544,8 +513,7 @@ def plot(ranks: list[dict], origin: float, cfg: dict, path: str) -> None:
         ax.set_title(f"blocked: factor all-reduces {sm['factor_wait']:.2f} ms, inverse broadcasts "
                      f"{sm['inverse_wait']:.0f} ms", loc="right", fontsize=9, color="#444444")
     axes[-1].set_xlabel("time since the start of the step (ms)")
-    handles = [Patch(color=c, label=lab) for lab, c in MAIN_CATEGORIES.values()]
-    handles += [Patch(color=c, label=lab) for lab, c in COMM_CATEGORIES.values()]
+    handles = [Patch(color=c, label=lab) for lab, c, _ in [*MAIN_CATEGORIES.values(), *COMM_CATEGORIES.values()]]
     handles.append(Patch(color="#c44e52", alpha=0.35, label="launched, queued for a gloo thread (thin)"))
     fig.legend(handles=handles, loc="lower center", ncol=3, fontsize=9, frameon=False, handlelength=1.5,
                columnspacing=1.5)
@@ -557,7 +525,7 @@ def plot(ranks: list[dict], origin: float, cfg: dict, path: str) -> None:
         fontsize=10.5,
     )
     fig.tight_layout(rect=(0, 0.16, 1, 1))
-    save_png(fig, path, dpi=120)
+    return save_png(fig, path, dpi=120)
 
 
 # ------------------------------------------------------------------------------ main
@@ -569,7 +537,7 @@ def print_summary(ranks: list[dict]) -> None:
     rows: list[tuple[str, list[float], list[float | None]]] = [
         ("step (Optimizer.step#SGD.step range)", [r["summary"]["step"] for r in ranks], [None] * len(ranks))
     ]
-    for key, (label, _) in MAIN_CATEGORIES.items():
+    for key, (label, *_) in MAIN_CATEGORIES.items():
         rows.append((f"main thread: {label}", [r["summary"][key] for r in ranks],
                      [r["timer"][lib[key]] * 1e3 if key in lib else None for r in ranks]))
     names = {"factor_allreduce": "factor all-reduces", "inverse_broadcast": "inverse broadcasts",
@@ -633,7 +601,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.analyse_only and not args.trace_dir:
         p.error("--analyse-only needs --trace-dir")
     if args.json is None or args.png is None:
-        folder = args.out or (DOCS if args.refresh else fresh_run_dir("timeline"))
+        folder = out_dir(args, "timeline", DOCS)
         args.json = os.path.join(folder, "timeline.json") if args.json is None else args.json
         args.png = os.path.join(folder, "timeline.png") if args.png is None else args.png
     return args
@@ -690,7 +658,6 @@ def main(argv=None) -> int:
             if not attempts:
                 raise SystemExit(f"no attempt*/ folder with traces in {trace_dir}")
         else:
-            sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
             import timeline  # the ranks need a function of an importable module, not of __main__
 
             from lightning_spdkfac.multiprocess import run_distributed
@@ -719,12 +686,10 @@ def main(argv=None) -> int:
     print_summary(ranks)
     checks(ranks)
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        write_json(args.json, to_json(ranks, origin, cfg), indent=1)
-        print(f"wrote {args.json}")
+        save_json(os.path.dirname(os.path.abspath(args.json)), os.path.basename(args.json),
+                  to_json(ranks, origin, cfg), indent=1)
     if args.png:
-        plot(ranks, origin, cfg, args.png)
-        print(f"wrote {args.png}")
+        print(f"wrote {plot(ranks, origin, cfg, args.png)}")
     return 0
 
 

@@ -32,14 +32,12 @@ import warnings
 
 import torch
 import torch.distributed as dist
+from _common import bench_parser, env_info, interleave, mlp, out_dir, parse, print_table, save_json, spread
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import bench_parser, env_info, interleave, mlp, out_dir, parse, print_table, save_json, spread  # noqa: E402
-
-from lightning_spdkfac.lightning import deepspeed_grads as ds_module  # noqa: E402  (where the fused gather lives)
-from lightning_spdkfac.lightning.deepspeed import DeepSpeedGradAccess  # noqa: E402
-from lightning_spdkfac.multiprocess import run_distributed  # noqa: E402
+from lightning_spdkfac.lightning import deepspeed_grads as ds_module  # where the fused gather lives
+from lightning_spdkfac.lightning.deepspeed import DeepSpeedGradAccess
+from lightning_spdkfac.multiprocess import run_distributed
 
 VARIANTS = ("allreduce", "allgather", "gloo_allgather", "each")
 
@@ -77,11 +75,6 @@ def allreduce_gather(params: list) -> dict:
     return {p: view.view(p.shape) for p, view in zip(params, views)}
 
 
-def model_of(width: int, depth: int) -> nn.Module:
-    torch.manual_seed(0)
-    return mlp(*[width] * (depth + 1), 10, act=nn.Tanh)
-
-
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.float().view(torch.int32)
 
@@ -97,7 +90,8 @@ def rank_main(rank: int, world: int, widths: list[int], depth: int, repeats: int
     deepspeed.init_distributed("gloo")
     out = []
     for width in widths:
-        model = model_of(width, depth)
+        torch.manual_seed(0)
+        model = mlp(*[width] * (depth + 1), 10, act=nn.Tanh)
         engine, *_ = deepspeed.initialize(
             args=ap.Namespace(device_rank=-1), model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
             config=dict(train_micro_batch_size_per_gpu=16, zero_optimization=dict(stage=2),
@@ -160,15 +154,12 @@ def main(argv: list[str] | None = None) -> None:
         for name in VARIANTS:
             ms = spread(size["times"][name], 1e3)
             row.update({f"{name}_ms": ms["median"], f"{name}_q1": ms["q1"], f"{name}_q3": ms["q3"],
-                        f"{name}_MB": sent[name] / 1e6})
+                        f"{name}_MB": sent[name] / 1e6, f"{name}_spread": f"{ms['q1']:.3f}-{ms['q3']:.3f}"})
         row["ratio_ms"] = row["allgather_ms"] / row["allreduce_ms"]
         row["ratio_bytes"] = sent["allgather"] / sent["allreduce"]
         rows.append(row)
     print(f"ZeRO-2 fp32, {world} gloo CPU ranks, {args.depth + 1} linear layers, {args.reps} interleaved repeats; "
           f"median ms of one gather on rank 0 [q1-q3]; MB each rank sends (computed, ring)")
-    for row in rows:
-        for name in VARIANTS:
-            row[f"{name}_spread"] = f"{row[f'{name}_q1']:.3f}-{row[f'{name}_q3']:.3f}"
     print_table(rows, [
         ("params", "params", "d"), ("allreduce_MB", "allreduce MB", ".3f"), ("allgather_MB", "allgather MB", ".3f"),
         ("ratio_bytes", "bytes ratio", ".2f"), ("allreduce_ms", "allreduce ms", ".3f"),
