@@ -1,33 +1,21 @@
-"""The baseline optimizers of benchmarks/time_to_accuracy.py beyond SGD and AdamW: Muon, SOAP and Shampoo.
+"""The baselines of benchmarks/time_to_accuracy.py beyond SGD and AdamW: Muon, SOAP and Shampoo.
 
-Every optimizer here takes one peak ``lr`` (the one the benchmark sweeps) and ``weight_decay``; the benchmark puts
-its own schedule (a ``LambdaLR`` multiplying every group's lr) on top, the same as for SGD and AdamW.
+Each takes one peak ``lr`` (the one the benchmark sweeps) and ``weight_decay`` (decoupled, the workload's AdamW
+value); the benchmark's schedule (a ``LambdaLR`` on every group) goes on top, as for SGD and AdamW.
 
-* ``muon``: ``torch.optim.Muon`` (torch >= 2.9) on the weight matrices of the hidden layers, ``torch.optim.AdamW``
-  on everything else, in one optimizer (:class:`MuonWithAdamW`) so that one schedule drives both. Which
-  parameters are "hidden weight matrices" (:func:`split_muon_params`): every parameter with 2 or more
-  dimensions (``nn.Linear`` weights, attention's packed ``in_proj_weight``, ``transformers``' ``Conv1D`` weights,
-  convolution filters, which Muon sees flattened to ``(out_channels, in_channels/groups * kh * kw)``), except
+* ``muon``: ``torch.optim.Muon`` on the hidden weight matrices, ``torch.optim.AdamW`` on the rest, as one
+  optimizer (:class:`MuonWithAdamW`) that one schedule drives. Muon gets every parameter of 2 or more dimensions
+  (Linear, packed attention, ``transformers``' ``Conv1D`` and convolution weights, the last seen as
+  ``(out, in/groups * kh * kw)``) except embeddings (and a head tied to one), the output layer (the module's
+  ``muon_output_layer()``, else the last ``nn.Linear``) and depthwise filters (flattened they would be a
+  matrix of unrelated channels). ``adjust_lr_fn="match_rms_adamw"`` (Moonshot, "Muon is Scalable for LLM
+  Training") gives Muon about AdamW's update RMS, so both share the one swept lr. Momentum 0.95, Nesterov.
+* ``soap``: ``heavyball.SOAP`` (Vyas et al. 2024) at heavyball's defaults but lr and weight decay.
+* ``shampoo``: ``heavyball.KLShampoo`` (Lin et al. 2025), heavyball 3.2.1's only Shampoo, likewise.
 
-  - embeddings (the weight of any ``nn.Embedding``, and a head tied to one),
-  - the output layer (the module's ``muon_output_layer()``; by default the last ``nn.Linear`` in module order),
-  - depthwise convolution filters (``groups == in_channels``: one ``k x k`` filter per channel; flattened they
-    would be a ``C x k*k`` matrix of unrelated channels, which orthogonalizing would couple),
-
-  which go to AdamW with biases and normalization parameters. The lr relation: Muon uses
-  ``adjust_lr_fn="match_rms_adamw"`` (Moonshot's "Muon is Scalable for LLM Training": the orthogonalized update
-  scaled by ``0.2 * sqrt(max(A, B))`` has about AdamW's update RMS), so Muon and its AdamW share the one swept lr
-  and the one weight decay (decoupled, the workload's AdamW value), unchanged. Muon's momentum 0.95 with
-  Nesterov, 5 Newton-Schulz steps; AdamW's betas are the workload's (torch's defaults unless it sets them).
-* ``soap``: ``heavyball.SOAP`` (Vyas et al. 2024), at heavyball's defaults except lr and weight decay (betas
-  (0.9, 0.95), preconditioner update every 2 steps, sides above 2048 not preconditioned, 1-D parameters by Adam).
-* ``shampoo``: ``heavyball.KLShampoo`` (Lin et al. 2025, "Understanding and Improving Shampoo and SOAP via
-  Kullback-Leibler Minimization"): heavyball 3.2.1 has no other Shampoo. Its defaults as SOAP's.
-
-heavyball is "compile-first": it wraps its kernels in ``torch.compile`` unless ``heavyball.utils.compile_mode`` is
-None. :func:`heavyball_module` sets it to None (compiling would put minutes of inductor work into the first timed
-steps on a CPU, and the SGD and AdamW it is compared with are eager) and ``compile_step=False`` explicitly.
-heavyball is a dev extra pinned in pyproject.toml (``heavyball==3.2.1``).
+heavyball (a dev extra pinned in pyproject.toml) compiles its kernels with ``torch.compile`` unless told not to:
+:func:`heavyball_module` turns that off (minutes of inductor work would land in the first timed steps on a CPU,
+and the SGD and AdamW it is compared with are eager).
 """
 
 from __future__ import annotations
@@ -56,11 +44,7 @@ def heavyball_module() -> Any:
 
 def default_output_layer(module: nn.Module) -> nn.Module | None:
     """The last ``nn.Linear`` in module order (the classifier / decoder / LM head of the benchmark's models)."""
-    last = None
-    for m in module.modules():
-        if isinstance(m, nn.Linear):
-            last = m
-    return last
+    return next((m for m in reversed(list(module.modules())) if isinstance(m, nn.Linear)), None)
 
 
 def _is_depthwise(m: nn.Module) -> bool:

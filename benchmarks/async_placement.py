@@ -16,16 +16,12 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 from _common import bench_parser, parse, print_table, save_json
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-
-from lightning_spdkfac.schedule.placement import owned_prefix_candidates  # noqa: E402
-from lightning_spdkfac.simulate import Cluster, Workload, simulate  # noqa: E402
-from lightning_spdkfac.simulate.paper import PAPER_WORLD, paper_case  # noqa: E402
+from lightning_spdkfac.schedule.placement import owned_prefix_candidates
+from lightning_spdkfac.simulate import Cluster, Workload, simulate
+from lightning_spdkfac.simulate.paper import PAPER_WORLD, paper_case
 
 MODELS = ("resnet50", "resnet152", "densenet201", "inception_v4")
 

@@ -57,7 +57,7 @@ from torch import nn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from _common import REPO, env_info, format_table, fresh_run_dir, spread, write_json  # noqa: E402
+from _common import REPO, bench_parser, env_info, format_table, out_dir, spread, write_json  # noqa: E402
 
 from lightning_spdkfac import KFACPreconditioner  # noqa: E402
 
@@ -450,9 +450,7 @@ def write_report(report: dict, out: str) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--out", default=None, help="report folder (default: a fresh benchmarks/results/run-*-gpu_check/)")
+    p = bench_parser(__doc__, quick=None, out="report folder (default: a fresh benchmarks/results/run-*-gpu_check/)")
     p.add_argument("--dry", action="store_true", help="tiny models on the CPU, tests collected only (the default "
                    "without CUDA)")
     p.add_argument("--budget", type=float, default=480.0, help="seconds for the whole run")
@@ -476,8 +474,7 @@ def main(argv: list[str] | None = None) -> int:
     if not cuda and not args.dry:
         print("no CUDA device: dry mode (tiny models on the CPU, the cuda tests collected, not run)")
         args.dry = True
-    out = args.out or fresh_run_dir("gpu_check" + ("_dry" if args.dry else ""))
-    os.makedirs(out, exist_ok=True)
+    out = out_dir(args, "gpu_check" + ("_dry" if args.dry else ""))
     t_start = time.monotonic()
     report: dict = {
         "dry": args.dry, "device": torch.cuda.get_device_name() if cuda and not args.dry else "cpu (dry run)",

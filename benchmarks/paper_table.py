@@ -41,11 +41,9 @@ from typing import Any
 
 from _common import bench_parser, fresh_run_dir, pyplot, save_png
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from lightning_spdkfac.schedule import AlphaBeta  # noqa: E402
-from lightning_spdkfac.simulate import CATEGORIES, simulate, with_schedule  # noqa: E402
-from lightning_spdkfac.simulate.paper import (  # noqa: E402
+from lightning_spdkfac.schedule import AlphaBeta
+from lightning_spdkfac.simulate import CATEGORIES, simulate, with_schedule
+from lightning_spdkfac.simulate.paper import (
     PAPER_ALGORITHMS,
     PAPER_BREAKDOWN,
     PAPER_COLUMNS,
@@ -58,7 +56,7 @@ from lightning_spdkfac.simulate.paper import (  # noqa: E402
     paper_inverse,
     small_factor_share,
 )
-from lightning_spdkfac.simulate.timeline import _grad_comm  # noqa: E402
+from lightning_spdkfac.simulate.timeline import _grad_comm
 
 MODELS = ("resnet50", "resnet152", "densenet201", "inception_v4")
 PAPER_NAMES = {"dkfac": "D-KFAC", "mpd": "MPD-KFAC", "spd-paper": "SPD-KFAC"}

@@ -26,47 +26,9 @@ Workloads (the package's demo models and data, nothing downloaded):
   steps, about a minute a run on one thread; ``--budget 8`` is configs/hf_gpt2*.yaml's 80). Target: tuned
   AdamW's median final val loss, as for ``transformer``.
 
-Baselines (``--optimizers``, all five by default; benchmarks/_tta_optimizers.py says how each is built): SGD
-(momentum 0.9, coupled weight decay), AdamW, Muon (``torch.optim.Muon`` with ``adjust_lr_fn="match_rms_adamw"``
-on the hidden weight matrices, convolution filters flattened, depthwise filters excluded; AdamW at the same lr
-and weight decay on embeddings, the output layer, biases and norms), SOAP (``heavyball.SOAP``) and Shampoo
-(``heavyball.KLShampoo``, heavyball 3.2.1's Shampoo), heavyball with torch.compile off. All take the same
-schedule (cosine to 0 over the budget; TinyGPT and GPT-2: their own warmup + cosine) and the workload's AdamW
-weight decay (decoupled), except SGD's coupled one.
-
-Every benchmark module has ``kfac_loss_parts(batch) -> (forward, loss)`` for K-FAC's step-size rule:
-``loss(forward())`` is exactly the training step's loss on the batch (tests/test_time_to_accuracy_bench.py).
-
-Protocol, per workload:
-
-1. Baseline sweep: each optimizer over a log grid of peak lrs (``--lrs`` replaces grids). The runs are
-   interleaved seed by seed (seed 0: SGD lr1, AdamW lr1, Muon lr1, ..., SGD lr2, ...; then seed 1, ...), so
-   a slow spell of the machine hits every optimizer alike. A grid whose winner is at its edge is extended by
-   one more point of the same ratio, all seeds, up to ``--widen`` times (recorded as ``widened``).
-2. The winner of each baseline is the lr with the lowest median (over seeds) time to target; a seed
-   that never reaches the target counts as infinite time, and configurations whose median is infinite
-   rank after the others by their median final metric. K-FAC's base is the better of the SGD and AdamW
-   winners (issue 27's first target); the best of all baselines is also reported. ``--no-kfac`` stops here.
-3. K-FAC phase, again interleaved seed by seed: the best SGD/AdamW baseline re-run (so that the ratio
-   compares runs timed side by side), the best of all baselines re-run when it is another one (Muon, SOAP,
-   Shampoo), ``KFAC()`` with the library defaults on top of the best SGD/AdamW optimizer and lr (no
-   K-FAC-specific tuning), ``KFAC(factor_approx="reduce")`` likewise, and a
-   damping sweep (damping x base lr in {lr/3, lr, 3 lr}; its point at the library's default damping and
-   the base lr is the defaults run, not run twice). The tuned-K-FAC row is the damping sweep's best
-   point. ``--candidates`` adds named K-FAC configurations (the evidence for the defaults; besides K-FAC
-   options an entry may set ``lr_factor``, a factor of the best baseline's lr, and ``optimizer``, the base
-   optimizer; every other key goes to ``KFAC()`` unchanged, new options included, and is checked by building
-   ``KFAC(**options)`` before any run), and ``--baselines-from a.json,b.json`` reuses earlier runs' recorded
-   sweeps (per optimizer and lr the first file that has it; only the ``--optimizers`` none of them has are
-   swept; the winners are still re-run beside K-FAC, interleaved, and every ratio is taken against those
-   re-runs). So ``--no-kfac`` runs of the baselines and a later K-FAC phase are two invocations.
-
-A run has diverged when its last training loss (epoch mean) is above its first logged one (the loss
-of the first batch), when a loss or the validation metric was non-finite (the run is then stopped), or
-when it raised (e.g. K-FAC's ``max_bad_steps``). Times are wall-clock seconds from just before
-``trainer.fit`` to the end of each validation (one per epoch), so setup, K-FAC's included, and
-validation count for every optimizer; ``--clock cpu`` takes the process's CPU seconds over the same span
-instead (for a machine shared with other work; histories record both).
+Baselines (``--optimizers``): SGD, AdamW, Muon, SOAP, Shampoo (benchmarks/_tta_optimizers.py). The protocol
+(baseline sweeps, winners, the K-FAC phase), what counts as diverged and what is timed:
+docs/results/time-to-accuracy.md, "How the benchmark works".
 
 Output (``--out``, a fresh folder; default ``benchmarks/results/run-<stamp>-time_to_accuracy/``): ``results.json``
 with every run's per-epoch history (metric, train loss, seconds), the summaries and the printed tables;
@@ -306,10 +268,11 @@ def _bench_gpt2_class() -> type:
 class _ShuffleSeed:
     """Mixin: the train/val split from ``seed`` 0 on every run, the shuffling from ``shuffle_seed``."""
 
-    shuffle_seed = 0
+    def __init__(self, shuffle_seed: int, **kwargs: Any) -> None:
+        super().__init__(seed=0, **kwargs)  # type: ignore[call-arg]
+        self.shuffle_seed = shuffle_seed
 
     def train_dataloader(self):  # noqa: D102
-        assert self.train_set is not None
         gen = torch.Generator().manual_seed(self.shuffle_seed)
         return torch.utils.data.DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True,
                                            generator=gen, num_workers=self.num_workers)
@@ -324,28 +287,21 @@ class SmallImagesData(_ShuffleSeed, SmallImagesDataModule):
 
 
 def digits_data(seed: int) -> pl.LightningDataModule:
-    d = DigitsData(batch_size=64, val_fraction=0.2, seed=0)
-    d.shuffle_seed = seed
-    return d
+    return DigitsData(seed, batch_size=64, val_fraction=0.2)
 
 
 def small_images_data(seed: int) -> pl.LightningDataModule:
-    d = SmallImagesData(batch_size=64, val_fraction=0.2, seed=0, image_size=32, normalize=True)
-    d.shuffle_seed = seed
-    return d
-
-
-def _tinygpt_base(opt_name: str) -> dict[str, Any]:
-    # TinyGPT's own optimizer argument is "adamw" or "sgd"; Muon, SOAP and Shampoo take the AdamW config's
-    # decoupled weight decay 0.1 (on the matrices) and betas (0.9, 0.95), and their lr from the benchmark.
-    return {"optimizer": opt_name if opt_name in ("sgd", "adamw") else "adamw",
-            "weight_decay": 5e-4 if opt_name == "sgd" else 0.1}
+    return SmallImagesData(seed, batch_size=64, val_fraction=0.2, image_size=32, normalize=True)
 
 
 def _bench_tinygpt(opt_name: str, lr: float, seed: int, tie_weights: bool, attention: str) -> pl.LightningModule:
+    # TinyGPT's own optimizer argument is "adamw" or "sgd"; Muon, SOAP and Shampoo take the AdamW config's
+    # decoupled weight decay 0.1 (on the matrices) and betas (0.9, 0.95), and their lr from the benchmark.
     m = BenchTinyGPT(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=64, mlp_ratio=4, dropout=0.0,
                      bias=True, tie_weights=tie_weights, attention=attention, lr=lr, momentum=0.9, betas=(0.9, 0.95),
-                     warmup_steps=50, min_lr_ratio=0.1, init_seed=seed, loss_scale=1.0, **_tinygpt_base(opt_name))
+                     warmup_steps=50, min_lr_ratio=0.1, init_seed=seed, loss_scale=1.0,
+                     optimizer=opt_name if opt_name in ("sgd", "adamw") else "adamw",
+                     weight_decay=5e-4 if opt_name == "sgd" else 0.1)
     m.opt_name = opt_name
     return m
 
@@ -415,15 +371,8 @@ class Workload:
     # with the best one: "reach tuned AdamW's result at the end of the budget"; ``target`` is then a placeholder.
     target_from: str | None = None
 
-    def better(self, a: float, b: float) -> bool:
-        return a > b if self.mode == "max" else a < b
-
     def reached(self, value: float) -> bool:
         return math.isfinite(value) and (value >= self.target if self.mode == "max" else value <= self.target)
-
-
-def _grid(*lrs: float) -> list[float]:
-    return list(lrs)
 
 
 # Muon (lr relation: AdamW's, see _tta_optimizers), SOAP and Shampoo start from the AdamW grid of each workload;
@@ -432,27 +381,27 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
     Workload("digits", "digits CNN (configs/digits.yaml), val acc", BenchDigitsCNN, digits_data,
              "val_acc", "max", 0.97, budget=8,
              lrs={"sgd": [0.0125, 0.025, 0.05, 0.1, 0.2, 0.4], "adamw": [4e-3, 8e-3, 1.6e-2, 3.2e-2, 6.4e-2],
-                  **dict.fromkeys(("muon", "soap", "shampoo"), _grid(4e-3, 8e-3, 1.6e-2, 3.2e-2, 6.4e-2))},
+                  **dict.fromkeys(("muon", "soap", "shampoo"), [4e-3, 8e-3, 1.6e-2, 3.2e-2, 6.4e-2])},
              quick_budget=4, quick_lrs={"sgd": [0.05, 0.2], "adamw": [1e-3, 4e-3]}),
     Workload("resnet", "ResNet-8 on CIFAR-shaped digits, val acc", BenchResNet, small_images_data,
              "val_acc", "max", 0.97, budget=6,
              lrs={"sgd": [0.05, 0.1, 0.2, 0.4, 0.8], "adamw": [5e-4, 1e-3, 2e-3, 4e-3, 8e-3],
-                  **dict.fromkeys(("muon", "soap", "shampoo"), _grid(1e-3, 3e-3, 1e-2))},
+                  **dict.fromkeys(("muon", "soap", "shampoo"), [1e-3, 3e-3, 1e-2])},
              quick_budget=1, quick_lrs={"sgd": [0.2], "adamw": [2e-3]}),
     Workload("textlm", "TinyGPT on stdlib sources (loss_scale 1), val loss", tinygpt, text_data,
              "val_loss", "min", 2.0, budget=5,
              lrs={"sgd": [0.1, 0.3, 1.0, 3.0], "adamw": [1.5e-3, 3e-3, 6e-3, 1.3e-2],
-                  **dict.fromkeys(("muon", "soap", "shampoo"), _grid(1e-3, 3e-3, 1e-2))},
+                  **dict.fromkeys(("muon", "soap", "shampoo"), [1e-3, 3e-3, 1e-2])},
              quick_budget=1, quick_lrs={"sgd": [1.0], "adamw": [1.3e-2]}),
     Workload("transformer", "TinyGPT, nn.MultiheadAttention, tied embedding, per-token mean loss, val loss",
              transformer, transformer_data, "val_loss", "min", math.nan, budget=10,
              lrs={"sgd": [0.3, 1.0], "adamw": [1.5e-3, 3e-3, 6e-3, 1.2e-2],
-                  **dict.fromkeys(("muon", "soap", "shampoo"), _grid(2e-3, 6e-3, 1.8e-2))},
+                  **dict.fromkeys(("muon", "soap", "shampoo"), [2e-3, 6e-3, 1.8e-2])},
              quick_budget=2, quick_lrs={"sgd": [1.0], "adamw": [6e-3]}, target_from="adamw"),
     Workload("autoencoder", "MLP autoencoder 64-256-128-32-128-256-64 (tanh) on digits, val MSE",
              DigitsAutoencoder, digits_data, "val_mse", "min", 0.005, budget=30,
              lrs={"sgd": [0.03, 0.1, 0.3, 1.0, 3.0], "adamw": [3e-4, 1e-3, 3e-3, 1e-2, 3e-2],
-                  **dict.fromkeys(("muon", "soap", "shampoo"), _grid(3e-4, 1e-3, 3e-3, 1e-2, 3e-2))},
+                  **dict.fromkeys(("muon", "soap", "shampoo"), [3e-4, 1e-3, 3e-3, 1e-2, 3e-2])},
              quick_budget=10, quick_lrs={"sgd": [0.3, 1.0], "adamw": [1e-3, 1e-2]}),
     # Depthwise-separable CNN (DepthwiseCNN, MobileNet-style, BatchNorm) on the ResNet's data. Target 0.97: in a
     # screen (seed 0, 8 epochs) AdamW reached 0.969 at epoch 4 at lr 1e-2 and 3e-2 and 0.978-0.994 by epoch 8, so
@@ -460,14 +409,14 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
     Workload("depthwise", "MobileNet-style depthwise-separable CNN on CIFAR-shaped digits, val acc", depthwise,
              small_images_data, "val_acc", "max", 0.97, budget=6,
              lrs={"sgd": [0.03, 0.1, 0.3, 1.0], "adamw": [1e-3, 3e-3, 1e-2, 3e-2],
-                  **dict.fromkeys(("muon", "soap", "shampoo"), _grid(1e-3, 3e-3, 1e-2, 3e-2))},
+                  **dict.fromkeys(("muon", "soap", "shampoo"), [1e-3, 3e-3, 1e-2, 3e-2])},
              quick_budget=1, quick_lrs={"sgd": [0.1], "adamw": [1e-2]}),
     # examples/hf_gpt2.py's GPT-2 (vocabulary 50257, tied head) and data: 4 epochs of 10 steps by default (about 60 s
     # a run on 1 thread), --budget 8 for the configs' 80 steps. Target: tuned AdamW's median final val loss.
     Workload("gpt2", "transformers GPT-2 2x64, vocab 50257, tied head, 10 steps an epoch, val loss", gpt2, gpt2_data,
              "val_loss", "min", math.nan, budget=4,
              lrs={"sgd": [0.3, 1.0, 3.0], "adamw": [3e-3, 1e-2, 3e-2],
-                  **dict.fromkeys(("muon", "soap", "shampoo"), _grid(3e-3, 1e-2, 3e-2))},
+                  **dict.fromkeys(("muon", "soap", "shampoo"), [3e-3, 1e-2, 3e-2])},
              quick_budget=1, quick_lrs={"sgd": [1.0], "adamw": [1e-2]}, target_from="adamw"),
 )}
 
@@ -603,16 +552,14 @@ COLUMNS = [("optimizer", "optimizer", ""), ("lr", "lr", ".3g"), ("damping", "dam
 def recorded_sweep(paths: str | list[str], name: str) -> dict[str, Any]:
     """The baseline sweeps of workload ``name`` from earlier results.json files (``--baselines-from``, comma-separated).
 
-    Per optimizer and lr, the first file that swept it wins. Files written since the sweep runs are kept
-    (every run of 2026-11 on) give their sweep runs, which are re-scored here (a ``target_from`` workload needs
-    them: its target is recomputed from the merged runs); a file that only carries summaries (it reused a sweep
-    itself) gives its summary rows. All files must have the workload's same number of epochs. A ``runs.jsonl``
+    Per optimizer and lr, the first file that swept it wins; its sweep runs are re-scored here (a ``target_from``
+    workload's target is recomputed from the merged runs). All files must have the workload's same number of
+    epochs, and its runs (results.json files from before 2026-11-24 kept only summaries). A ``runs.jsonl``
     (the run-by-run log every invocation writes beside its results.json) gives the sweep runs it holds: what an
     interrupted invocation finished.
     """
     paths = [x for x in paths.split(",") if x] if isinstance(paths, str) else list(paths)
     runs: list[dict] = []
-    rows: dict[str, list[dict]] = {}
     have: set[tuple[str, float]] = set()
     epochs: set[int] = set()
     seeds: dict[str, list[int]] = {}
@@ -633,16 +580,16 @@ def recorded_sweep(paths: str | list[str], name: str) -> dict[str, Any]:
                     continue
                 have.add(key)
                 mine = [r for r in sweep_runs if r["tag"] == f"sweep {opt_name}" and math.isclose(r["lr"], key[1])]
-                if mine:
-                    runs += [{**r, "from": path} for r in mine]
-                else:
-                    rows.setdefault(opt_name, []).append({**srow, "from": path})
+                if not mine:
+                    raise SystemExit(f"--baselines-from {path}: its {name} sweep of {opt_name} lr {key[1]:g} has no"
+                                     " runs recorded (an old summary-only file): sweep again")
+                runs += [{**r, "from": path} for r in mine]
                 seeds.setdefault(path, res["seeds"])
     if not found:
         raise SystemExit(f"--baselines-from {paths}: no workload {name!r} in them")
     if len(epochs) > 1:
         raise SystemExit(f"--baselines-from {paths}: workload {name!r} was run for different epochs {sorted(epochs)}")
-    return {"path": ",".join(paths), "runs": runs, "rows": rows, "epochs": epochs.pop(), "seeds": seeds}
+    return {"path": ",".join(paths), "runs": runs, "epochs": epochs.pop(), "seeds": seeds}
 
 
 def _payload_from_jsonl(f: Any, name: str) -> dict[str, Any]:
@@ -660,12 +607,8 @@ def _payload_from_jsonl(f: Any, name: str) -> dict[str, Any]:
 
 
 def _recorded_lrs(recorded: dict[str, Any]) -> dict[str, list[float]]:
-    lrs: dict[str, set[float]] = {}
-    for r in recorded["runs"]:
-        lrs.setdefault(r["tag"].split(" ", 1)[1], set()).add(float(r["lr"]))
-    for o, rows in recorded["rows"].items():
-        lrs.setdefault(o, set()).update(float(x["lr"]) for x in rows)
-    return {o: sorted(v) for o, v in lrs.items()}
+    opts = dict.fromkeys(r["tag"].split(" ", 1)[1] for r in recorded["runs"])  # in recorded order
+    return {o: sorted({float(r["lr"]) for r in recorded["runs"] if r["tag"] == f"sweep {o}"}) for o in opts}
 
 
 def run_workload(w: Workload, seeds: list[int], quick: bool, budget: int | None, log: Callable[[str], None],
@@ -698,13 +641,11 @@ def run_workload(w: Workload, seeds: list[int], quick: bool, budget: int | None,
 
     # 1. baseline sweep, interleaved seed by seed and optimizer by optimizer, of the optimizers not recorded
     lrs: dict[str, list[float]] = {}
-    rows_only: dict[str, list[dict]] = {}
     if recorded is not None:
         if recorded["epochs"] != epochs:
             raise SystemExit(f"[{w.name}] --baselines-from ran {recorded['epochs']} epochs, this run {epochs}")
         runs += recorded["runs"]
         _retarget(w, runs)  # re-scored under this run's clock (and target)
-        rows_only = recorded["rows"]
         if CLOCK == "cpu" and any("cpu_seconds" not in h for r in recorded["runs"] for h in r["history"]):
             log(f"  [{w.name}] note: recorded runs without CPU seconds are timed by their wall-clock seconds")
         lrs.update(_recorded_lrs(recorded))
@@ -731,7 +672,7 @@ def run_workload(w: Workload, seeds: list[int], quick: bool, budget: int | None,
         nonlocal w
         if w.target_from is not None:
             w = _target_from_baseline(w, lrs, runs)
-        sweep, winners, edge = _rank_sweep(w, lrs, runs, rows_only)
+        sweep, winners, edge = _rank_sweep(w, lrs, runs)
         return w, sweep, winners, edge
 
     w, sweep, winners, edge = rank()
@@ -884,21 +825,15 @@ def _sweep(w: Workload, lrs: dict[str, list[float]], seeds: list[int], do: Calla
                     do(opt_name, grid[i], seed, None, f"sweep {opt_name}")
 
 
-def _rank_sweep(w: Workload, lrs: dict[str, list[float]], runs: list[dict], rows_only: dict[str, list[dict]] | None = None
-                ) -> tuple[dict, dict, dict]:
-    """The sweep's summaries per optimizer and lr (``rows_only``: recorded summaries without runs), the winners
-    (lowest rank_key per optimizer) and whether each winner is at the edge of its grid."""
-    rows_only = rows_only or {}
+def _rank_sweep(w: Workload, lrs: dict[str, list[float]], runs: list[dict]) -> tuple[dict, dict, dict]:
+    """The sweep's summaries per optimizer and lr, the winners (lowest rank_key per optimizer) and whether each
+    winner is at the edge of its grid."""
     sweep: dict[str, list[dict]] = {}
     for opt_name, grid in lrs.items():
         for lr in grid:
             rs = [r for r in runs if r["tag"] == f"sweep {opt_name}" and math.isclose(r["lr"], lr)]
             if rs:
                 sweep.setdefault(opt_name, []).append({"lr": lr, **summarize(w, rs)})
-            else:
-                sweep.setdefault(opt_name, []).extend(x for x in rows_only.get(opt_name, [])
-                                                      if math.isclose(x["lr"], lr))
-    sweep = {o: rs for o, rs in sweep.items() if rs}
     winners = {o: min(rs, key=lambda s: rank_key(w, s)) for o, rs in sweep.items()}
     edge = {o: len(sweep[o]) > 1 and any(math.isclose(winners[o]["lr"], x) for x in (sweep[o][0]["lr"], sweep[o][-1]["lr"]))
             for o in winners}
