@@ -944,7 +944,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sweep-seeds", default=None,
                    help="seeds of the damping sweep (default: all of --seeds); the other rows run every seed")
     p.add_argument("--kfac-rows", default=",".join(KFAC_ROWS),
-                   help="the K-FAC phase's optional rows, of reduce,damping ('' for none: the baseline re-runs and "
+                   help="the K-FAC phase's optional rows, of reduce,damping, or none (the baseline re-runs and "
                         "K-FAC() at its defaults always run)")
     p.add_argument("--plot-from", default=None, metavar="RESULTS_JSON,...",
                    help="run nothing: plot and print the workloads of earlier results.json files into --out")
@@ -952,7 +952,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help='further K-FAC rows: {"name": {KFAC option: value, ..., "lr_factor": x}, ...}')
     args = parse(p, argv, QUICK)
     split = lambda text: [x.strip() for x in (text or "").split(",") if x.strip()]  # noqa: E731
-    args.workloads, args.optimizers, args.kfac_rows = split(args.workloads), split(args.optimizers), split(args.kfac_rows)
+    args.workloads, args.optimizers = split(args.workloads), split(args.optimizers)
+    args.kfac_rows = [] if args.kfac_rows.strip() in ("", "none") else split(args.kfac_rows)
     args.seeds = [int(x) for x in split(args.seeds)]
     args.sweep_seeds = [int(x) for x in split(args.sweep_seeds)] if args.sweep_seeds else None
     for flag, given, known in (("--workloads", args.workloads, WORKLOADS), ("--optimizers", args.optimizers,

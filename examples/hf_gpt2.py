@@ -25,7 +25,8 @@ callback from YAML or the command line::
     python examples/hf_gpt2.py fit --config configs/hf_gpt2.yaml --kfac.damping=0.01
 
 (``spdkfac fit --config configs/hf_gpt2.yaml`` from the repository root is the same run.) Time to tuned AdamW's
-validation loss, 3 seeds: ``python benchmarks/hf_gpt2_tta.py`` (README, "GPT-2 from transformers").
+validation loss, 3 seeds: ``python benchmarks/time_to_accuracy.py --workloads gpt2 --budget 8 --optimizers adamw --kfac-rows none``
+(docs/results/time-to-accuracy.md, "GPT-2 from transformers").
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ class GPT2LM(TinyGPT):
 
 def bench_model(opt_name: str, lr: float, seed: int = 0) -> GPT2LM:
     """The model of configs/hf_gpt2*.yaml with ``opt_name`` at peak ``lr``, initial weights from ``seed``
-    (benchmarks/hf_gpt2_tta.py)."""
+    (benchmarks/time_to_accuracy.py's ``gpt2`` workload)."""
     return GPT2LM(optimizer=opt_name, lr=lr, init_seed=seed,
                   weight_decay=0.1 if opt_name == "adamw" else 5e-4)
 
