@@ -46,6 +46,7 @@ def _fit_digits(root: Path, *extra: str) -> subprocess.CompletedProcess:
 
 
 # ------------------------------------------------------------------------ K-FAC settings on the command line
+@pytest.mark.slow  # a CLI fit in a subprocess, 14 s: in make test-slow (CI runs it) to keep make test under 10 minutes
 def test_kfac_argument_from_the_command_line_keeps_the_other_callbacks(tmp_path):
     done = _fit_digits(tmp_path, "--kfac.damping=0.05")
     saved = yaml.safe_load((tmp_path / "config.yaml").read_text())  # what the run was built from
@@ -189,6 +190,7 @@ def test_validate_and_test_run_on_every_shipped_model(name, subcommand, isolated
 
 
 # ------------------------------------------------------------------------ spdkfac plan --model module:Class
+@pytest.mark.slow  # spdkfac plan in a subprocess, 12 s: in make test-slow (CI runs it) to keep make test under 10 minutes
 def test_plan_model_from_the_modules_folder(tmp_path):
     (tmp_path / "mymodule.py").write_text(textwrap.dedent("""\
         from torch import nn

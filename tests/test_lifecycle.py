@@ -191,6 +191,7 @@ def _fit_two_ranks(rank, world, in_configure_model):
     return params(model), sorted(cb.state_dict()["layers"])
 
 
+@pytest.mark.slow  # two gloo ranks through Lightning, 16 s: in make test-slow (CI runs it) to keep make test under 10 min
 def test_layers_built_in_configure_model_get_kfac_on_two_ranks():
     built = run_distributed(_fit_two_ranks, 2, True, timeout=120)
     ref = run_distributed(_fit_two_ranks, 2, False, timeout=120)

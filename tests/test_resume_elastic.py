@@ -83,6 +83,7 @@ def _uninterrupted(tmp_path, schedule="spd"):
     return full, ckpt
 
 
+@pytest.mark.slow  # two fits on two gloo ranks, 15 s: in make test-slow (CI runs it); one-process resume stays here
 def test_resume_on_two_processes_is_bitwise_the_uninterrupted_run(tmp_path):
     full, ckpt = _uninterrupted(tmp_path)
     resumed = run_distributed(fit, 2, 8, resume=str(ckpt), timeout=180)
