@@ -400,10 +400,14 @@ def set_threads(n: int | None) -> int:
     return torch.get_num_threads()
 
 
-def out_dir(args: argparse.Namespace, name: str, committed: str | os.PathLike | None = None) -> str:
+def out_dir(args: argparse.Namespace, name: str, committed: str | os.PathLike | None = None,
+            empty: bool = False) -> str:
     """Where a run writes: ``--out`` (created), else the committed folder under ``--refresh``, else a fresh
-    ``benchmarks/results/run-<stamp>-<name>/``."""
+    ``benchmarks/results/run-<stamp>-<name>/``. ``empty``: a ``--out`` that holds files is refused (the run
+    appends to what it writes there, so it never mixes with an earlier run's)."""
     if getattr(args, "out", None):
+        if empty and os.path.isdir(args.out) and os.listdir(args.out):
+            raise SystemExit(f"--out {args.out} exists and is not empty: results are never overwritten, give a new folder")
         os.makedirs(args.out, exist_ok=True)
         return str(args.out)
     if committed is not None and getattr(args, "refresh", False):

@@ -128,9 +128,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse(p, argv, quick={"reps": 1, "epochs": 1})
     if args.reps < 1 or args.epochs < 1:
         p.error("--repeats and --epochs must be >= 1")
-    if args.out is not None and Path(args.out).exists() and any(Path(args.out).iterdir()):
-        p.error(f"--out {args.out} exists and is not empty: results are never overwritten, give a new folder")
-    out = Path(out_dir(args, "telemetry_overhead"))
+    out = Path(out_dir(args, "telemetry_overhead", empty=True))
 
     set_threads(args.threads)
     logging.getLogger("pytorch_lightning").setLevel(logging.WARNING)

@@ -32,6 +32,7 @@ from _common import (
     bench_parser,
     env_info,
     interleave,
+    loadavg,
     mlp,
     parse,
     print_table,
@@ -86,10 +87,6 @@ def switch_cost_us(n: int = 20000) -> float:
     return (time.perf_counter() - t0) / n * 1e6
 
 
-def load() -> str:
-    return " ".join(f"{v:.2f}" for v in os.getloadavg())
-
-
 def run(args: argparse.Namespace) -> dict:
     steps = {(m, label): make_step(m, kind, cap, args.inv_every)
              for m in args.models for label, kind, _, cap in VARIANTS}
@@ -98,7 +95,7 @@ def run(args: argparse.Namespace) -> dict:
         torch.set_num_threads(threads[label])
         for _ in range(args.inv_every):
             fn()
-    loads = [load()]
+    loads = [loadavg(os.getloadavg())]
     proc: subprocess.Popen | None = None
 
     def block(busy: str, m: str, label: str, fn: Callable[[], None]) -> Callable[[], float]:
@@ -126,7 +123,7 @@ def run(args: argparse.Namespace) -> dict:
         if proc is not None:
             proc.kill()
             proc.wait()
-    loads.append(load())
+    loads.append(loadavg(os.getloadavg()))
     torch.set_num_threads(threads["kfac@2"])
     med = {k: spread(ts, 1e3) for k, ts in times.items()}
     rows = [{"model": m, "cpu": busy, "variant": label, "median_ms": s["median"], "min_ms": s["min"],

@@ -962,6 +962,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"{flag}: unknown {sorted(set(given) - set(known))}; known: {','.join(known)}")
     args.candidates = json.loads(args.candidates) if args.candidates else {}
     for cname, opts in args.candidates.items():
+        if cname in ("defaults", "reduce", "tuned"):  # the K-FAC phase's own rows carry these names
+            p.error(f"--candidates: {cname!r} names one of the K-FAC phase's own rows; give the candidate another name")
         try:  # fail now, not after hours of runs: every key but lr_factor/optimizer must be a KFAC() option
             KFAC(**candidate_kfac_options(opts))
         except (TypeError, ValueError) as e:
@@ -970,8 +972,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     budget = args.budget or ""
     args.budget = ({k.strip(): int(v) for k, v in (item.split("=") for item in split(budget))} if "=" in budget
                    else dict.fromkeys(args.workloads, int(budget)) if budget else {})
-    if args.out and os.path.exists(args.out) and os.listdir(args.out):
-        p.error(f"--out {args.out} exists and is not empty: give a fresh folder")
     return args
 
 
@@ -980,7 +980,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     CLOCK = args.clock
     set_threads(args.threads)
-    out = out_dir(args, "time_to_accuracy")
+    out = out_dir(args, "time_to_accuracy", empty=True)  # runs.jsonl is appended to
     if args.plot_from:
         results = []
         for path in args.plot_from.split(","):
