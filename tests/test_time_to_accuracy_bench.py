@@ -225,3 +225,25 @@ def test_candidates_checked_before_any_run(monkeypatch, capsys):
                                       "--candidates", '{"bad": {"no_such_option": 1}}', "--out", "/nonexistent/x"])
     with pytest.raises(SystemExit):
         tta.main()
+
+
+@pytest.mark.parametrize("candidates", ['{"reduce": {"damping": 0.1}}', '{"defaults": {}}', '{"tuned": {}}'])
+def test_a_candidate_may_not_take_a_built_in_rows_name(monkeypatch, capsys, candidates):
+    """A candidate named like one of the K-FAC phase's own rows would overwrite that row's summary and ratios."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    tta = importlib.import_module("time_to_accuracy")
+    monkeypatch.setattr(tta, "run_workload", lambda *a, **k: pytest.fail("ran a workload"))
+    with pytest.raises(SystemExit):
+        tta.main(["--workloads", "digits", "--candidates", candidates, "--out", "/nonexistent/x"])
+    assert "names one of the K-FAC phase's own rows" in capsys.readouterr().err
+
+
+def test_a_non_empty_out_folder_is_refused_before_any_run(monkeypatch, tmp_path):
+    """runs.jsonl is appended to: an --out holding an earlier run's files is refused, nothing runs."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    tta = importlib.import_module("time_to_accuracy")
+    monkeypatch.setattr(tta, "run_workload", lambda *a, **k: pytest.fail("ran a workload"))
+    (tmp_path / "runs.jsonl").write_text("{}\n")
+    with pytest.raises(SystemExit, match="exists and is not empty"):
+        tta.main(["--workloads", "digits", "--out", str(tmp_path)])
+    assert (tmp_path / "runs.jsonl").read_text() == "{}\n"
