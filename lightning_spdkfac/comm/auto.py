@@ -48,7 +48,7 @@ import torch.distributed as dist
 from ..factor_shapes import ShapeLike
 from ..kfac.distributor import Distributor, FactorKey, PendingInverses, Task
 from ._common import default_device
-from .faults import Work, wait_work
+from .faults import Work, stream_ordered, wait_work
 from .scheduler import SPDDistributor, SPDOptions
 
 __all__ = ["AUTO_SCHEDULES", "AutoDistributor", "candidates"]
@@ -211,7 +211,8 @@ class AutoDistributor(Distributor):
         t = torch.tensor(values, dtype=torch.float64, device=default_device(self.process_group))
         work: Work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.process_group, async_op=True)
         wait_work(work, self.options.comm_timeout_s, collective="all_reduce", phase=AUTO_PHASE,
-                  what="the candidates' median times", rank=self.rank, world_size=self.world_size)
+                  what="the candidates' median times", rank=self.rank, world_size=self.world_size,
+                  stream_only=stream_ordered(self.process_group))
         return [float(v) for v in t.cpu()]
 
     # ------------------------------------------------------------------ the active candidate does the work

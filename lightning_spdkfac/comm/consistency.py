@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from ..factor_shapes import ShapeLike, check_shapes
 from ._common import default_device, distributed_ready
-from .faults import PLAN_CHECK, Work, wait_work
+from .faults import PLAN_CHECK, Work, stream_ordered, wait_work
 
 __all__ = ["PLAN_PARTS", "PlanMismatchError", "check_plan_consistency", "plan_fingerprint"]
 
@@ -83,7 +83,7 @@ def _gather_objects(obj: object, process_group: dist.ProcessGroup | None, device
 
     def wait(work: Work, what: str) -> None:
         wait_work(work, timeout_s, collective="all_gather", phase=PLAN_CHECK, what=what, rank=rank,
-                  world_size=world_size)
+                  world_size=world_size, stream_only=stream_ordered(process_group))
 
     data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
     size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
@@ -148,7 +148,7 @@ def check_plan_consistency(
     wait_work(work, timeout_s, collective="all_gather", phase=PLAN_CHECK,
               what="the plan fingerprints (factor order, fusion groups, placement owners, shapes, K-FAC settings, "
                    "inverse broadcast order)",
-              rank=rank, world_size=world_size)
+              rank=rank, world_size=world_size, stream_only=stream_ordered(process_group))
     table = torch.stack(gathered).cpu()
     differs = table != table[0]
     if not bool(differs.any()):

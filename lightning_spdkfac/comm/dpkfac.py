@@ -19,8 +19,8 @@ sends a reduce of the factors (about half an all-reduce's volume with ring algor
 each preconditioned gradient (the size of the gradient), and no inverse.
 
 Two things every rank must still agree on, because they decide which collectives run: whether a step's factor
-update is skipped for non-finite values (only owners see their factors; :meth:`DPKFACDistributor.agree` is one
-all-reduce of one flag per factor step), and whether a layer was preconditioned at all (its owner may have no
+update is skipped for non-finite values (only owners see their factors; :meth:`DPKFACDistributor.agree_tensor` is one
+all-reduce of one flag per factor step, read with the finiteness verdict), and whether a layer was preconditioned at all (its owner may have no
 inverse yet): the broadcast payload carries a flag after the gradient.
 
 Checkpoints stay independent of the world size: :meth:`DPKFACDistributor.gather_layers` gives every rank every
@@ -37,12 +37,12 @@ import torch
 import torch.distributed as dist
 
 from ..factor_shapes import FactorShape, ShapeLike, numel, packed_numel, preconditioned_shape
-from ..kfac.distributor import Distributor, FactorKey, PendingInverses, Task
+from ..kfac.distributor import Distributor, FactorKey, PendingInverses, ReducedFactors, Task
 from ..schedule import plan_fusion, plan_layer_placement, preconditioned_order
 from ..schedule.layer_placement import LayerPlacement
 from ._common import NAN, default_device, global_rank
 from .executor import CollectiveExecutor
-from .faults import FINITE_AGREEMENT, PRECONDITIONED_BROADCAST, STATE_GATHER, Work, wait_work
+from .faults import FINITE_AGREEMENT, PRECONDITIONED_BROADCAST, STATE_GATHER, Work, stream_ordered, wait_work
 from .scheduler import SPDDistributor, SPDOptions
 
 __all__ = ["DPKFACDistributor", "GradientBroadcaster"]
@@ -265,7 +265,9 @@ class DPKFACDistributor(SPDDistributor):
     # ------------------------------------------------------------------ per step
     def reduce_factors(self, local: dict[FactorKey, torch.Tensor | None]) -> dict[FactorKey, torch.Tensor | None]:
         reduced = super().reduce_factors(local)
-        return {k: (v if self._owner[k[0]] == self.rank else None) for k, v in reduced.items()}
+        present = reduced.present if isinstance(reduced, ReducedFactors) else {}
+        return ReducedFactors({k: (v if self._owner[k[0]] == self.rank else None) for k, v in reduced.items()},
+                              {k: f for k, f in present.items() if self._owner[k[0]] == self.rank})
 
     def _check_owned(self, tasks: Sequence[Task]) -> None:
         stray = sorted({t[0] for t in tasks if self._owner[t[0]] != self.rank})
@@ -274,11 +276,13 @@ class DPKFACDistributor(SPDDistributor):
 
     def invert(self, tasks: Sequence[Task], invert_fn: Callable[[list[Task]], list[torch.Tensor]],
                on_ready: Callable[[int, str, torch.Tensor], None]) -> None:
-        """The owner inverts its layers here, one layer at a time (so each layer's gradient is preconditioned
-        and its broadcast launched before the next inversion); nothing is sent."""
+        """The owner inverts its layers here, all in one call (batched by size, one finiteness read: kfac/inverse.py),
+        then hands each over (its gradient is preconditioned and its broadcast launched at once); nothing is sent."""
         self._check_owned(tasks)
-        for task in tasks:
-            on_ready(task[0], task[1], invert_fn([task])[0])
+        if not tasks:
+            return
+        for task, inverse in zip(tasks, invert_fn(list(tasks)), strict=True):
+            on_ready(task[0], task[1], inverse)
 
     def invert_async(self, tasks: Sequence[Task],
                      invert_fn: Callable[[list[Task]], list[torch.Tensor]]) -> PendingInverses:
@@ -301,6 +305,18 @@ class DPKFACDistributor(SPDDistributor):
         self.timer.add("precondition_comm_wait", time.perf_counter() - t0)
         return out
 
+    def agree_tensor(self, ok: torch.Tensor) -> torch.Tensor:
+        """The AND over ranks of the boolean 0-dim ``ok``, on ``ok``'s device, without a host read (one MIN
+        all-reduce; the caller reads the verdict with whatever else it reads)."""
+        if not self._dist or self.world_size == 1:
+            return ok
+        flag = ok.to(device=self.device, dtype=torch.float32).reshape(1)
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.process_group, async_op=True)
+        wait_work(work, self.options.comm_timeout_s, collective="all_reduce", phase=FINITE_AGREEMENT,
+                  what="the finite-factor flag of this step", rank=self.rank, world_size=self.world_size,
+                  stream_only=stream_ordered(self.process_group))
+        return flag.reshape(()).eq(1.0).to(ok.device)
+
     def agree(self, ok: bool) -> bool:
         """True on every rank when ``ok`` is true on every rank (one all-reduce of one flag)."""
         if not self._dist or self.world_size == 1:
@@ -308,7 +324,8 @@ class DPKFACDistributor(SPDDistributor):
         flag = torch.tensor([1.0 if ok else 0.0], device=self.device)
         work = dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.process_group, async_op=True)
         wait_work(work, self.options.comm_timeout_s, collective="all_reduce", phase=FINITE_AGREEMENT,
-                  what="the finite-factor flag of this step", rank=self.rank, world_size=self.world_size)
+                  what="the finite-factor flag of this step", rank=self.rank, world_size=self.world_size,
+                  stream_only=stream_ordered(self.process_group))
         return bool(flag.item() == 1.0)
 
     def gather_layers(self, held: dict[int, LayerTensors], shapes: Sequence[tuple[FactorShape, ...]],
@@ -351,7 +368,7 @@ class DPKFACDistributor(SPDDistributor):
 
     def _wait_state(self, work: Work, what: str) -> None:
         wait_work(work, self.options.comm_timeout_s, collective="broadcast", phase=STATE_GATHER, what=what,
-                  rank=self.rank, world_size=self.world_size)
+                  rank=self.rank, world_size=self.world_size, stream_only=stream_ordered(self.process_group))
 
     def describe(self) -> dict[str, Any]:
         out = super().describe()

@@ -5,7 +5,8 @@ a *step* of fused factor all-reduces, :class:`~.broadcast.InverseBroadcaster` a 
 broadcasts. What happens when one of those collectives goes wrong is the same for both, and lives here:
 
 * Every wait is bounded by ``timeout`` seconds (:meth:`CollectiveExecutor._wait`, through
-  :func:`~.faults.wait_work`); a launch goes through :meth:`CollectiveExecutor._issue`.
+  :func:`~.faults.wait_work`): a host wait on gloo, a stream-ordered one on NCCL (bounded there by the process
+  group's watchdog timeout); a launch goes through :meth:`CollectiveExecutor._issue`.
 * A collective that cannot be launched, fails, or does not complete in time raises
   :class:`~.faults.KFACCommError` naming the phase, the collective, what it carried (``_describe``), the
   rank and the timeout, and **abandons** the unit: the collectives still pending are not waited again, and
@@ -35,7 +36,7 @@ import torch.distributed as dist
 from .. import validation as val
 from ..factor_shapes import FactorShape, ShapeLike, check_shapes, side
 from ._common import distributed_ready
-from .faults import TIMEOUT_ACCEPTED, KFACCommError, Work, comm_error, wait_work
+from .faults import TIMEOUT_ACCEPTED, KFACCommError, Work, comm_error, stream_ordered, wait_work
 
 __all__ = ["CollectiveExecutor"]
 
@@ -81,6 +82,7 @@ class CollectiveExecutor(ABC):
         self._distributed = distributed_ready(process_group)
         self.world_size = dist.get_world_size(process_group) if self._distributed else 1
         self.rank = dist.get_rank(process_group) if self._distributed else 0
+        self._stream_only = stream_ordered(process_group) if self._distributed else False  # NCCL: no host waits
 
     # ------------------------------------------------------------------------- what subclasses provide
     @abstractmethod
@@ -150,7 +152,7 @@ class CollectiveExecutor(ABC):
         abandons the unit and raises :class:`KFACCommError`."""
         try:
             wait_work(work, self.timeout, collective=self.collective, phase=self.phase, what=self._describe(key),
-                      rank=self.rank, world_size=self.world_size)
+                      rank=self.rank, world_size=self.world_size, stream_only=self._stream_only)
         except KFACCommError as error:
             self._fail(error)
             raise

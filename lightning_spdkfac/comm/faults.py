@@ -9,10 +9,12 @@ stalls (or issued a different collective), the wait ends at the timeout. Either 
 rank, the world size and the timeout, with the backend's exception as ``__cause__``.
 
 Backends: with gloo (CPU tensors) ``Work.wait(timeout)`` blocks the host and raises at the deadline,
-leaving the collective queued in gloo (the executors then abandon it: see :mod:`.executor`). With NCCL,
-``Work.wait`` only orders the current CUDA stream behind the collective unless ``TORCH_NCCL_BLOCKING_WAIT=1``
-is set, so the bound that applies there is the process group's own timeout (NCCL's watchdog); the error
-path is the same.
+leaving the collective queued in gloo (the executors then abandon it: see :mod:`.executor`). With NCCL a
+``Work.wait(timeout)`` would busy-wait on the host until the kernel is done, so there :func:`wait_work` calls
+``Work.wait()`` with no timeout (``stream_only=True``, chosen per process group by :func:`stream_ordered`): the
+current CUDA stream is ordered behind the collective and the host goes on. The bound that applies there is the
+process group's own timeout (NCCL's watchdog, which the strategies set to ``comm_timeout_s``); its errors ("Watchdog
+caught collective operation timeout ... ran for ... milliseconds before timing out") are recognised as timeouts.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ __all__ = [
     "TIMEOUT_ACCEPTED",
     "Work",
     "comm_error",
+    "stream_ordered",
     "wait_work",
 ]
 
@@ -78,10 +81,30 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}"
 
 
+_TIMEOUT_WORDS = (
+    "timed out",  # gloo's Work.wait(timeout): "Operation timed out!"; its process-group timeout: "Timed out waiting"
+    "timing out",  # NCCL's watchdog: "WorkNCCL(SeqNum=..., OpType=ALLREDUCE, ...) ran for 600015 milliseconds before
+    "collective operation timeout",  # timing out"; "Watchdog caught collective operation timeout: ..."
+    "nccl timeout",
+)
+
+
 def _is_timeout(exc: BaseException) -> bool:
-    # gloo's Work.wait(timeout): "Operation timed out!"; gloo's own (process-group) timeout: "Timed out
-    # waiting ... for recv operation to complete"; NCCL blocking wait: "... timed out ...".
-    return "timed out" in str(exc).lower()
+    text = str(exc).lower()
+    return any(word in text for word in _TIMEOUT_WORDS)
+
+
+def stream_ordered(process_group: object | None) -> bool:
+    """Whether waits on ``process_group``'s collectives order the current CUDA stream instead of blocking the host
+    (NCCL); False for host backends (gloo) and without torch.distributed."""
+    import torch.distributed as dist  # (local: this module is also imported where torch.distributed is not set up)
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    try:
+        return str(dist.get_backend(process_group)).lower() == "nccl"  # type: ignore[arg-type]
+    except (RuntimeError, ValueError):  # a group this rank is not in
+        return False
 
 
 def comm_error(exc: BaseException, *, collective: str, phase: str, what: str, rank: int, world_size: int,
@@ -109,11 +132,12 @@ def comm_error(exc: BaseException, *, collective: str, phase: str, what: str, ra
 
 
 def wait_work(work: Work, timeout_s: float, *, collective: str, phase: str, what: str, rank: int,
-              world_size: int) -> None:
+              world_size: int, stream_only: bool = False) -> None:
     """``work.wait()``, bounded by ``timeout_s`` seconds; a failure or timeout raises :class:`KFACCommError`
-    (with the backend's exception as ``__cause__``)."""
+    (with the backend's exception as ``__cause__``). ``stream_only`` (NCCL, :func:`stream_ordered`): no host wait,
+    the current stream is ordered behind the collective, bounded by the process group's watchdog timeout."""
     try:
-        done = work.wait(timeout=timedelta(seconds=timeout_s))
+        done = work.wait() if stream_only else work.wait(timeout=timedelta(seconds=timeout_s))
         if done is False:  # a backend that reports the timeout instead of raising it
             raise TimeoutError(f"Work.wait timed out after {timeout_s:g} s")
     except Exception as exc:  # noqa: BLE001 - every backend error becomes one that names the collective

@@ -95,8 +95,10 @@ class FusedAllReduce(CollectiveExecutor):
             ``result_dtype``).
         op: ``"average"`` (sum, then divide by the number of contributing ranks) or ``"sum"``.
         allow_missing: allow ``submit(i, None)`` on a rank without data for factor i: one count per
-            factor travels with its group, the average is over the ranks that had data and the result is
-            None where no rank had any (one host read of the counts per group at wait).
+            factor travels with its group, the average is over the ranks that had data (divided on the
+            device) and the result is None where no rank had any: one host read of every group's counts at
+            the end of :meth:`wait`, or none with ``wait(defer_missing=True)``, which returns every result as a
+            tensor (zeros where no rank had data) and leaves the verdict on the device in :attr:`last_present`.
         result_dtype: dtype of the results; None: the submitted matrix's dtype (float32 for None).
         device: buffer device for a group whose members were all None on this rank (default: the
             current GPU with NCCL, else CPU); other buffers live with the submitted matrices.
@@ -171,6 +173,10 @@ class FusedAllReduce(CollectiveExecutor):
             self._numel.append(off + (len(members) if self.allow_missing else 0))
 
         self.last_timings: StepTimings | None = None
+        # allow_missing, wait(defer_missing=True): per factor index, a 0-dim bool device tensor, True where some
+        # rank had data (None for a group reduced to another rank); set by each wait().
+        self.last_present: list[torch.Tensor | None] = [None] * n
+        self._sizes_cache: dict[tuple[int, torch.device], torch.Tensor] = {}
         self._clear()
 
     # ------------------------------------------------------------------------------------ inspection
@@ -183,6 +189,7 @@ class FusedAllReduce(CollectiveExecutor):
         self._present = [False] * n
         self._out_dtype: list[torch.dtype | None] = [None] * n
         self._results: dict[int, torch.Tensor | None] = {}
+        self._counts: list[torch.Tensor | None] = [None] * m
         self._launch_order: list[int] = []
         self._launched = [False] * m
         self._next_launch = 0
@@ -303,8 +310,14 @@ class FusedAllReduce(CollectiveExecutor):
                     off = self._offset[i]
                     buf[off:off + packed_numel(self.shapes[i])].zero_()
         if self.allow_missing:
-            flags = torch.tensor([1.0 if self._present[i] else 0.0 for i in members], dtype=self.dtype)
-            buf[self._numel[g] - len(members):].copy_(flags)
+            # One fill per run of equal flags (one kernel when every member is here): never a host tensor copied
+            # into the buffer, which would block the host inside the hook that launches the group.
+            flags = buf[self._numel[g] - len(members):]
+            start = 0
+            for end in range(1, len(members) + 1):
+                if end == len(members) or self._present[members[end]] != self._present[members[start]]:
+                    flags[start:end].fill_(1.0 if self._present[members[start]] else 0.0)
+                    start = end
         work: Work
         if self._distributed and self.destinations is not None:
             dst = global_rank(self.process_group, self.destinations[g])
@@ -358,25 +371,59 @@ class FusedAllReduce(CollectiveExecutor):
         tri = buf[: self._numel[g] - (len(members) if self.allow_missing else 0)]
         if tri.dtype in (torch.bfloat16, torch.float16):
             tri = tri.to(torch.float32)  # divide in float32: no second rounding to the comm dtype
-        counts: list[float] | None = None
         if self.allow_missing:
-            counts = buf[tri.numel():].tolist()  # the one host read of this group
+            # The counts stay on the device: each member is divided by max(its count, 1) there (a member no rank
+            # had is zeros on every rank), and whether any rank had it is kept as a device flag.
+            counts = buf[tri.numel():].to(torch.float32, copy=True)
+            self._counts[g] = counts
+            if self.op == "average":
+                divisors = counts.clamp(min=1.0)
+                if len(members) == 1:
+                    tri.div_(divisors)
+                else:
+                    tri.div_(torch.repeat_interleave(divisors, self._segment_sizes(g, buf.device),
+                                                     output_size=tri.numel()))
         elif self.op == "average" and self.world_size != 1:
             tri.div_(self.world_size)  # ours to modify: a view of the group buffer or a fresh copy
         results: list[torch.Tensor | None] = []
-        for k, i in enumerate(members):
+        for i in members:
             shape = self.shapes[i]
             off = self._offset[i]
             seg = tri[off:off + packed_numel(shape)]
-            if counts is not None:
-                if counts[k] == 0:
-                    results.append(None)
-                    continue
-                if self.op == "average" and counts[k] != 1:
-                    seg = seg.div_(counts[k])
             out = torch.empty(shape, dtype=self._out_dtype[i], device=buf.device)
             results.append(unpack_factors(seg, [shape], out=[out])[0])
         return self._done(g, results)
+
+    def _segment_sizes(self, g: int, device: torch.device) -> torch.Tensor:
+        """Group ``g``'s members' packed sizes as a device tensor, made once (not on every step's hot path)."""
+        key = (g, device)
+        sizes = self._sizes_cache.get(key)
+        if sizes is None:
+            sizes = torch.tensor([packed_numel(self.shapes[i]) for i in self.groups[g]], dtype=torch.int64,
+                                 device=device)
+            self._sizes_cache[key] = sizes
+        return sizes
+
+    def _resolve_missing(self, results: list[torch.Tensor | None], defer: bool) -> list[torch.Tensor | None]:
+        """allow_missing at the end of a step: :attr:`last_present` from the counts; unless ``defer``, None for a
+        factor no rank had (one host read for every group)."""
+        present: list[torch.Tensor | None] = [None] * len(self.sides)
+        reduced = [g for g, counts in enumerate(self._counts) if counts is not None]
+        flags = [self._counts[g].gt(0.0) for g in reduced]  # type: ignore[union-attr]
+        for g, f in zip(reduced, flags):
+            for k, i in enumerate(self.groups[g]):
+                present[i] = f[k]
+        self.last_present = present
+        if defer or not flags:
+            return results
+        here = torch.cat(flags).tolist()  # the one host read of the step's counts
+        pos = 0
+        for g in reduced:
+            for i in self.groups[g]:
+                if not here[pos]:
+                    results[i] = None
+                pos += 1
+        return results
 
     def _done(self, g: int, results: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
         for i, r in zip(self.groups[g], results):
@@ -386,8 +433,12 @@ class FusedAllReduce(CollectiveExecutor):
         self._waited[g] = True
         return results
 
-    def wait(self) -> list[torch.Tensor | None]:
+    def wait(self, defer_missing: bool = False) -> list[torch.Tensor | None]:
         """Block on every group (in launch order); the step's averaged factors, in index order.
+
+        With ``allow_missing``, a factor no rank had is None, decided by one host read of every group's counts
+        together; ``defer_missing=True`` skips that read: such a factor comes back as zeros and the verdicts stay
+        on the device, in :attr:`last_present`, for the caller to read with whatever else it reads.
 
         Raises RuntimeError naming the factors never submitted (nothing is waited then, so the caller
         may still submit them and wait again), and KFACCommError when an all-reduce fails or times out
@@ -404,6 +455,8 @@ class FusedAllReduce(CollectiveExecutor):
             self.wait_group(g)
         with self._lock:
             results = [self._results[i] for i in range(len(self.sides))]
+            if self.allow_missing:
+                results = self._resolve_missing(results, defer_missing)
             self.last_timings = self.timings()
             self._end()
         return results

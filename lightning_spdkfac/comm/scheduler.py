@@ -36,7 +36,7 @@ from torch.profiler import record_function
 
 from .. import validation as val
 from ..factor_shapes import FactorShape, ShapeLike, check_shapes, is_diagonal, packed_numel, side
-from ..kfac.distributor import Distributor, FactorKey, Inverse, PendingInverses, Task
+from ..kfac.distributor import Distributor, FactorKey, Inverse, PendingInverses, ReducedFactors, Task
 from ..schedule import (
     AlphaBeta,
     InverseCost,
@@ -63,7 +63,9 @@ from ..vocabulary import (
 )
 from ._common import default_device, distributed_ready
 from .broadcast import InverseBroadcaster
+from .clock import clock_for
 from .consistency import check_plan_consistency
+from .faults import INVERSE_BROADCAST, stream_ordered, wait_work
 from .fused import FusedAllReduce, StepTimings
 from .profile import broadcast_object, measure_allreduce, measure_broadcast, probe_sizes
 
@@ -282,8 +284,11 @@ class SPDDistributor(Distributor):
         self._measuring = False
         self._profile_window = options.profile_steps
         self._timings: list[dict[FactorKey, float]] = []
-        self._t_begin = 0.0
-        self._step_ready: dict[FactorKey, float] = {}
+        # Ready times of the measured steps (DTF): stamps of one clock, CUDA events on a GPU (comm/clock.py), turned
+        # into seconds once at the end of each measured step.
+        self._clock = clock_for(self.device)
+        self._t_begin: object = None
+        self._step_ready: dict[FactorKey, object] = {}
         self._held: dict[FactorKey, torch.Tensor | None] = {}
         self.plan_groups: tuple[tuple[int, ...], ...] = ()
         self.placement_owners: tuple[int, ...] = ()
@@ -318,6 +323,12 @@ class SPDDistributor(Distributor):
         ranks = dist.get_process_group_ranks(self.process_group) if self.process_group is not None else None
         self._async_group = dist.new_group(ranks=ranks, backend=dist.get_backend(self.process_group),
                                            timeout=timedelta(seconds=self.options.comm_timeout_s))
+        # Initialised now, from this (the training) thread, by one tiny collective: NCCL creates a communicator at
+        # its first collective, which must not be an inverse broadcast in the middle of a step.
+        probe = torch.zeros(1, device=self.device)
+        wait_work(dist.all_reduce(probe, group=self._async_group, async_op=True), self.options.comm_timeout_s,
+                  collective="all_reduce", phase=INVERSE_BROADCAST, what="the asynchronous group's first collective",
+                  rank=self.rank, world_size=self.world_size, stream_only=stream_ordered(self._async_group))
 
     def use_async_inverses(self) -> bool:
         own = self.options.async_inverses
@@ -451,13 +462,13 @@ class SPDDistributor(Distributor):
                 self.pipelined = True  # hand factors over from the hooks, to time them
         self._held = {}
         self._step_ready = {}
-        self._t_begin = time.perf_counter()
+        self._t_begin = self._clock.stamp() if self._measuring else None
         self._fused.begin_step()
 
     def factor_final(self, index: int, which: str, matrix: torch.Tensor | None) -> None:
         key = (index, which)
         if self._measuring:
-            self._step_ready[key] = time.perf_counter() - self._t_begin
+            self._step_ready[key] = self._clock.stamp()  # no host read in the hook: seconds at the step's end
             self._held[key] = matrix
         else:
             self._fused.submit(self.position[key], matrix)
@@ -469,13 +480,17 @@ class SPDDistributor(Distributor):
             for key in sorted(pending, key=self.position.__getitem__):  # plan order: groups launch in order
                 self._fused.submit(self.position[key], pending[key])
             t1 = time.perf_counter()
-            reduced = self._fused.wait()
+            reduced = self._fused.wait(defer_missing=True)  # presence stays on the device: no host read here
         self._account_factor_comm(self._fused.last_timings, pack_seconds=t1 - t0)
         self._held = {}
         if self._measuring and self.factor_steps >= self._profile_window[0] and self._step_ready:
-            self._timings.append(dict(self._step_ready))
+            keys = list(self._step_ready)
+            seconds = self._clock.seconds(self._t_begin, [self._step_ready[k] for k in keys])
+            self._timings.append(dict(zip(keys, seconds)))
         self.factor_steps += 1
-        return {key: reduced[self.position[key]] for key in self.order}
+        present = self._fused.last_present
+        flags = {key: flag for key in self.order if (flag := present[self.position[key]]) is not None}
+        return ReducedFactors({key: reduced[self.position[key]] for key in self.order}, flags)
 
     def _account_factor_comm(self, t: StepTimings | None, pack_seconds: float) -> None:
         """Split the step's factor communication into exposed wait, packing and in-flight time."""
@@ -516,11 +531,27 @@ class SPDDistributor(Distributor):
         if all(o == -1 for o in owners):
             super().invert(tasks, invert_fn, on_ready)
             return
-        bc, order = self._broadcaster(tasks, owners, self.process_group)
+        computed = self._compute(tasks, owners, invert_fn)
+        self._exchange(tasks, owners, computed, self.process_group, on_ready)
+
+    def _compute(self, tasks: Sequence[Task], owners: Sequence[int],
+                 invert_fn: Callable[[list[Task]], list[torch.Tensor]]) -> dict[int, torch.Tensor]:
+        """This rank's inverses of the round (the factors it owns, and the replicated ones), by position in
+        ``tasks``: one call of ``invert_fn`` for all of them, so that they are inverted batched by size with one
+        finiteness read (kfac/inverse.py), not one factor (and one host read) at a time."""
+        mine = [i for i, o in enumerate(owners) if o in (-1, self.rank)]
+        if not mine:
+            return {}
+        return dict(zip(mine, invert_fn([tasks[i] for i in mine]), strict=True))
+
+    def _exchange(self, tasks: Sequence[Task], owners: list[int], computed: dict[int, torch.Tensor],
+                  group: dist.ProcessGroup | None, on_ready: Callable[[int, str, torch.Tensor], None]) -> None:
+        """Broadcast the owned inverses of ``computed`` and receive the others, in the order every rank issues them;
+        ``on_ready`` for each as soon as it is here (replicated and own ones first), so the preconditioner works on
+        those layers while later broadcasts are still in flight."""
+        bc, order = self._broadcaster(tasks, owners, group)
         bc.begin_round()
-        bc.exchange(lambda i: invert_fn([tasks[i]])[0])
-        # Hand each inverse over as soon as it is here (replicated and own ones first), so the
-        # preconditioner works on those layers while later broadcasts are still in flight.
+        bc.exchange(computed.pop)
         arrival = [i for i in range(len(tasks)) if owners[i] in (-1, self.rank)]
         arrival += [i for i in order if owners[i] != self.rank]
         for i in arrival:
@@ -533,24 +564,31 @@ class SPDDistributor(Distributor):
 
     def invert_async(self, tasks: Sequence[Task],
                      invert_fn: Callable[[list[Task]], list[torch.Tensor]]) -> PendingInverses:
-        """:meth:`invert`'s round on a worker thread, its broadcasts on the asynchronous group (issued there in the
-        same order on every rank, and nothing else is issued on that group meanwhile)."""
+        """:meth:`invert`'s round with its computation on a worker thread, which only computes. The broadcasts are
+        issued by the caller's (training) thread when it waits for the round (the next step's ``step()``, the same
+        point on every rank), on the asynchronous group, in the same order on every rank: collectives never leave
+        the threads NCCL allows them on."""
         tasks = list(tasks)
         owners = self._owners(tasks)
         if all(o == -1 for o in owners):
             return super().invert_async(tasks, invert_fn)
         self._new_async_group()  # (created at setup whenever async inverses are on from the start)
-        bc, _ = self._broadcaster(tasks, owners, self._async_group)
+        mine = [i for i, o in enumerate(owners) if o in (-1, self.rank)]
 
-        def run() -> list[Inverse]:
-            bc.begin_round()
-            bc.exchange(lambda i: invert_fn([tasks[i]])[0])
-            inverses = bc.wait_all()
-            return [(t[0], t[1], inverses[i]) for i, t in enumerate(tasks)]
+        def run() -> list[Inverse]:  # the worker: compute only
+            computed = self._compute(tasks, owners, invert_fn)
+            return [(tasks[i][0], tasks[i][1], inverse) for i, inverse in computed.items()]
+
+        def then(results: list[Inverse]) -> list[Inverse]:  # the caller's thread: the broadcasts
+            computed = {i: inverse for i, (_, _, inverse) in zip(mine, results, strict=True)}
+            arrived: dict[FactorKey, torch.Tensor] = {}
+            self._exchange(tasks, owners, computed, self._async_group,
+                           lambda index, which, inverse: arrived.__setitem__((index, which), inverse))
+            return [(t[0], t[1], arrived[(t[0], t[1])]) for t in tasks]
 
         # The factors' device decides the worker's stream (a CUDA side stream for CUDA factors), as in one process.
-        return PendingInverses(run, tasks[0][2].device, timeout=self.options.comm_timeout_s,
-                               what=f"K-FAC asynchronous inversions and inverse broadcasts (rank {self.rank})")
+        return PendingInverses(run, tasks[0][2].device, timeout=self.options.comm_timeout_s, then=then,
+                               what=f"K-FAC asynchronous inversions (rank {self.rank})")
 
     def _broadcast_order(self, tasks: Sequence[Task], owners: Sequence[int], sides: Sequence[FactorShape]
                          ) -> list[int]:

@@ -66,31 +66,55 @@ Task = tuple[int, str, torch.Tensor]
 Inverse = tuple[int, str, torch.Tensor]  # (layer index, "A" or "G", its inverse)
 
 
+_SIDE_STREAMS: dict[torch.device, Any] = {}
+_SIDE_STREAMS_LOCK = threading.Lock()
+
+
+def side_stream(device: torch.device) -> Any:
+    """The one persistent side stream of the inverse worker on ``device`` (a CUDA device). One, not one per launch:
+    the caching allocator keeps its blocks per stream, so a new stream per inverse step would grow reserved memory
+    until an allocation fails and the cache is flushed (a device-wide synchronisation)."""
+    with _SIDE_STREAMS_LOCK:
+        stream = _SIDE_STREAMS.get(device)
+        if stream is None:
+            stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+        return stream
+
+
 class PendingInverses:
-    """Inversions (and, distributed, their broadcasts) running on a worker thread.
+    """Inversions running on a worker thread, which only computes: it never communicates.
 
-    ``run()`` is called once on a worker thread; on CUDA it runs on a side stream of ``device`` that first
-    waits for the work already queued on the current stream (which produced the factors), and the stream is
-    synchronized before the result is published, so what :meth:`wait` returns is complete. torch releases the
-    GIL in its kernels: on CPU the inversions run on another core while the caller's thread goes on with the
-    optimizer step and the next forward/backward.
+    ``run()`` is called once on a worker thread; on CUDA it runs on the device's persistent side stream
+    (:func:`side_stream`), which first waits for the work already queued on the current stream (which produced the
+    factors), and the stream is synchronized (on the worker) before the result is published, so what :meth:`wait`
+    returns is complete. torch releases the GIL in its kernels: on CPU the inversions run on another core while the
+    caller's thread goes on with the optimizer step and the next forward/backward.
 
-    :meth:`wait` returns ``run()``'s result or raises its exception (the worker's errors surface on the
-    caller's thread, with their traceback). ``timeout`` (seconds, None: unbounded) bounds that wait: a worker
-    that is not done by then is abandoned (its result, should it still come, is never read) and
-    :class:`TimeoutError` raised.
+    ``then(result)``, if given, runs on the caller's thread inside :meth:`wait`, after the worker is done: that is
+    where a distributed schedule issues the inverse broadcasts (NCCL does not allow collectives issued from several
+    threads on several communicators, and every rank must issue them in the same order: the wait point of a step is
+    the same on every rank). Its result is what :meth:`wait` returns.
+
+    :meth:`wait` returns that result or raises the worker's exception (its errors surface on the caller's thread,
+    with their traceback). ``timeout`` (seconds, None: unbounded) bounds the wait for the worker: a worker that is
+    not done by then is abandoned (its result, should it still come, is never read) and :class:`TimeoutError`
+    raised.
     """
 
     def __init__(self, run: Callable[[], list[Inverse]], device: torch.device, *, timeout: float | None = None,
-                 what: str = "K-FAC asynchronous inversions") -> None:
+                 what: str = "K-FAC asynchronous inversions",
+                 then: Callable[[list[Inverse]], list[Inverse]] | None = None) -> None:
         self.timeout = timeout
         self.what = what
         self.seconds = 0.0  # the worker's wall time (set when it ends)
+        self._then = then
         self._result: list[Inverse] | None = None
         self._error: BaseException | None = None
         self._done = threading.Event()
         self._event = None
+        self._stream = None
         if device.type == "cuda":  # the factors are produced on the caller's stream: the side stream waits for it
+            self._stream = side_stream(device)
             self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             self._event.record(torch.cuda.current_stream(device))
         self._device = device
@@ -103,7 +127,8 @@ class PendingInverses:
         t0 = time.perf_counter()
         try:
             if self._event is not None:
-                stream = torch.cuda.Stream(self._device)  # type: ignore[no-untyped-call]
+                stream = self._stream
+                assert stream is not None  # set with the event
                 stream.wait_event(self._event)
                 with torch.cuda.stream(stream):
                     self._result = run()
@@ -133,7 +158,21 @@ class PendingInverses:
             current = torch.cuda.current_stream(self._device)
             for _, _, inverse in self._result:
                 inverse.record_stream(current)
+        if self._then is not None:  # on the caller's thread: the broadcasts of a distributed schedule
+            then, self._then = self._then, None
+            self._result = then(self._result)
         return self._result
+
+
+class ReducedFactors(dict[FactorKey, "torch.Tensor | None"]):
+    """What ``reduce_factors`` returns when whether any rank had data for a factor is still on the device: every
+    value that is a tensor may stand for "no rank had data" (then it holds zeros), which ``present[key]`` (a 0-dim
+    boolean device tensor) tells; the preconditioner reads those flags with the step's finiteness verdict, in one
+    host read, and treats a factor whose flag is false as None."""
+
+    def __init__(self, values: dict[FactorKey, torch.Tensor | None], present: dict[FactorKey, torch.Tensor]) -> None:
+        super().__init__(values)
+        self.present = present
 
 
 class Distributor:

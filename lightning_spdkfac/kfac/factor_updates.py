@@ -6,7 +6,7 @@ non-finite values and folded into the running averages (locally, or averaged ove
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -14,7 +14,7 @@ import torch
 from .. import validation as val
 from ..telemetry import StepTimer
 from . import factors
-from .distributor import Distributor, FactorKey
+from .distributor import Distributor, FactorKey, ReducedFactors
 from .layer_state import KFACLayer
 
 
@@ -32,10 +32,14 @@ class FactorUpdates:
 
         def _warn_once(self, layer: str, key: str, message: str) -> None: ...
 
-        def _g_scale(self) -> float: ...
+        def _g_scale(self) -> float | torch.Tensor: ...
 
         def _check_finite(self, extra: list[torch.Tensor], labels: list[tuple[KFACLayer, str, bool]],
-                          agree: Callable[[bool], bool] | None = None) -> bool: ...
+                          agree: Callable[[torch.Tensor], torch.Tensor] | None = None) -> bool: ...
+
+        def _check_finite_flags(self, extra: list[torch.Tensor], labels: list[tuple[KFACLayer, str, bool]],
+                                agree: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                                flags: Sequence[torch.Tensor] = ()) -> tuple[bool, list[bool]]: ...
 
     def _collected_layers(self) -> list[KFACLayer]:
         """The layers whose statistics of this step make a factor update: as many backward as forward
@@ -108,8 +112,15 @@ class FactorUpdates:
         # (every rank, every factor step, even one that received nothing), so every rank skips together.
         diagonals = [factors.trace_sum(m) for _, A, G in ready for m in (A, G)]
         labels = [(layer, which, True) for layer, _, _ in ready for which in ("A", "G")]
-        agree = self.distributor.agree if self._owners is not None else None  # type: ignore[attr-defined]
-        if not self._check_finite(diagonals, labels, agree) or not ready:
+        agree = self.distributor.agree_tensor if self._owners is not None else None  # type: ignore[attr-defined]
+        # Whether any rank had data for each factor (a reduction that left it on the device) is read with the
+        # finiteness verdict: one host read for the whole factor step.
+        present = reduced.present if isinstance(reduced, ReducedFactors) else None
+        flags = [present[(layer.index, w)] for layer, _, _ in ready for w in ("A", "G")] if present else []
+        fine, here = self._check_finite_flags(diagonals, labels, agree, flags)
+        if flags:
+            ready = [r for k, r in enumerate(ready) if here[2 * k] and here[2 * k + 1]]
+        if not fine or not ready:
             return
         decay = val.resolve("factor_decay", self.factor_decay, k, val.DECAY)
         for layer, A, G in ready:

@@ -9,7 +9,7 @@ such steps in a row. It is a part of :class:`~lightning_spdkfac.kfac.KFACPrecond
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -41,36 +41,48 @@ class NonFiniteGuard:
         sums += [_sum32(p.grad) for p in self._other_params if p.grad is not None]
         return sums
 
-    def _finite(self, extra: list[torch.Tensor]) -> tuple[bool, bool]:
-        """One host sync: (are all gradients finite, are all the ``extra`` scalars finite)."""
+    def _finite(self, extra: list[torch.Tensor], agree: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                flags: Sequence[torch.Tensor] = ()) -> tuple[bool, bool, bool, list[bool]]:
+        """One host read: (are all gradients finite, are all the ``extra`` scalars finite here, and over every
+        rank with ``agree``, and the boolean device ``flags`` read along)."""
         sums = self._grad_sums()
         n = len(sums)
-        if not sums and not extra:
-            return True, True
-        ok = torch.isfinite(torch.stack([s.float() for s in sums + list(extra)]))
-        grads_ok, extra_ok = torch.stack([ok[:n].all(), ok[n:].all()]).tolist()
-        return grads_ok, extra_ok
+        if not sums and not extra and agree is None and not flags:
+            return True, True, True, []
+        scalars = [s.float() for s in sums + list(extra)]
+        ok = torch.isfinite(torch.stack(scalars)) if scalars else torch.ones(0, dtype=torch.bool)
+        local = ok[n:].all()
+        verdicts = [ok[:n].all(), local, agree(local) if agree is not None else local]
+        read = torch.cat([torch.stack(verdicts), torch.stack(list(flags)).reshape(-1)]) if flags else torch.stack(
+            verdicts)
+        values = read.tolist()  # the one host read of a factor step
+        return bool(values[0]), bool(values[1]), bool(values[2]), [bool(v) for v in values[3:]]
 
     def _check_finite(self, extra: list[torch.Tensor], labels: list[tuple[KFACLayer, str, bool]],
-                      agree: Callable[[bool], bool] | None = None) -> bool:
-        """Whether this step may update the factors; notes non-finite gradients for the step.
+                      agree: Callable[[torch.Tensor], torch.Tensor] | None = None) -> bool:
+        """Whether this step may update the factors (:meth:`_check_finite_flags` without flags)."""
+        return self._check_finite_flags(extra, labels, agree)[0]
+
+    def _check_finite_flags(self, extra: list[torch.Tensor], labels: list[tuple[KFACLayer, str, bool]],
+                            agree: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                            flags: Sequence[torch.Tensor] = ()) -> tuple[bool, list[bool]]:
+        """Whether this step may update the factors, and the device ``flags`` read in the same host read; notes
+        non-finite gradients for the step.
 
         ``labels[i]`` is ``(layer, "A" or "G", received)`` for ``extra[i]``, used only on a bad step
         to say where the non-finite values are. Raises after ``max_bad_steps`` bad steps in a row.
         ``agree`` (distributed preconditioning, where each rank sees its own layers' factors only) makes the
-        verdict on ``extra`` that of every rank, so that every rank skips the step together.
+        verdict on ``extra`` that of every rank (on the device: the AND over ranks of a boolean), so that every rank
+        skips the step together.
         """
-        grads_ok, extra_ok = self._finite(extra)
-        local_ok = extra_ok
-        if agree is not None:
-            extra_ok = agree(extra_ok)
+        grads_ok, local_ok, extra_ok, read = self._finite(extra, agree, flags)
         if not grads_ok:
             # The optimizer's own overflow handling (GradScaler, DeepSpeed) sees the gradients as
             # they are: preconditioning would only spread the inf/NaN over every entry.
             self._grads_finite = False
         if grads_ok and extra_ok:
             self.consecutive_bad_steps = 0
-            return True
+            return True, read
         self.skipped_factor_steps += 1
         self.consecutive_bad_steps += 1
         bad = self._blame(extra, labels)  # off the healthy path: one more host sync
@@ -94,7 +106,7 @@ class NonFiniteGuard:
                 "learning rate, raise damping, use loss scaling (a GradScaler / fp16 loss scale) or bf16, "
                 "and check the input data; max_bad_steps=None disables this error"
             )
-        return False
+        return False, read
 
     def _blame(self, extra: list[torch.Tensor], labels: list[tuple[KFACLayer, str, bool]]) -> dict[str, list[str]]:
         """Where the non-finite values of a bad step are: {layer or parameter: [what, ...]}.

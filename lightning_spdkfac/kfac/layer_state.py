@@ -106,7 +106,7 @@ class KFACLayer:
             else:
                 running.lerp_(new, weight)  # decay*F + (1-decay)*F_new in one pass
 
-    def step_g(self, g_scale: float) -> torch.Tensor:
+    def step_g(self, g_scale: float | torch.Tensor) -> torch.Tensor:
         """This step's G_new as a new matrix (once this step's G was accumulated: ``g_calls > 0``)."""
         assert self.dd is not None
         return self.dd * (self.examples * g_scale)
@@ -144,7 +144,7 @@ class KFACLayer:
         assert self.xx is not None and self.dd is not None  # a collected layer: a_calls == g_calls > 0
         return [factors.trace_sum(self.xx), factors.trace_sum(self.dd)]
 
-    def update_factors(self, decay: float, g_scale: float) -> None:
+    def update_factors(self, decay: float, g_scale: float | torch.Tensor) -> None:
         """Fold this step's factors into the running averages, in place (see docs/math.md).
 
         A_new = [[xx, x_sum], [x_sum^T, R]] / R and G_new = N * g_scale * dd. The accumulators

@@ -134,7 +134,7 @@ class KFACPreconditioner(LayerRegistration, FactorUpdates, InverseSteps, Precond
         # which group holds each layer: several optimizers stepping in turn do not rebuild it every step.
         self._stepping: dict[int, float] | None = None
         self._step_groups: dict[int, StepGroups] = {}
-        self._g_scale_value: float | None = None
+        self._g_scale_value: float | torch.Tensor | None = None
         # Per-phase seconds of the last step in ``timer.last`` (see lightning_spdkfac.telemetry).
         self.timer = StepTimer()
         self.distributor.timer = self.timer
@@ -368,15 +368,20 @@ class KFACPreconditioner(LayerRegistration, FactorUpdates, InverseSteps, Precond
             and mb_calls == layer.calls_per_micro_batch
         )
 
-    def _g_scale(self) -> float:
-        """1/S^2 for the loss scale S on output gradients; read once per step (it may sync with the GPU)."""
+    def _g_scale(self) -> float | torch.Tensor:
+        """1/S^2 for the loss scale S on output gradients, once per step. A GradScaler's scale stays on its device
+        (a float64 0-dim tensor: ``get_scale()`` would read it to the host, from inside the backward hooks when
+        factors are pipelined); other loss scales (DeepSpeed fp16) are host numbers already."""
         if self._g_scale_value is None:
             scaler = self.grad_scaler
             if scaler is not None and scaler.is_enabled():
-                scale = float(scaler.get_scale())
+                held = scaler._get_scale_async()  # the scale tensor; None before the first scale()
+                if held is None:
+                    self._g_scale_value = 1.0 / float(scaler.get_scale()) ** 2  # the initial scale, a number
+                else:
+                    self._g_scale_value = held.double().reciprocal().square()
             else:  # e.g. DeepSpeed fp16: the loss scale is applied to output gradients too
-                scale = self.grad_access.loss_scale()
-            self._g_scale_value = 1.0 / scale**2
+                self._g_scale_value = 1.0 / self.grad_access.loss_scale() ** 2
         return self._g_scale_value
 
     # ------------------------------------------------------------------ the step

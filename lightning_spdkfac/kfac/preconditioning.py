@@ -134,10 +134,7 @@ class Preconditioning:
             lr = val.resolve("lr", self.lr, k, val.NONNEGATIVE)
             vg = dots.sum().abs() * (lr * lr * unscale)
         else:
-            lrs = self._stepping
-            weights = torch.tensor([lrs[ly.index] ** 2 * unscale for ly in layers], dtype=torch.float64,
-                                   device=dots.device)
-            vg = (dots * weights).sum().abs()
+            vg = (dots * _lr_weights(self._stepping, layers, unscale, dots)).sum().abs()
         # vg == 0 (lr 0, zero gradients) gives inf -> 1.
         return torch.sqrt(kl_clip / vg).clamp(max=1.0).to(precs[0].dtype)
 
@@ -162,3 +159,17 @@ class Preconditioning:
             layers = [(ly.index, ly.name, ly.helper.params()) for ly in self.layers.values()]
             groups = self._step_groups[id(optimizer)] = step_groups(optimizer, layers)
         self._stepping = groups.lrs()
+
+
+def _lr_weights(lrs: dict[int, float], layers: tuple[KFACLayer, ...], unscale: float,
+                like: torch.Tensor) -> torch.Tensor:
+    """The KL clip's per-layer weights lr_l^2 / S^2 as a float64 tensor on ``like``'s device, without a host-to-device
+    copy (``torch.tensor([...], device=cuda)`` blocks the host): each run of layers at one learning rate is one fill
+    (one run, one kernel, with a single learning rate), the same values as building them on the host."""
+    weights = torch.empty(len(layers), dtype=torch.float64, device=like.device)
+    start = 0
+    for end in range(1, len(layers) + 1):
+        if end == len(layers) or lrs[layers[end].index] != lrs[layers[start].index]:
+            weights[start:end].fill_(lrs[layers[start].index] ** 2 * unscale)
+            start = end
+    return weights
