@@ -38,7 +38,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -48,6 +47,7 @@ import torch.distributed as dist
 from ..factor_shapes import ShapeLike
 from ..kfac.distributor import Distributor, FactorKey, PendingInverses, Task
 from ._common import default_device
+from .clock import CudaClock, HostClock, clock_for
 from .faults import Work, stream_ordered, wait_work
 from .scheduler import SPDDistributor, SPDOptions
 
@@ -113,8 +113,10 @@ class AutoDistributor(Distributor):
         self._slot_periods = 1  # inverse periods per slot (set at setup: MIN_SLOT_STEPS steps at least)
         self._periods_done = 0  # ... of the current slot
         self._periods: list[list[float]] = [[] for _ in self.candidates]
-        self._period_time = 0.0
-        self._t_last: float | None = None
+        # A slot is timed from its first step's start to its last step's end by one clock (comm/clock.py): CUDA
+        # events on a GPU, where the host runs ahead of the work, with one synchronisation when a slot ends.
+        self._clock: HostClock | CudaClock | None = None
+        self._slot_start: object = None
         self._decided_at = 0
 
     # The preconditioner sets these before setup(); every candidate gets them.
@@ -155,10 +157,6 @@ class AutoDistributor(Distributor):
         return self.candidates[0]._measuring
 
     def begin_step(self) -> None:
-        now = time.perf_counter()
-        if self._t_last is not None and self._slot is not None:
-            self._period_time += now - self._t_last
-        self._t_last = now
         step = self.kfac_step
         if step % self.inv_update_steps == 0:  # a period boundary
             self._at_period_boundary(step)
@@ -169,7 +167,9 @@ class AutoDistributor(Distributor):
             self._periods_done += 1
             if self._periods_done < self._slot_periods:
                 return  # the slot goes on
-            self._periods[self.active].append(self._period_time / self._slot_periods)
+            assert self._clock is not None  # set when the slot started
+            seconds = self._clock.seconds(self._slot_start, [self._clock.stamp()])[0]
+            self._periods[self.active].append(seconds / self._slot_periods)
             self._slot += 1
             if self._slot == len(self.candidates) * self.options.auto_rounds:
                 self._decide(step)
@@ -181,7 +181,9 @@ class AutoDistributor(Distributor):
             self.chosen, self._slot = None, 0
         if self._slot is not None:
             self.active = self._slot % len(self.candidates)
-            self._period_time = 0.0
+            if self._clock is None:
+                self._clock = clock_for(self.candidates[0].device)
+            self._slot_start = self._clock.stamp()
             self._periods_done = 0
 
     def _decide(self, step: int) -> None:
