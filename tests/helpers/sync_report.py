@@ -52,17 +52,20 @@ def mlp() -> nn.Module:
 
 MODELS = {"cnn": (cnn, (2, 8, 8)), "mlp": (mlp, (16,))}
 
-# One process: name -> (model, KFACPreconditioner keywords, steps).
-LOCAL: dict[str, tuple[str, dict[str, Any], int]] = {
-    "defaults": ("cnn", {}, 2 * INV_DEFAULT),
-    "defaults_mlp": ("mlp", {}, 2 * INV_DEFAULT),
-    "every_step": ("cnn", EVERY_STEP, SHORT),
-    "eigen": ("cnn", dict(inverse_method="eigen", factor_update_steps=1, inv_update_steps=2), SHORT),
-    "async": ("cnn", dict(async_inverses=True, factor_update_steps=1, inv_update_steps=2), SHORT),
+_PROFILE = dict(profile_steps=(1, 3))  # SPD's plan measured on factor steps 1-2 and used from step 3
+
+# One process: name -> (model, KFACPreconditioner keywords, steps, SPDOptions.from_schedule keywords of an
+# SPDDistributor without a process group, or None: the preconditioner's own distributor).
+LOCAL: dict[str, tuple[str, dict[str, Any], int, dict[str, Any] | None]] = {
+    "defaults": ("cnn", {}, 2 * INV_DEFAULT, None),
+    "defaults_mlp": ("mlp", {}, 2 * INV_DEFAULT, None),
+    "every_step": ("cnn", EVERY_STEP, SHORT, None),
+    "eigen": ("cnn", dict(inverse_method="eigen", factor_update_steps=1, inv_update_steps=2), SHORT, None),
+    "async": ("cnn", dict(async_inverses=True, factor_update_steps=1, inv_update_steps=2), SHORT, None),
+    "spd_1rank_every_step": ("cnn", EVERY_STEP, SHORT, dict(schedule="spd", **_PROFILE)),
 }
 
 # 2 gloo ranks: name -> (SPDOptions.from_schedule keywords, KFACPreconditioner keywords, steps).
-_PROFILE = dict(profile_steps=(1, 3))  # SPD's plan measured on factor steps 1-2 and used from step 3
 RANKED: dict[str, tuple[dict[str, Any], dict[str, Any], int]] = {}
 for _s in ("spd", "mpd", "dkfac", "dpkfac"):
     _opts = dict(schedule=_s, **(_PROFILE if _s in ("spd", "dpkfac") else {}))
@@ -102,9 +105,12 @@ def train(model: nn.Module, shape: tuple[int, ...], steps: int, audit: SyncAudit
 def run_local(name: str) -> dict[str, Any]:
     """One configuration of :data:`LOCAL` in this process: :meth:`SyncAudit.summary`."""
     from lightning_spdkfac import KFACPreconditioner
+    from lightning_spdkfac.comm.scheduler import SPDDistributor, SPDOptions
 
-    model_name, kw, steps = LOCAL[name]
+    model_name, kw, steps, schedule = LOCAL[name]
     factory, shape = MODELS[model_name]
+    if schedule is not None:
+        kw = dict(kw, distributor=SPDDistributor(SPDOptions.from_schedule(**schedule)))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
