@@ -1,11 +1,14 @@
 """The sync budget (issue 34): host reads of K-FAC per optimizer step, counted on the CPU by
-helpers/sync_audit.py, over the library defaults, every-step cadence, eigen, async inverses, and the schedules
+helpers/sync_audit.py, over the library defaults, every-step cadence, eigen, async inverses, loss scaling, SPD
+in one process, and the schedules
 spd (pipelined, DTF), mpd, dkfac and dpkfac on 2 gloo ranks (at the defaults' cadence, every step, async).
 
 Targets: no host read inside a forward/backward hook in any configuration; at the defaults (and under every
 schedule at the defaults' cadence) at most 1 read per step on average, and at most 2 on any one step of the
-one-process defaults (an inverse step: the factor check and the inversion check); every collective issued
-from the training thread (the thread that runs forward, backward and step; on the CPU autograd runs there).
+one-process defaults (an inverse step: the factor check and the inversion check), and at most 2 on any step
+of the training thread at a short cadence in one process (every step, eigen, async, fp16-style loss scaling);
+every collective issued from the training thread (the thread that runs forward, backward and step; on the
+CPU autograd runs there).
 `python tests/helpers/sync_report.py` prints the figures and the source lines behind them.
 
 The harness's self-tests show that each check can fail: a hook's ``.item()`` is caught inside the hook,
@@ -30,6 +33,8 @@ from lightning_spdkfac.multiprocess import run_distributed
 RANKS_TIMEOUT = 150  # seconds: bounds the 2-rank job (every rank is killed and reaped past it)
 DEFAULT_CADENCE = ("defaults", "defaults_mlp")
 SCHEDULES_AT_DEFAULTS = ("spd", "mpd", "dkfac", "dpkfac")  # 2 ranks, the defaults' factor/inverse cadence
+# One process, every step a factor step and an inverse step (or every other step): no plan to measure.
+ONE_ROUND_PER_STEP = ("every_step", "eigen", "async", "grad_scaler")
 
 
 def _ranks(rank, world):
@@ -129,6 +134,17 @@ def test_at_most_one_host_read_per_step_under_each_schedule_at_the_defaults(name
         assert s["reads_per_step"] <= 1.0, (
             f"{name} rank {rank}: {s['reads_per_step']:.2f} host reads per step over {s['steps']} steps "
             f"(at most 1):\n{_top(s)}")
+
+
+@pytest.mark.parametrize("name", ONE_ROUND_PER_STEP)
+def test_at_most_two_reads_on_any_step_without_a_schedule(name, local):
+    """Deliver 1 of the issue, on the steps that need reads: a factor step's non-finite check batched into one
+    read, one finiteness read per inversion round (eigen included), the loss scale kept on the device; an
+    inverse worker's own reads (async) are not the training thread's."""
+    (s,) = local[name]
+    assert s["max_per_step_training"] <= 2, (
+        f"{name}: {s['max_per_step_training']} host reads on one step of the training thread (at most 2: the "
+        f"factor check and the inversion check), per step {s['per_step']}:\n{_top(s)}")
 
 
 # ---------------------------------------------------------------------------------------------- the harness

@@ -33,7 +33,8 @@ all_gather_into_tensor, reduce_scatter(_tensor), all_to_all(_single), gather, sc
 send/recv/isend/irecv, batch_isend_irecv, the object collectives and DDP's ``_broadcast_coalesced``),
 whoever calls it, is recorded as a :class:`Collective` with its thread; one issued from a thread other than
 ``training_threads`` (default: the thread that entered the audit; on the CPU autograd runs the backward
-on that thread too) is a violation (:meth:`SyncAudit.off_thread_collectives`): NCCL forbids issuing on
+on that thread too; on a GPU autograd runs it on its own C++ device threads, which Python sees as dummy
+threads: a collective from one of them inside a K-FAC hook is allowed as well) is a violation (:meth:`SyncAudit.off_thread_collectives`): NCCL forbids issuing on
 communicators of one device from several threads.
 
 "Inside a hook": hooks registered from ``roots`` while the audit is active (``nn.Module``'s forward,
@@ -214,8 +215,11 @@ class SyncAudit:
     def _record_collective(self, op: str) -> None:
         path, line, _ = _caller(3)
         t = threading.current_thread()
-        event = Collective(op, f"{self._short(path)}:{line}", t.name, t.ident in self._training,
-                           _LOCAL.hook_depth > 0, self.step, self._in_roots(path))
+        in_hook = _LOCAL.hook_depth > 0
+        # (threading._DummyThread: a thread Python did not start, such as autograd's device threads on a GPU)
+        allowed = t.ident in self._training or (in_hook and isinstance(t, threading._DummyThread))
+        event = Collective(op, f"{self._short(path)}:{line}", t.name, allowed, in_hook, self.step,
+                           self._in_roots(path))
         with self._lock:
             self.collectives.append(event)
 
@@ -307,9 +311,10 @@ class SyncAudit:
                 if (in_hook is None or e.in_hook == in_hook) and (step is None or e.step == step)
                 and (min_step is None or e.step >= min_step)]
 
-    def per_step(self, steps: int) -> list[int]:
-        """Counted reads of each step 0 .. steps-1 (reads before step 0, at set-up, are left out)."""
-        counts = Counter(e.step for e in self.events)
+    def per_step(self, steps: int, *, training_only: bool = False) -> list[int]:
+        """Counted reads of each step 0 .. steps-1 (reads before step 0, at set-up, are left out); with
+        ``training_only``, those of the training threads only (not an inverse worker's)."""
+        counts = Counter(e.step for e in self.events if e.training_thread or not training_only)
         return [counts.get(s, 0) for s in range(steps)]
 
     def off_thread_collectives(self) -> list[Collective]:
@@ -335,6 +340,7 @@ class SyncAudit:
             max_per_step=max(per, default=0),
             worst_step=per.index(max(per)) if per else None,
             per_step=per,
+            max_per_step_training=max(self.per_step(steps, training_only=True), default=0),
             setup_reads=sum(e.step < 0 for e in self.events),
             off_training_thread_reads=sum(not e.training_thread for e in counted),
             by_kind=dict(Counter(e.kind for e in counted).most_common()),

@@ -63,6 +63,8 @@ LOCAL: dict[str, tuple[str, dict[str, Any], int, dict[str, Any] | None]] = {
     "eigen": ("cnn", dict(inverse_method="eigen", factor_update_steps=1, inv_update_steps=2), SHORT, None),
     "async": ("cnn", dict(async_inverses=True, factor_update_steps=1, inv_update_steps=2), SHORT, None),
     "spd_1rank_every_step": ("cnn", EVERY_STEP, SHORT, dict(schedule="spd", **_PROFILE)),
+    # fp16-style loss scaling (torch.amp.GradScaler on the CPU): the scale must stay on the device
+    "grad_scaler": ("cnn", dict(grad_scaler=True, factor_update_steps=1, inv_update_steps=2), SHORT, None),
 }
 
 # 2 gloo ranks: name -> (SPDOptions.from_schedule keywords, KFACPreconditioner keywords, steps).
@@ -82,9 +84,10 @@ def batch(shape: tuple[int, ...], step: int, rank: int = 0) -> tuple[torch.Tenso
 
 
 def train(model: nn.Module, shape: tuple[int, ...], steps: int, audit: SyncAudit, make_pre: Any,
-          rank: int = 0, wrap: Any = None) -> None:
+          rank: int = 0, wrap: Any = None, scaler: torch.amp.GradScaler | None = None) -> None:
     """``steps`` steps of SGD + K-FAC (``pre.step(opt)``: the learning rate from the optimizer, as under
-    Lightning), ``audit.step`` advanced at the start of each; the test code's own ``loss.item()`` included."""
+    Lightning), ``audit.step`` advanced at the start of each; the test code's own ``loss.item()`` included.
+    With ``scaler``: the loss scaled, the gradients unscaled before ``pre.step``, ``scaler.step/update``."""
     pre = make_pre(model)
     net = wrap(model) if wrap is not None else model
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -93,9 +96,16 @@ def train(model: nn.Module, shape: tuple[int, ...], steps: int, audit: SyncAudit
         x, y = batch(shape, step, rank)
         opt.zero_grad()
         loss = F.cross_entropy(net(x), y)
-        loss.backward()
-        pre.step(opt)
-        opt.step()
+        if scaler is None:
+            loss.backward()
+            pre.step(opt)
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            pre.step(opt)
+            scaler.step(opt)  # (torch's own found-inf read: user code, not counted)
+            scaler.update()
         loss.item()  # user code: seen, not counted
     audit.step = steps  # what follows (settling async inverses) belongs to no step
     pre.state_dict()
@@ -111,11 +121,14 @@ def run_local(name: str) -> dict[str, Any]:
     factory, shape = MODELS[model_name]
     if schedule is not None:
         kw = dict(kw, distributor=SPDDistributor(SPDOptions.from_schedule(**schedule)))
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0) if kw.get("grad_scaler") else None
+    if scaler is not None:
+        kw = dict(kw, grad_scaler=scaler)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         with SyncAudit() as audit:
-            train(factory(), shape, steps, audit, lambda m: KFACPreconditioner(m, **kw))
+            train(factory(), shape, steps, audit, lambda m: KFACPreconditioner(m, **kw), scaler=scaler)
     finally:
         torch.set_num_threads(threads)
     return audit.summary(steps)
