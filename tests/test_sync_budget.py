@@ -11,6 +11,10 @@ every collective issued from the training thread (the thread that runs forward, 
 CPU autograd runs there).
 `python tests/helpers/sync_report.py` prints the figures and the source lines behind them.
 
+Today (3e40f94) some counts depend on timing: where SPD's measured plan launches a fusion group (inside a
+hook or at the step) and whether the async worker broadcasts before the step's wait; the one-process SPD
+configuration launches inside hooks on every run. Once no sync is left, each count is 0 whatever the timing.
+
 The harness's self-tests show that each check can fail: a hook's ``.item()`` is caught inside the hook,
 a collective from another thread is caught, a read from test code is not counted.
 """
