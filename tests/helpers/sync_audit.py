@@ -176,7 +176,12 @@ class SyncAudit:
     ``training_threads``: thread idents allowed to issue collectives (default: the thread entering).
     """
 
-    def __init__(self, roots: Iterable[str] | None = None, training_threads: Iterable[int] | None = None) -> None:
+    def __init__(self, roots: Iterable[str] | None = None, training_threads: Iterable[int] | None = None,
+                 as_nccl: bool = True) -> None:
+        # as_nccl: the package's waits take the path they take on NCCL (stream-ordered ``Work.wait()``, no host
+        # wait): on gloo a wait without a timeout still ends (bounded by the group's own timeout), so the run is the
+        # same and the count says what a GPU run would do. False: gloo's timed host waits, counted as reads.
+        self.as_nccl = as_nccl
         self.roots = tuple(os.path.abspath(r) for r in (roots if roots is not None else (package_root(),)))
         self._training = set(training_threads or ())
         self.step = -1
@@ -251,6 +256,12 @@ class SyncAudit:
         setattr(owner, name, make(getattr(owner, name)))
 
     def _install(self) -> None:
+        if self.as_nccl:
+            import importlib
+
+            for mod in ("faults", "executor", "consistency", "auto", "dpkfac", "scheduler"):
+                module = importlib.import_module(f"lightning_spdkfac.comm.{mod}")
+                self._patch(module, "stream_ordered", lambda _original: (lambda *a, **k: True))
         for name in TENSOR_READS:
             self._patch(torch.Tensor, name, functools.partial(_reading, kind=name))
         for name in TORCH_READS:
