@@ -24,7 +24,10 @@ Contract, per optimizer step (every rank calls the same methods in the same orde
 3. ``reduce_factors(local)`` in ``step()``: ``local`` maps ``(layer index, "A" or "G")`` to
    this rank's step factor for every factor not already given to ``factor_final`` (None where
    this rank has no data for it). Returns a value for every factor of every layer: the factor
-   averaged over the ranks that had data, or None where no rank had; identical on every rank.
+   averaged over the ranks that had data, or None where no rank had; identical on every rank. A
+   :class:`ReducedFactors` leaves "no rank had data" on the device (its ``present`` flags), so that the
+   preconditioner reads it with the step's finiteness verdict: no host read of its own. Nothing in
+   ``factor_final`` (called from the hooks) may read the device on the host.
 4. ``invert(tasks, invert_fn, on_ready)`` on inverse steps: ``tasks`` lists ``(index, which,
    factor)`` in the same order on every rank; ``invert_fn(sub_list_of_tasks) -> inverses`` does
    the math; ``on_ready(index, which, inverse)`` must be called for every task on every rank,
@@ -34,8 +37,9 @@ Contract, per optimizer step (every rank calls the same methods in the same orde
    as ``invert``, started off the caller's thread; returns a :class:`PendingInverses` whose
    ``wait()`` gives ``(index, which, inverse)`` for every task, identical on every rank. Until that
    wait returns, the caller leaves the tasks' factors untouched and calls no other ``invert`` or
-   ``invert_async``. Collectives the work issues must not share a process group with anything
-   the caller's thread issues meanwhile (they would interleave differently on different ranks).
+   ``invert_async``. The worker thread only computes: every collective is issued from the caller's
+   thread (inside ``wait()``, which every rank reaches at the same point of its step), never from the
+   worker, because NCCL does not allow several threads to issue on the communicators of one device.
 6. With ``layer_owners`` set (distributed preconditioning), ``reduce_factors`` returns a layer's factors on
    its owner only (None elsewhere), ``invert`` is given owned layers only, and the preconditioned gradients
    are exchanged every step: ``begin_share(layers)`` (the layers to exchange, identical on every rank) before
