@@ -416,32 +416,79 @@ def identity_payload(factor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return eigen_payload(eye, evals)
 
 
+def _eigen_ladder(i: int, f: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, Fallback | None]:
+    """One factor's payload by the first level that gives a finite one (the ladder above), factor by factor with
+    its own host reads: what :func:`robust_eigens` runs for the factors its batched eigh did not settle."""
+    if not _finite(f):
+        return identity_payload(f, dtype), Fallback(i, "identity", 0.0, "the factor holds non-finite values")
+    p = _eigh(f, dtype)
+    if p is not None and _finite(p):
+        return p, None
+    reason = f"eigh in {dtype} failed" if p is None else f"eigh in {dtype} gave non-finite values"
+    if dtype != torch.float64:
+        p = _eigh(f, torch.float64)
+        if p is not None:
+            p = p.to(dtype)
+            if _finite(p):
+                return p, Fallback(i, "float64", 0.0, reason)
+        reason += "; so did eigh in float64"
+    return identity_payload(f, dtype), Fallback(i, "identity", 0.0, reason)
+
+
+def _eigen_group(factors: Sequence[torch.Tensor], dtype: torch.dtype) -> tuple[list[torch.Tensor], torch.Tensor] | None:
+    """Payloads of same-shape factors by one batched eigh in ``dtype``: (the payloads, each its own tensor; a ``k``
+    tensor, nonzero where a factor is not finite in ``dtype`` or its payload is not finite: those go down the
+    ladder), or None where the batched eigh raised (every factor of the group then goes down the ladder)."""
+    k = len(factors)
+    m = _stack(factors, dtype)
+    bad = ~torch.isfinite(m).reshape(k, -1).all(1)
+    if m.dim() == 2:  # diagonal: the eigenvalues are the entries
+        payload = m.clamp_(min=0.0)
+    else:
+        # The eigh never sees a non-finite value (those factors' results are discarded): no host read to skip them.
+        m.masked_fill_(bad.view(k, *([1] * (m.dim() - 1))), 0.0)
+        s = m + m.transpose(-1, -2)
+        del m
+        s.mul_(0.5)  # exact symmetry for eigh, as 0.5 * (f + f^T)
+        evals: torch.Tensor
+        evecs: torch.Tensor
+        try:
+            evals, evecs = torch.linalg.eigh(s)
+        except RuntimeError:  # torch.linalg.LinAlgError: no convergence for one of them
+            return None
+        del s
+        payload = eigen_payload(evecs, evals.clamp(min=0.0))
+        del evals, evecs
+    codes = (bad | ~torch.isfinite(payload).reshape(k, -1).all(1)).to(torch.int8)
+    return [row.clone() for row in payload], codes
+
+
 def robust_eigens(factors: list[torch.Tensor], dtype: torch.dtype) -> tuple[list[torch.Tensor], list[Fallback]]:
     """Eigen payloads (see above) of several factors, and a :class:`Fallback` for each one that needed
-    a level below the eigh in ``dtype`` (its ``damping`` is 0: eigen applies the damping later)."""
-    payloads: list[torch.Tensor] = []
-    fallbacks: list[Fallback] = []
-    for i, f in enumerate(factors):
-        if not _finite(f):
-            payloads.append(identity_payload(f, dtype))
-            fallbacks.append(Fallback(i, "identity", 0.0, "the factor holds non-finite values"))
+    a level below the eigh in ``dtype`` (its ``damping`` is 0: eigen applies the damping later).
+
+    The factors are decomposed batched by shape (one stacked eigh per shape) and one host sync reads the checks
+    of the whole batch; when every factor is finite and its eigh succeeds that is the only one. The levels below
+    run factor by factor and sync freely."""
+    payloads: list[torch.Tensor] = list(factors)  # each replaced below
+    found: dict[int, Fallback | None] = {}
+    order: list[int] = []
+    parts: list[torch.Tensor] = []
+    for idx in _shape_groups(factors).values():
+        res = _eigen_group([factors[i] for i in idx], dtype)
+        if res is None:
+            for i in idx:
+                payloads[i], found[i] = _eigen_ladder(i, factors[i], dtype)
             continue
-        p = _eigh(f, dtype)
-        if p is not None and _finite(p):
-            payloads.append(p)
-            continue
-        reason = f"eigh in {dtype} failed" if p is None else f"eigh in {dtype} gave non-finite values"
-        if dtype != torch.float64:
-            p = _eigh(f, torch.float64)
-            if p is not None:
-                p = p.to(dtype)
-                if _finite(p):
-                    payloads.append(p)
-                    fallbacks.append(Fallback(i, "float64", 0.0, reason))
-                    continue
-            reason += "; so did eigh in float64"
-        payloads.append(identity_payload(f, dtype))
-        fallbacks.append(Fallback(i, "identity", 0.0, reason))
+        for i, p in zip(idx, res[0]):
+            payloads[i] = p
+        order.extend(idx)
+        parts.append(res[1])
+    if parts:
+        for i, code in zip(order, torch.cat(parts).tolist()):  # the one sync
+            if code:
+                payloads[i], found[i] = _eigen_ladder(i, factors[i], dtype)
+    fallbacks = [fb for _, fb in sorted(found.items()) if fb is not None]
     for p in payloads:  # as robust_inverses: subnormal entries are zero to the payload's precision, and slow
         p.masked_fill_(p.abs() < torch.finfo(p.dtype).tiny, 0.0)
     return payloads, fallbacks
