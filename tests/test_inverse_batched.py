@@ -250,3 +250,19 @@ def test_one_bad_factor_falls_back_with_its_index_and_more_reads(monkeypatch):
     payloads, fallbacks = robust_eigens(factors, torch.float32)
     assert [(fb.index, fb.level) for fb in fallbacks] == [(4, "identity")] and reads.reset() > 1
     assert all(torch.isfinite(t).all() for t in invs + payloads)
+
+
+def test_a_large_group_is_stacked_in_chunks(monkeypatch):
+    """The stack of a shape is bounded (kfac/inverse.py MAX_STACK_BYTES): a group over it is split, with the same
+    results and still one read."""
+    monkeypatch.setattr(inverse, "MAX_STACK_BYTES", 3 * 64 * 64 * 4)  # three float32 64 x 64 factors
+    calls = []
+    real = torch.linalg.cholesky_ex
+    monkeypatch.setattr(torch.linalg, "cholesky_ex", lambda a, **kw: calls.append(a.shape[0]) or real(a, **kw))
+    factors = _factors([(64, 64)] * 7 + [(32, 32)] * 2)
+    alone = [robust_inverses([f], 0.01, torch.float32)[0][0] for f in factors]
+    calls.clear()
+    reads = HostReads(monkeypatch)
+    invs, fallbacks = robust_inverses(factors, 0.01, torch.float32)
+    assert (calls, fallbacks, reads.reset()) == ([3, 3, 1, 2], [], 1)
+    _assert_bitwise(invs, alone)

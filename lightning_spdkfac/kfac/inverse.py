@@ -99,10 +99,6 @@ def pi_split(A: torch.Tensor, G: torch.Tensor,
     return pi * root, root / pi
 
 
-def _damped_copy(factor: torch.Tensor, damping: float | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return fx.add_damping(factor.to(dtype=dtype, copy=True), damping)
-
-
 def diagonal_inverse(factor: torch.Tensor, damping: float | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """(diag(f) + damping I)^-1 of a diagonal factor, as its diagonal: negative entries (round-off) clamped to
     zero, and entries below 1e-10 of the largest raised to it as :func:`eigh_inverse` does (a zero factor without
@@ -231,11 +227,15 @@ def _robust_any(factor: torch.Tensor, damping: float | torch.Tensor, dtype: torc
 
 # Bytes: PyTorch's CPU allocations start at this alignment, so a factor inverted alone does too.
 ALIGNMENT = 64
+# Bytes: the largest stack of one group (more factors of a shape are stacked in several groups), which bounds the
+# extra memory of a batch: at most two stacks of a group are alive at once (see _cholesky_group).
+MAX_STACK_BYTES = 1 << 28
 
 
 def _shape_groups(factors: Sequence[torch.Tensor], dtype: torch.dtype) -> list[list[int]]:
     """The factors' indices grouped by shape and device, in order of first appearance: each group is stacked (in
-    ``dtype``, whatever the factors' own dtypes) and handled by one batched call.
+    ``dtype``, whatever the factors' own dtypes) and handled by one batched call; a group stacks at most
+    :data:`MAX_STACK_BYTES` (or one factor).
 
     On CPUs a group of matrices is split into single factors where the factors' size in ``dtype`` is not a multiple
     of :data:`ALIGNMENT`: a batched LAPACK call runs the single-matrix routine on each factor in turn, but from the
@@ -248,14 +248,16 @@ def _shape_groups(factors: Sequence[torch.Tensor], dtype: torch.dtype) -> list[l
     out: list[list[int]] = []
     itemsize = torch.empty((), dtype=dtype).element_size()
     for i, f in enumerate(factors):
-        if f.dim() >= 2 and f.device.type == "cpu" and (f.numel() * itemsize) % ALIGNMENT:
+        size = f.numel() * itemsize
+        if f.dim() >= 2 and f.device.type == "cpu" and size % ALIGNMENT:
             out.append([i])
             continue
         key = (tuple(f.shape), f.device)
-        if key not in groups:
-            groups[key] = []
-            out.append(groups[key])
-        groups[key].append(i)
+        group = groups.get(key)
+        if group is None or (len(group) + 1) * size > MAX_STACK_BYTES:
+            group = groups[key] = []
+            out.append(group)
+        group.append(i)
     return out
 
 
