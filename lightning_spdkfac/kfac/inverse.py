@@ -5,8 +5,10 @@ pi-balanced split of the layer's damping, :func:`pi_split`), by the first of the
 a usable result (finite in the inversion dtype):
 
 ``"cholesky"``
-    Cholesky of the damped copy in the inversion dtype: the healthy path. All factors of a batch
-    are factorized first and checked together with one host sync. A factorization is rejected
+    Cholesky of the damped copy in the inversion dtype: the healthy path. The factors of a batch
+    are grouped by shape (dense ``n x n``, grouped ``b x n x n``, diagonal ``n``); each group is
+    stacked, factorized and inverted by one batched call, and the checks of every group are read
+    together with one host sync per batch. A factorization is rejected
     when it fails, when its inverse is not finite, or when the damped factor M = F + damping I is
     too ill-conditioned for the inversion dtype: ``max_i M_ii (M^-1)_ii`` above 0.1/eps. That is a
     lower bound (within a factor n) of the condition number of the diagonally scaled matrix
@@ -73,7 +75,8 @@ class Fallback:
     reason: str  # why the previous levels failed, for messages
 
 
-def pi_split(A: torch.Tensor, G: torch.Tensor, damping: float) -> tuple[torch.Tensor, torch.Tensor]:
+def pi_split(A: torch.Tensor, G: torch.Tensor,
+             damping: float | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The dampings of A and of G whose Kronecker product is damped by ``damping`` (pi-balanced).
 
     (A + pi sqrt(damping) I) (x) (G + sqrt(damping) / pi I) = A (x) G + damping I + sqrt(damping)
@@ -84,26 +87,32 @@ def pi_split(A: torch.Tensor, G: torch.Tensor, damping: float) -> tuple[torch.Te
     zero factor, e.g. a layer whose output got no gradient) pi is 1.
 
     Returned as two float64 scalars on the factors' device, without a host sync (one per block when the
-    factors are grouped: each group's block is balanced on its own).
+    factors are grouped: each group's block is balanced on its own). ``damping`` may be a number or a 0-d
+    tensor on the factors' device (its square root is then taken there): no host read either way.
     """
     mean_a = fx.mean_eigenvalue(A)
     mean_g = fx.mean_eigenvalue(G)
     pi = (mean_a / mean_g).sqrt()
     pi = torch.where(torch.isfinite(pi) & (pi > 0.0), pi, torch.ones_like(pi))
-    root = math.sqrt(damping)
+    root: float | torch.Tensor = (damping.to(torch.float64).sqrt() if isinstance(damping, torch.Tensor)
+                                  else math.sqrt(damping))
     return pi * root, root / pi
-
-
-def _damped_copy(factor: torch.Tensor, damping: float | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return fx.add_damping(factor.to(dtype=dtype, copy=True), damping)
 
 
 def diagonal_inverse(factor: torch.Tensor, damping: float | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """(diag(f) + damping I)^-1 of a diagonal factor, as its diagonal: negative entries (round-off) clamped to
     zero, and entries below 1e-10 of the largest raised to it as :func:`eigh_inverse` does (a zero factor without
-    damping gives ones). Non-finite where the factor is: :func:`robust_inverse` takes that case."""
+    damping gives ones). Non-finite where the factor is: :func:`robust_inverse` takes that case.
+
+    ``factor`` may also be a ``k x n`` stack of diagonal factors (each row floored on its own), with ``damping``
+    a number or a ``k x 1`` tensor."""
     vals = factor.to(dtype).clamp(min=0.0) + (damping.to(dtype) if isinstance(damping, torch.Tensor) else damping)
-    floor = vals.amax() * EIGH_FLOOR
+    return _floored_reciprocal(vals)
+
+
+def _floored_reciprocal(vals: torch.Tensor) -> torch.Tensor:
+    """1 / vals, each row's entries below 1e-10 of its largest raised to that floor (ones where that is 0)."""
+    floor = vals.amax(-1, keepdim=True) * EIGH_FLOOR
     vals = torch.where(vals > floor, vals, floor)
     return torch.where(vals > 0.0, vals.reciprocal(), torch.ones_like(vals))
 
@@ -216,14 +225,127 @@ def _robust_any(factor: torch.Tensor, damping: float | torch.Tensor, dtype: torc
     return torch.stack(blocks), ("eigh" if worst == "cholesky" else worst), used, why
 
 
+# Bytes: PyTorch's CPU allocations start at this alignment, so a factor inverted alone does too.
+ALIGNMENT = 64
+# Bytes: the largest stack of one group (more factors of a shape are stacked in several groups), which bounds the
+# extra memory of a batch: at most two stacks of a group are alive at once (see _cholesky_group).
+MAX_STACK_BYTES = 1 << 28
+
+
+def _shape_groups(factors: Sequence[torch.Tensor], dtype: torch.dtype) -> list[list[int]]:
+    """The factors' indices grouped by shape and device, in order of first appearance: each group is stacked (in
+    ``dtype``, whatever the factors' own dtypes) and handled by one batched call; a group stacks at most
+    :data:`MAX_STACK_BYTES` (or one factor).
+
+    On CPUs a group of matrices is split into single factors where the factors' size in ``dtype`` is not a multiple
+    of :data:`ALIGNMENT`: a batched LAPACK call runs the single-matrix routine on each factor in turn, but from the
+    factor's offset in the stack, and the vectorized kernels round differently on a factor that starts less aligned
+    than an allocation (measured with MKL: the batched cholesky_inverse and eigh of float32 matrices of odd size, or
+    of float64 ones at odd multiples of 8 bytes, differ in the last bits from the same calls on each factor alone).
+    Aligned stacks give each factor bitwise what a call on it alone gives, so the inverses do not depend on which
+    factors share a call (the schedule, the number of ranks)."""
+    groups: dict[tuple[tuple[int, ...], torch.device], list[int]] = {}
+    out: list[list[int]] = []
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    for i, f in enumerate(factors):
+        size = f.numel() * itemsize
+        if f.dim() >= 2 and f.device.type == "cpu" and size % ALIGNMENT:
+            out.append([i])
+            continue
+        key = (tuple(f.shape), f.device)
+        group = groups.get(key)
+        if group is None or (len(group) + 1) * size > MAX_STACK_BYTES:
+            group = groups[key] = []
+            out.append(group)
+        group.append(i)
+    return out
+
+
+def _stack(factors: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """The factors as one ``k x shape`` tensor in ``dtype``: one copy, converted on the way as ``.to(dtype)`` does."""
+    out = torch.empty((len(factors), *factors[0].shape), dtype=dtype, device=factors[0].device)
+    for row, f in zip(out, factors):
+        row.copy_(f)
+    return out
+
+
+def _stacked_dampings(dampings: Sequence[float | torch.Tensor], shape: tuple[int, ...],
+                      device: torch.device) -> torch.Tensor | None:
+    """A group's dampings as one ``k`` (dense, diagonal) or ``k x b`` (grouped) tensor where every one is a tensor
+    on ``device`` (as :func:`pi_split` gives them); None otherwise: numbers are added factor by factor, which
+    needs no host-to-device copy."""
+    ts = [d for d in dampings if isinstance(d, torch.Tensor) and d.device == device]
+    if len(ts) != len(dampings):
+        return None
+    if len(shape) == 3:
+        if any(t.dim() > 1 or (t.dim() == 1 and t.shape[0] != shape[0]) for t in ts):
+            return None
+        return torch.stack([t.expand(shape[0]) for t in ts])
+    return torch.stack(ts) if all(t.dim() == 0 for t in ts) else None
+
+
+def _cholesky_group(factors: Sequence[torch.Tensor], dampings: Sequence[float | torch.Tensor], dtype: torch.dtype,
+                    limit: float) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Cholesky inverses of same-shape dense or grouped factors by one batched factorization and one batched
+    inversion: (the inverses, each its own tensor; their codes as a ``k`` tensor, see :func:`robust_inverses`).
+
+    Besides the factors and the returned inverses, at most two stacks of the group are alive at once (the damped
+    copy and its Cholesky factor, that factor and the inverses), each freed as soon as it is used."""
+    m = _stack(factors, dtype)
+    stacked = _stacked_dampings(dampings, tuple(factors[0].shape), m.device)
+    if stacked is not None:
+        fx.diagonal(m).add_(stacked.to(dtype).unsqueeze(-1))
+    else:
+        for row, d in zip(m, dampings):
+            fx.add_damping(row, d)
+    diag_m = fx.diagonal(m).clone()  # all that the condition check needs of the damped copy
+    L, info = torch.linalg.cholesky_ex(m)  # info without a host sync
+    del m
+    failed = info.ne(0)  # k, or k x b (grouped)
+    # A failed factorization may hold zeros on its diagonal, on which cholesky_inverse
+    # raises; put ones there without a host sync (that result is discarded by the caller).
+    fx.diagonal(L).masked_fill_(failed.unsqueeze(-1), 1.0)
+    inv = torch.cholesky_inverse(L)
+    del L
+    dims = tuple(range(1, inv.dim()))
+    # Codes: 0 ok, 1 failed, 2 inverse not finite (one pass: a non-finite entry makes the sum
+    # non-finite; Cholesky can "succeed" on a near-singular matrix whose inverse overflows),
+    # 3 too ill-conditioned for dtype (see the module docstring). A grouped factor: the worst block's.
+    ill = (diag_m * fx.diagonal(inv)).amax(dim=dims[:-1]) > limit
+    codes = torch.where(failed.reshape(len(factors), -1).any(1), 1,
+                        torch.where(~torch.isfinite(inv.sum(dim=dims)), 2, torch.where(ill, 3, 0)))
+    # Each inverse its own row-major tensor: a view would keep the whole stack alive (and be saved whole).
+    return [row.clone(memory_format=torch.contiguous_format) for row in inv], codes
+
+
+def _diagonal_group(factors: Sequence[torch.Tensor], dampings: Sequence[float | torch.Tensor],
+                    dtype: torch.dtype) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """:func:`diagonal_inverse` of same-length diagonal factors in one pass: (the inverses, their codes)."""
+    vals = _stack(factors, dtype).clamp_(min=0.0)
+    stacked = _stacked_dampings(dampings, tuple(factors[0].shape), vals.device)
+    if stacked is not None:
+        vals.add_(stacked.to(dtype).unsqueeze(-1))
+    else:
+        for row, d in zip(vals, dampings):
+            row.add_(d.to(dtype) if isinstance(d, torch.Tensor) else d)
+    inv = _floored_reciprocal(vals)
+    del vals
+    # Each factor's sum in its own dtype, as the per-factor check reads it (k short reductions).
+    src_finite = torch.stack([torch.isfinite(f.sum()) for f in factors])
+    codes = torch.where(src_finite & torch.isfinite(inv.sum(-1)), 0, 2)
+    return [row.clone() for row in inv], codes
+
+
 def robust_inverses(
     factors: list[torch.Tensor], damping: float | Sequence[float | torch.Tensor], dtype: torch.dtype
 ) -> tuple[list[torch.Tensor], list[Fallback]]:
     """Damped inverses of several factors, and a :class:`Fallback` for each one Cholesky did not invert.
 
     ``damping``: one value for every factor, or one per factor (numbers or 0-d tensors: the
-    pi-balanced split of :func:`pi_split`). One host sync for the whole batch when every Cholesky succeeds; the fallback
-    levels sync freely (they only run on factors that need them).
+    pi-balanced split of :func:`pi_split`; for a grouped factor also one per block). The factors are inverted
+    batched by shape (one stacked Cholesky and one stacked inversion per shape), and one host sync reads the
+    checks of the whole batch; when every Cholesky succeeds that is the only one. The fallback levels run
+    factor by factor and sync freely (they only run on factors that need them).
     """
     if not factors:
         return [], []
@@ -231,35 +353,24 @@ def robust_inverses(
     if len(dampings) != len(factors):
         raise ValueError(f"damping: got {len(dampings)} values for {len(factors)} factors; give one per factor")
     limit = COND_LIMIT / torch.finfo(dtype).eps
-    inverses, flags = [], []
-    for f, damping_f in zip(factors, dampings):
-        if f.dim() == 1:
-            inv = diagonal_inverse(f, damping_f, dtype)
-            inverses.append(inv)
-            flags.append(torch.where(torch.isfinite(f.sum()) & torch.isfinite(inv.sum()), 0, 2))
-            continue
-        m = _damped_copy(f, damping_f, dtype)
-        L, info = torch.linalg.cholesky_ex(m)
-        failed_here = info.ne(0)
-        # A failed factorization may hold zeros on its diagonal, on which cholesky_inverse
-        # raises; put ones there without a host sync (that result is discarded below).
-        fx.diagonal(L).masked_fill_(failed_here.unsqueeze(-1), 1.0)
-        inv = torch.cholesky_inverse(L)
-        inverses.append(inv)
-        # Codes: 0 ok, 1 failed, 2 inverse not finite (one pass: a non-finite entry makes the sum
-        # non-finite; Cholesky can "succeed" on a near-singular matrix whose inverse overflows),
-        # 3 too ill-conditioned for dtype (see the module docstring). A grouped factor: the worst block's.
-        ill = (fx.diagonal(m) * fx.diagonal(inv)).max() > limit
-        flags.append(torch.where(failed_here.any(), 1, torch.where(~torch.isfinite(inv.sum()), 2,
-                                                                   torch.where(ill, 3, 0))))
-    codes = torch.stack(flags).tolist()  # the one sync
+    inverses: list[torch.Tensor] = list(factors)  # each replaced below
+    order: list[int] = []
+    parts: list[torch.Tensor] = []
+    for idx in _shape_groups(factors, dtype):
+        fs, ds = [factors[i] for i in idx], [dampings[i] for i in idx]
+        invs, codes = _diagonal_group(fs, ds, dtype) if fs[0].dim() == 1 else _cholesky_group(fs, ds, dtype, limit)
+        for i, inv in zip(idx, invs):
+            inverses[i] = inv
+        order.extend(idx)
+        parts.append(codes)
+    code_of = dict(zip(order, torch.cat(parts).tolist()))  # the one sync
     why = {1: "it is not positive definite after damping (indefinite or singular)", 2: "the Cholesky inverse is not finite",
            3: f"the damped factor is too ill-conditioned for a {dtype} Cholesky (condition number above "
               f"{limit:.2g})"}
     fallbacks = []
-    for i, code in enumerate(codes):
-        if code:
-            inverses[i], level, used, reason = _robust_any(factors[i], dampings[i], dtype, why[code])
+    for i, f in enumerate(factors):
+        if code_of[i]:
+            inverses[i], level, used, reason = _robust_any(f, dampings[i], dtype, why[code_of[i]])
             fallbacks.append(Fallback(i, level, used, reason))
     for inv in inverses:
         # Entries below the smallest normal float: zero to the inverse's precision, and subnormal
@@ -328,32 +439,79 @@ def identity_payload(factor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return eigen_payload(eye, evals)
 
 
+def _eigen_ladder(i: int, f: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, Fallback | None]:
+    """One factor's payload by the first level that gives a finite one (the ladder above), factor by factor with
+    its own host reads: what :func:`robust_eigens` runs for the factors its batched eigh did not settle."""
+    if not _finite(f):
+        return identity_payload(f, dtype), Fallback(i, "identity", 0.0, "the factor holds non-finite values")
+    p = _eigh(f, dtype)
+    if p is not None and _finite(p):
+        return p, None
+    reason = f"eigh in {dtype} failed" if p is None else f"eigh in {dtype} gave non-finite values"
+    if dtype != torch.float64:
+        p = _eigh(f, torch.float64)
+        if p is not None:
+            p = p.to(dtype)
+            if _finite(p):
+                return p, Fallback(i, "float64", 0.0, reason)
+        reason += "; so did eigh in float64"
+    return identity_payload(f, dtype), Fallback(i, "identity", 0.0, reason)
+
+
+def _eigen_group(factors: Sequence[torch.Tensor], dtype: torch.dtype) -> tuple[list[torch.Tensor], torch.Tensor] | None:
+    """Payloads of same-shape factors by one batched eigh in ``dtype``: (the payloads, each its own tensor; a ``k``
+    tensor, nonzero where a factor is not finite in ``dtype`` or its payload is not finite: those go down the
+    ladder), or None where the batched eigh raised (every factor of the group then goes down the ladder)."""
+    k = len(factors)
+    m = _stack(factors, dtype)
+    bad = ~torch.isfinite(m).reshape(k, -1).all(1)
+    if m.dim() == 2:  # diagonal: the eigenvalues are the entries
+        payload = m.clamp_(min=0.0)
+    else:
+        # The eigh never sees a non-finite value (those factors' results are discarded): no host read to skip them.
+        m.masked_fill_(bad.view(k, *([1] * (m.dim() - 1))), 0.0)
+        s = m + m.transpose(-1, -2)
+        del m
+        s.mul_(0.5)  # exact symmetry for eigh, as 0.5 * (f + f^T)
+        evals: torch.Tensor
+        evecs: torch.Tensor
+        try:
+            evals, evecs = torch.linalg.eigh(s)
+        except RuntimeError:  # torch.linalg.LinAlgError: no convergence for one of them
+            return None
+        del s
+        payload = eigen_payload(evecs, evals.clamp(min=0.0))
+        del evals, evecs
+    codes = (bad | ~torch.isfinite(payload).reshape(k, -1).all(1)).to(torch.int8)
+    return [row.clone() for row in payload], codes
+
+
 def robust_eigens(factors: list[torch.Tensor], dtype: torch.dtype) -> tuple[list[torch.Tensor], list[Fallback]]:
     """Eigen payloads (see above) of several factors, and a :class:`Fallback` for each one that needed
-    a level below the eigh in ``dtype`` (its ``damping`` is 0: eigen applies the damping later)."""
-    payloads: list[torch.Tensor] = []
-    fallbacks: list[Fallback] = []
-    for i, f in enumerate(factors):
-        if not _finite(f):
-            payloads.append(identity_payload(f, dtype))
-            fallbacks.append(Fallback(i, "identity", 0.0, "the factor holds non-finite values"))
+    a level below the eigh in ``dtype`` (its ``damping`` is 0: eigen applies the damping later).
+
+    The factors are decomposed batched by shape (one stacked eigh per shape) and one host sync reads the checks
+    of the whole batch; when every factor is finite and its eigh succeeds that is the only one. The levels below
+    run factor by factor and sync freely."""
+    payloads: list[torch.Tensor] = list(factors)  # each replaced below
+    found: dict[int, Fallback | None] = {}
+    order: list[int] = []
+    parts: list[torch.Tensor] = []
+    for idx in _shape_groups(factors, dtype):
+        res = _eigen_group([factors[i] for i in idx], dtype)
+        if res is None:
+            for i in idx:
+                payloads[i], found[i] = _eigen_ladder(i, factors[i], dtype)
             continue
-        p = _eigh(f, dtype)
-        if p is not None and _finite(p):
-            payloads.append(p)
-            continue
-        reason = f"eigh in {dtype} failed" if p is None else f"eigh in {dtype} gave non-finite values"
-        if dtype != torch.float64:
-            p = _eigh(f, torch.float64)
-            if p is not None:
-                p = p.to(dtype)
-                if _finite(p):
-                    payloads.append(p)
-                    fallbacks.append(Fallback(i, "float64", 0.0, reason))
-                    continue
-            reason += "; so did eigh in float64"
-        payloads.append(identity_payload(f, dtype))
-        fallbacks.append(Fallback(i, "identity", 0.0, reason))
+        for i, p in zip(idx, res[0]):
+            payloads[i] = p
+        order.extend(idx)
+        parts.append(res[1])
+    if parts:
+        for i, code in zip(order, torch.cat(parts).tolist()):  # the one sync
+            if code:
+                payloads[i], found[i] = _eigen_ladder(i, factors[i], dtype)
+    fallbacks = [fb for _, fb in sorted(found.items()) if fb is not None]
     for p in payloads:  # as robust_inverses: subnormal entries are zero to the payload's precision, and slow
         p.masked_fill_(p.abs() < torch.finfo(p.dtype).tiny, 0.0)
     return payloads, fallbacks
