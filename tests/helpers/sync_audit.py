@@ -352,6 +352,11 @@ class SyncAudit:
             worst_step=per.index(max(per)) if per else None,
             per_step=per,
             max_per_step_training=max(self.per_step(steps, training_only=True), default=0),
+            # torch.linalg.eigh checks its LAPACK info on the host on a GPU and has no _ex variant: the eigen
+            # method's unavoidable syncs, one per batched call, counted apart from the package's own reads.
+            max_per_step_training_without_eigh=max(
+                (Counter(e.step for e in counted if e.training_thread and e.kind != "linalg.eigh").get(s, 0)
+                 for s in range(steps)), default=0),
             setup_reads=sum(e.step < 0 for e in self.events),
             off_training_thread_reads=sum(not e.training_thread for e in counted),
             by_kind=dict(Counter(e.kind for e in counted).most_common()),
