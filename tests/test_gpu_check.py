@@ -205,3 +205,11 @@ def test_make_gpu_check_without_install_runs_the_given_python_from_the_checkout(
 def test_run_distributed_with_nccl_needs_a_gpu_per_rank():
     with pytest.raises(RanksFailed, match="backend='nccl' needs one CUDA device per rank: rank 0"):
         run_distributed(free_port, 1, backend="nccl", timeout=60)
+
+
+def test_the_budgets_fit_six_minutes(gpu_check):
+    """330 s of sections in the default 360 s run (start-ups and the report in the rest): the whole check fits in
+    6 minutes, so it can be rerun within 15 minutes of machine time."""
+    assert sum(gpu_check.BUDGETS.values()) <= 330 and gpu_check.DEFAULT_BUDGET == 360
+    assert gpu_check.parse_args([]).budget == 360
+    assert all(gpu_check.PROBE_RESERVE[n] + gpu_check.GRACE_S < gpu_check.BUDGETS[n] for n in gpu_check.PROBE_RESERVE)
