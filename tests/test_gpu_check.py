@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
+import tempfile
 import warnings
 import zipfile
 
@@ -190,6 +192,33 @@ def test_wheels_are_installed_for_the_run_only(gpu_check, tmp_path):
     target, rows = gpu_check.install_wheels(str(empty))
     os.rmdir(target)
     assert rows == [{"wheel": "(none)", "result": f"no *.whl in {empty}"}]
+
+
+def test_a_run_with_wheels_records_them_and_removes_their_folder(gpu_check, tmp_path, no_cuda, monkeypatch):
+    wheels, temp, out = tmp_path / "wheels", tmp_path / "temp", tmp_path / "out"
+    wheels.mkdir()
+    temp.mkdir()
+    _wheel(wheels, "gpucheck_demo_pkg")
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))  # where mkdtemp puts the run's folder
+    seen = {}
+
+    def overhead(args, out, budget):  # stands for a section: what does the run see?
+        import gpucheck_demo_pkg
+
+        seen.update(value=gpucheck_demo_pkg.VALUE, path=gpu_check._pythonpath(args).split(os.pathsep))
+        return {"status": "passed"}
+
+    monkeypatch.setattr(gpu_check, "section_overhead", overhead)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    code = gpu_check.main(["--dry", "--out", str(out), "--sections", "overhead", "--wheels", str(wheels)])
+    assert code == 0
+    assert seen["value"] == 42 and seen["path"][0] == str(REPO) and seen["path"][1].startswith(str(temp))
+    smoke = json.loads((out / "report.json").read_text())["sections"]["smoke"]
+    assert smoke["info"]["wheels"][0]["wheel"] == "gpucheck_demo_pkg-0.1-py3-none-any.whl"
+    assert smoke["info"]["wheels"][0]["result"].startswith("installed")
+    assert "wheel gpucheck_demo_pkg-0.1-py3-none-any.whl: installed" in (out / "report.md").read_text()
+    assert list(temp.iterdir()) == []  # removed at the end
+    sys.modules.pop("gpucheck_demo_pkg", None)
 
 
 def test_make_gpu_check_without_install_runs_the_given_python_from_the_checkout():
