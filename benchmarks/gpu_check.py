@@ -48,11 +48,12 @@ quartiles, and the ratios of medians against the targets:
 
 Probes (sections 2-3, after the timings, per configuration):
 
-* host syncs: one inverse period of steps (50 at the defaults, else one step) under
+* host syncs: one inverse period of steps (50 at the defaults, else two steps) under
   ``torch.cuda.set_sync_debug_mode("warn")``; every "called a synchronizing CUDA operation" warning is counted by
   the source line that raised it, the innermost ``lightning_spdkfac`` line on the stack, the part of the step
-  (forward/backward: the hooks; ``kfac.step``; ``optimizer.step``) and the thread; those C++ prints without a
-  Python frame (on stderr) are counted apart;
+  (forward/backward: the hooks; ``kfac.step``; ``optimizer.step``) and the thread (a C++ backward op's sync shows
+  as ``torch/autograd/graph.py``, where the engine replays it); C++ prints without a Python frame (on stderr) are
+  counted apart;
 * memory: the allocated bytes the configuration added (model copy, optimizer and K-FAC state, after its
   warm-up), and over the same steps the peak (``max_memory_allocated`` after ``reset_peak_memory_stats``),
   the reserved bytes and the allocator's retries (``num_alloc_retries``, a cache flush each);
@@ -395,8 +396,9 @@ class SyncCounter:
 
     Each Python warning "called a synchronizing CUDA operation" is counted under (its source line, whether that
     line is in lightning_spdkfac, the innermost lightning_spdkfac line on the stack, the part of the step, the
-    thread). A sync inside C++ with no Python frame to blame (the autograd engine's own ops) is printed by c10
-    on stderr instead: those lines are counted as ``cxx_without_python_frame``."""
+    thread). A sync inside a C++ backward op (no Python frame: the autograd engine replays its warnings at the
+    end of ``backward()``) shows as ``torch/autograd/graph.py``; one that c10 prints on stderr instead (a C++
+    thread with no Python caller) is counted as ``cxx_without_python_frame``."""
 
     def __init__(self) -> None:
         self.part = "between steps"
@@ -614,10 +616,11 @@ def time_rounds(runners: dict[str, Runner], rounds: int, block_steps: int, deadl
 
 
 def probe(r: Runner, dry: bool) -> dict:
-    """Host syncs and memory over one inverse period of steps (one step but at the defaults; one step in the dry
-    mode), then the ``kfac/*`` phases of one profiled step (an inverse step: the window ends on a period)."""
+    """Host syncs and memory over one inverse period of steps at the defaults, two steps otherwise (an async
+    inversion launched by a step runs into the next one), one in the dry mode; then the ``kfac/*`` phases of one
+    profiled step (at the defaults an inverse step: the window ends on a period)."""
     cuda = r.device.type == "cuda"
-    steps = 1 if dry else r.period
+    steps = 1 if dry else max(r.period, 2)
     if not dry:
         while r.i % r.period:  # start on a period: the window holds exactly one inverse step
             r.step()
