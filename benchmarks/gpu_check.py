@@ -850,7 +850,7 @@ def child(args: argparse.Namespace) -> int:
     warnings.filterwarnings("ignore")
     path = os.path.join(args.out, f"{args.child}.json")
     if args.child == "overhead":
-        code, table, tf32_used = run_overhead(path, False, args.tf32)
+        code, table, tf32_used = run_overhead(path, args.dry, args.tf32)
         print(table)
         if code == 0:
             with open(path) as f:

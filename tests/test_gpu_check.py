@@ -242,3 +242,28 @@ def test_the_budgets_fit_six_minutes(gpu_check):
     assert sum(gpu_check.BUDGETS.values()) <= 330 and gpu_check.DEFAULT_BUDGET == 360
     assert gpu_check.parse_args([]).budget == 360
     assert all(gpu_check.PROBE_RESERVE[n] + gpu_check.GRACE_S < gpu_check.BUDGETS[n] for n in gpu_check.PROBE_RESERVE)
+
+
+def test_the_sections_children_and_what_the_parent_reads_of_them(gpu_check, tmp_path, no_cuda, monkeypatch):
+    """A GPU run's benchmark sections run ``gpu_check.py --child NAME`` in a fresh process; here the child runs in
+    this process, in its dry form (the CPU), and the parent reads what it wrote as on a GPU."""
+    calls = []
+
+    def run_child(cmd, timeout, args):
+        assert cmd[1] == os.path.abspath(gpu_check.__file__) and cmd[2] == "--child"
+        calls.append(cmd[3])
+        code = gpu_check.main([*cmd[2:], "--dry"])
+        return subprocess.CompletedProcess(cmd, code, "", "")
+
+    monkeypatch.setattr(gpu_check, "_run_child", run_child)
+    precision = torch.get_float32_matmul_precision()
+    args = gpu_check.parse_args(["--out", str(tmp_path), "--tf32", "on"])
+    assert args.dry is False
+    sec = gpu_check.section_bench("cnn", args, str(tmp_path), budget=300)
+    assert sec["status"] == "passed" and set(sec["probes"]) == set(gpu_check.CONFIGS)
+    assert sec["tf32"]["set"] == "on" and sec["tf32"]["float32_matmul_precision"] == "high"
+    assert sec["tf32"]["cuda.matmul.allow_tf32"] is True and sec["tf32"]["cudnn.allow_tf32"] is True
+    sec = gpu_check.section_overhead(args, str(tmp_path), budget=300)
+    assert sec["status"] == "passed" and sec["tf32"]["set"] == "on" and sec["results"]
+    assert calls == ["cnn", "overhead"]
+    assert torch.get_float32_matmul_precision() == precision  # restored
