@@ -111,7 +111,8 @@ BUDGETS = {"smoke": 5, "tests": 170, "cnn": 45, "transformer": 85, "overhead": 2
 DEFAULT_BUDGET = 360.0
 PROBE_RESERVE = {"cnn": 15, "transformer": 25}  # seconds of a benchmark's budget kept for its probes
 GRACE_S = 8  # a benchmark child stops its work this long before its budget, when it is killed
-NEEDS = {"tests": ("pytest",)}  # modules a section cannot run without (the tests skip what else they lack)
+NEEDS = {"tests": ("pytest", "numpy")}  # modules a section cannot run without (tests/conftest.py imports numpy;
+# the tests skip, saying why, what else they lack)
 NCCL_LINE = "NCCL with several ranks: not measured"
 NOT_ON_CPU = "not available on CPU"
 SYNC_MESSAGE = "called a synchronizing CUDA operation"
