@@ -81,6 +81,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -714,9 +715,34 @@ def _pythonpath(args: argparse.Namespace) -> str:
     return os.pathsep.join(parts)
 
 
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):  # nothing left in the group
+        pass
+
+
 def _run_child(cmd: list[str], timeout: float, args: argparse.Namespace) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "PYTHONPATH": _pythonpath(args)})
+    """``cmd`` in REPO, in a process group of its own, killed at ``timeout`` (TimeoutExpired); whatever it leaves
+    behind in its group (the ranks a test spawned, a forkserver) is killed when it ends, so no section holds the
+    GPU for the next one. Its output goes through files: a process left behind holding a pipe cannot stall this."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=err, text=True, start_new_session=True,
+                                env={**os.environ, "PYTHONPATH": _pythonpath(args)})
+        timed_out = False
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        finally:
+            _kill_group(proc.pid)
+            proc.wait()
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    if timed_out:
+        raise subprocess.TimeoutExpired(cmd, timeout, output=stdout, stderr=stderr)
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
 def missing(section: str) -> list[str]:
@@ -1030,7 +1056,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_all(args: argparse.Namespace) -> int:
     cuda = torch.cuda.is_available()
-    out = out_dir(args, "gpu_check" + ("_dry" if args.dry else ""))
+    out = os.path.abspath(out_dir(args, "gpu_check" + ("_dry" if args.dry else "")))  # children run in REPO
     t_start = time.monotonic()
     report: dict = {
         "dry": args.dry, "device": (torch.cuda.get_device_name() if cuda and not args.dry

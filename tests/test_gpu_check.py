@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 import warnings
 import zipfile
 
@@ -267,3 +268,27 @@ def test_the_sections_children_and_what_the_parent_reads_of_them(gpu_check, tmp_
     assert sec["status"] == "passed" and sec["tf32"]["set"] == "on" and sec["results"]
     assert calls == ["cnn", "overhead"]
     assert torch.get_float32_matmul_precision() == precision  # restored
+
+
+def test_a_child_is_bounded_and_leaves_nothing_behind(gpu_check):
+    args = gpu_check.parse_args(["--dry"])
+    leave = "import subprocess, sys; print(subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']).pid)"
+    done = gpu_check._run_child([sys.executable, "-c", leave], 60, args)
+    assert done.returncode == 0  # returned when the child ended, though its own child still held its output
+    pid = int(done.stdout)
+
+    def gone() -> bool:  # killed with its group: no such process, or a zombie its new parent has not reaped yet
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+        except FileNotFoundError:
+            return True
+
+    for _ in range(200):  # (SIGKILL was sent before _run_child returned; its delivery is not instantaneous)
+        if gone():
+            break
+        time.sleep(0.05)
+    assert gone()
+    with pytest.raises(subprocess.TimeoutExpired) as e:
+        gpu_check._run_child([sys.executable, "-c", "import time; time.sleep(120)"], 2, args)
+    assert e.value.timeout == 2
