@@ -406,6 +406,7 @@ class SyncCounter:
         self.part = "between steps"
         self.python: Counter[tuple[str, bool, str | None, str, str]] = Counter()
         self.cxx = 0
+        self._lock = threading.Lock()  # the autograd and worker threads warn too
 
     def set_part(self, part: str) -> None:
         self.part = part
@@ -423,7 +424,8 @@ class SyncCounter:
             frame = frame.f_back
         key = (f"{_where(filename)}:{lineno}", _in_package(filename), package_frame, self.part,
                threading.current_thread().name)
-        self.python[key] += 1
+        with self._lock:
+            self.python[key] += 1
 
     @contextlib.contextmanager
     def capture(self, debug_mode: bool) -> Iterator[SyncCounter]:
@@ -689,7 +691,10 @@ def bench_workload(name: str, args: argparse.Namespace, deadline: float,
         elif args.dry and c not in DRY_PROBES:
             probes[c] = {"status": f"dry: only {' and '.join(DRY_PROBES)} are probed", "built": memory[c]}
         else:
-            probes[c] = {"built": memory[c], **probe(r, args.dry)}
+            try:
+                probes[c] = {"built": memory[c], **probe(r, args.dry)}
+            except Exception:  # (one configuration's probe, not the others')
+                probes[c] = {"status": "failed", "built": memory[c], "error": traceback.format_exc()[-3000:]}
     result["probes"] = probes
     result["probes_complete"] = all("syncs" in p or p["status"].startswith("dry") for p in probes.values())
     for r in runners.values():
@@ -833,6 +838,9 @@ def section_overhead(args: argparse.Namespace, out: str, budget: float) -> dict:
 
 
 def _bench_status(result: dict) -> str:
+    failed = [c for c, p in result.get("probes", {}).items() if p.get("status") == "failed"]
+    if failed:
+        return f"failed: the probes of {', '.join(failed)} raised"
     if not result.get("complete", False):
         return "incomplete (out of time: fewer timing rounds)"
     if not result.get("probes_complete", False):
@@ -895,7 +903,8 @@ def targets(report: dict) -> list[dict]:
     rows = []
     for model, ratio, limit, what in TARGETS:
         sec = report["sections"].get(model, {})
-        ran = sec.get("status", "").startswith(("passed", "incomplete", "failed after its timings"))
+        ran = sec.get("status", "").startswith(("passed", "incomplete", "failed after its timings",
+                                                 "failed: the probes"))
         value = sec.get("ratios", {}).get(ratio) if ran else None
         verdict = "-" if value is None else ("PASS" if value <= limit else "MISS")
         if report["dry"] and value is not None:
@@ -947,6 +956,9 @@ def probe_tables(sec: dict) -> list[str]:
         ("peak", "peak GiB", ".2f"), ("above", "peak above resident MiB", ".1f"),
         ("reserved", "reserved GiB", ".2f"), ("retries", "retries (window)", "d"),
         ("retries_built", "retries (build)", "d")]))
+    for c, p in probes.items():
+        if p.get("error"):
+            lines += [f"The probes of {c} raised:", "", *_fence(p["error"][-1500:])]
     rows = [{"config": c, "range": name, "inverse_step": str(p["phases"]["inverse_step"]), **t}
             for c, p in probes.items() if "phases" in p for name, t in p["phases"]["ranges"].items()]
     if rows:

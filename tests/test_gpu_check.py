@@ -292,3 +292,22 @@ def test_a_child_is_bounded_and_leaves_nothing_behind(gpu_check):
     with pytest.raises(subprocess.TimeoutExpired) as e:
         gpu_check._run_child([sys.executable, "-c", "import time; time.sleep(120)"], 2, args)
     assert e.value.timeout == 2
+
+
+def test_a_probe_that_raises_is_recorded_and_the_others_still_run(gpu_check, tmp_path, no_cuda, monkeypatch):
+    probe = gpu_check.probe
+
+    def flaky(r, dry):
+        if r.pre is not None:
+            raise RuntimeError("simulated probe failure")
+        return probe(r, dry)
+
+    monkeypatch.setattr(gpu_check, "probe", flaky)
+    code = gpu_check.main(["--dry", "--out", str(tmp_path), "--sections", "transformer"])
+    assert code == 1
+    sec = json.loads((tmp_path / "report.json").read_text())["sections"]["transformer"]
+    assert sec["status"] == "failed: the probes of kfac-every-async raised"
+    assert "simulated probe failure" in sec["probes"]["kfac-every-async"]["error"]
+    assert sec["probes"]["sgd"]["syncs"]["status"].startswith("not available on CPU")
+    assert sec["configs"]["kfac"]["blocks"] == 1  # the timings are kept
+    assert "simulated probe failure" in (tmp_path / "report.md").read_text()
