@@ -66,16 +66,27 @@ lint: install
 bench: install
 	$(PY) benchmarks/overhead.py
 
-# The GPU check (benchmarks/gpu_check.py, at most 8 minutes on one H100): the tests marked cuda, then K-FAC's
-# step time against SGD and AdamW on a ResNet-18 and a GPT-2-small-sized transformer, async against sync
-# inverses and the overhead table; report.md and report.json in OUT (default: a fresh
-# benchmarks/results/run-*-gpu_check/). Without CUDA it runs the dry mode, which gpu-check-dry forces.
+# The GPU check (benchmarks/gpu_check.py, docs/guide/gpu-check.md; at most 6 minutes on one H100): a smoke
+# section (versions, NCCL, TF32 state, the card), the tests marked cuda, then K-FAC's step time, host syncs, memory
+# and phases against SGD and AdamW on a ResNet-18 and a GPT-2-small-sized transformer, and the overhead table;
+# report.md and report.json in OUT (default: a fresh benchmarks/results/run-*-gpu_check/). Without CUDA it stops
+# after the smoke section and fails; gpu-check-dry runs the dry mode (tiny models on the CPU), which CI runs.
+# On a GPU machine with a CUDA PyTorch already installed and no package index: NO_INSTALL=1 (no .venv, no pip:
+# PYTHON runs it, the package imported from this checkout), and WHEELS=DIR for wheels of pure-Python dependencies
+# the machine lacks, installed for the run only (pip --no-index --no-deps --target a temporary folder):
+#   make gpu-check PYTHON=python3 NO_INSTALL=1 [WHEELS=.whl] [OUT=gpu-report]
 OUT ?=
-gpu-check: install
-	$(PY) benchmarks/gpu_check.py $(if $(OUT),--out $(OUT))
+NO_INSTALL ?=
+WHEELS ?=
+GPU_PY := $(if $(NO_INSTALL),$(PYTHON),$(PY))
+GPU_DEPS := $(if $(NO_INSTALL),,install)
+GPU_ARGS = $(if $(OUT),--out $(OUT)) $(if $(WHEELS),--wheels $(WHEELS))
 
-gpu-check-dry: install
-	$(PY) benchmarks/gpu_check.py --dry $(if $(OUT),--out $(OUT))
+gpu-check: $(GPU_DEPS)
+	PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" $(GPU_PY) benchmarks/gpu_check.py $(GPU_ARGS)
+
+gpu-check-dry: $(GPU_DEPS)
+	PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" $(GPU_PY) benchmarks/gpu_check.py --dry $(GPU_ARGS)
 
 # The documentation site (mkdocs.yml, docs/): the docs extra on top of the test environment (the API reference
 # and the generated configuration reference import the package, Lightning and DeepSpeed included), built with

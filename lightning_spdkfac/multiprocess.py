@@ -11,6 +11,9 @@ with it) with the rank's traceback. Fault-injection tests pass ``allow_failures=
 raises or dies does not stop the others, and its place in the result list holds a :class:`RankFailure`
 (with its traceback or exit code), so a test can read what the surviving ranks saw.
 
+With ``backend="nccl"`` rank r runs on GPU r: ``torch.cuda.set_device(r)`` before the process group is created
+(and ``init_process_group(device_id=...)`` where torch has it); a rank without its own GPU fails, saying so.
+
 Start method: "forkserver" by default. Its server process imports torch and the worker's module once per
 pytest session, and every rank is then forked from it in milliseconds, instead of re-importing torch
 (and the package under test) in every rank as "spawn" does (~3-7 s per run on 2 cores). It is as clean
@@ -65,6 +68,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _nccl_device(rank: int) -> dict[str, Any]:
+    """Bind an NCCL rank to its GPU before its process group exists: ``torch.cuda.set_device(rank)`` (the ranks
+    are local, so the local rank is the rank), and the ``device_id`` keyword of ``init_process_group`` where
+    this torch has it (2.3+: the communicator is created eagerly, on that device). Without the binding every rank
+    would put its NCCL communicator, and DDP its buffers, on GPU 0."""
+    import inspect
+
+    import torch
+    import torch.distributed as dist
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if rank >= count:
+        raise RuntimeError(f"backend='nccl' needs one CUDA device per rank: rank {rank}, but this machine has "
+                           f"{count} visible CUDA device(s) (torch {torch.__version__}, CUDA {torch.version.cuda})")
+    torch.cuda.set_device(rank)
+    if "device_id" in inspect.signature(dist.init_process_group).parameters:
+        return {"device_id": torch.device("cuda", rank)}
+    return {}
+
+
 def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, backend: str, timeout: float,
                threads: int, args: tuple[Any, ...], kwargs: dict[str, Any], conn: mpc.Connection[Any, Any],
                final_barrier: bool = True) -> None:
@@ -78,8 +101,9 @@ def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, ba
         import torch.distributed as dist
 
         torch.set_num_threads(threads)
+        extra = _nccl_device(rank) if backend == "nccl" else {}
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world_size, timeout=datetime.timedelta(seconds=timeout))
+                                world_size=world_size, timeout=datetime.timedelta(seconds=timeout), **extra)
         initialized = True
         result = fn(rank, world_size, *args, **kwargs)
         if final_barrier:

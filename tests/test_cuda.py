@@ -10,7 +10,9 @@ Without CUDA every test here skips, saying so.
   two ranks on one device), against one process on the joint batch;
 * DeepSpeed ZeRO-1/2 on one GPU with K-FAC equal to DDP with K-FAC;
 * bf16 autocast with float32 factors against float64 references of the captured bf16 activations;
-* ``KFACPreconditioner.state_bytes()`` against ``torch.cuda`` allocator deltas.
+* ``KFACPreconditioner.state_bytes()`` against ``torch.cuda`` allocator deltas;
+* no host synchronization in the forward/backward hooks: K-FAC steps at the defaults and every step with
+  asynchronous inverses, their forward and backward under ``torch.cuda.set_sync_debug_mode("error")``.
 
 References are built here, not by the library under test: dense float64 factors and inverses on the host
 (tests/helpers/dense_reference.py) from the activations and output gradients captured by the tests' own hooks,
@@ -20,6 +22,7 @@ allows it for convolutions by default), so float32 on the GPU is float32.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import os
@@ -342,6 +345,8 @@ def lightning_fit(rank: int, world: int, stage: int | None) -> dict:
 def ddp_on_gpu():
     if not torch.cuda.is_available():
         pytest.skip(NO_CUDA)
+    pytest.importorskip("deepspeed")  # (before the DDP reference, which only the DeepSpeed tests use)
+    pytest.importorskip("pytorch_lightning")
     return run_distributed(lightning_fit, 1, None, timeout=300, backend="nccl", start_method="spawn")[0]
 
 
@@ -450,4 +455,54 @@ def test_state_bytes_is_what_the_gpu_allocator_holds_for_kfac(cuda):
     # replaced: one more set of factors) and one factor's damped copy, Cholesky factor and masks at a time.
     largest = max(max(a, g) ** 2 for a, g in sides) * 4
     assert state <= kfac_peak - sgd_peak <= state + accumulators + factors + 4 * largest + slack
+    pre.remove_hooks()
+
+
+# ----------------------------------------------------------------------------- 6. no host sync in the hooks
+
+
+@contextlib.contextmanager
+def sync_debug(mode: str):
+    """``torch.cuda.set_sync_debug_mode(mode)`` for the block (process-wide: every thread), then as before."""
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode(mode)
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+
+
+HOOK_CONFIGS = {
+    "defaults": {},  # factors every 5 steps, inverses every 50, the lr read from the optimizer (KL clip)
+    "every_step_async": dict(factor_update_steps=1, inv_update_steps=1, async_inverses=True),
+}
+
+
+@pytest.mark.parametrize("config", list(HOOK_CONFIGS))
+def test_no_host_sync_in_the_forward_and_backward_hooks(cuda, config):
+    """Every step after the first (which sets up: first inverses, cuBLAS handles) runs its forward and backward,
+    where K-FAC's hooks collect the factor statistics, under ``set_sync_debug_mode("error")``: a device-to-host
+    read or a blocking host-to-device copy there raises. At the defaults the window holds a factor step (step 5)
+    and steps whose hooks collect nothing; every step with async inverses, each window is a factor step with the
+    previous step's inversions in flight on the side stream (the mode is process-wide: the inverse worker must not
+    read the host either, it only computes). ``step()`` and ``optimizer.step()`` run outside the window."""
+    torch.manual_seed(0)
+    model = dist_net().to(cuda)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    pre = KFACPreconditioner(model, **HOOK_CONFIGS[config])
+    g = torch.Generator().manual_seed(3)
+    steps = 7
+    batches = [(torch.randn(BATCH, 2, 8, 8, generator=g).to(cuda), torch.randint(0, 5, (BATCH,), generator=g).to(cuda))
+               for _ in range(steps)]  # copied to the GPU before any window
+    torch.cuda.synchronize()
+    for k, (x, y) in enumerate(batches):
+        opt.zero_grad(set_to_none=True)
+        with sync_debug("error") if k > 0 else contextlib.nullcontext():
+            F.cross_entropy(model(x), y).backward()
+        pre.step(opt)
+        opt.step()
+    torch.cuda.synchronize()
+    assert pre.steps == steps and pre.skipped_factor_steps == 0
+    assert all(ly.A is not None and ly.A.is_cuda for ly in pre.layers.values())
+    assert all(torch.isfinite(p).all() for p in model.parameters())
     pre.remove_hooks()
