@@ -290,3 +290,27 @@ def test_every_broadcast_buffer_has_the_preconditioned_dtype_and_size():
     assert bufs[0][-1] == 1.0 and bufs[1][-1] == 0.0
     out = bc.finish()
     assert out[1] is None and out[0].dtype == torch.float32  # the owner keeps its own tensor
+
+
+def _deferred_flags(rank, world):
+    from lightning_spdkfac.comm.dpkfac import GradientBroadcaster
+
+    bc = GradientBroadcaster([0, 1, 0], [(2, 3), (3, 1), (1, 2)], process_group=dist.new_group(), order=[0, 1, 2])
+    bc.begin_round([0, 1, 2])
+    if rank == 0:
+        bc.offer(0, torch.full((2, 3), 2.0))
+        bc.offer(2, None)  # this owner leaves layer 2 unpreconditioned
+    else:
+        bc.offer(1, torch.full((3, 1), 5.0))
+    out = bc.finish(defer_flags=True)
+    return {i: (None if v is None else v.clone()) for i, v in out.items()}, {i: bool(f) for i, f in
+                                                                           bc.last_flags.items()}
+
+
+def test_deferred_flags_stay_on_the_device_and_say_which_owner_sent_a_gradient():
+    """dpkfac's exchange without a host read: a receiver gets every buffer, and the 0-dim flags that say where the
+    owner sent nothing (the preconditioner then keeps that layer's gradient, out of the KL sum)."""
+    (out0, flags0), (out1, flags1) = run_distributed(_deferred_flags, 2, timeout=60)
+    assert flags0 == {1: True} and torch.equal(out0[1], torch.full((3, 1), 5.0)) and out0[2] is None
+    assert flags1 == {0: True, 2: False} and torch.equal(out1[0], torch.full((2, 3), 2.0))
+    assert out1[2].shape == (1, 2)  # the buffer of a layer the owner did not send: read only through its flag

@@ -101,6 +101,7 @@ class GradientBroadcaster(CollectiveExecutor):
         self.order = tuple(int(i) for i in order)
         if sorted(self.order) != list(range(len(self.owners))):
             raise ValueError(f"order must list every layer once, got {list(self.order)}")
+        self.last_flags: dict[int, torch.Tensor] = {}
         self._clear()
 
     def _clear(self) -> None:
@@ -178,9 +179,11 @@ class GradientBroadcaster(CollectiveExecutor):
     def _launcher(self, buf: torch.Tensor, src: int) -> Callable[[], Work]:
         return lambda: dist.broadcast(buf, src=src, group=self.process_group, async_op=True)
 
-    def finish(self) -> dict[int, torch.Tensor | None]:
+    def finish(self, defer_flags: bool = False) -> dict[int, torch.Tensor | None]:
         """Offer None for every owned layer not offered, wait for the round; every layer's result by index
-        (None: its owner left it unpreconditioned). One host read of the flags."""
+        (None: its owner left it unpreconditioned), from one host read of the flags. ``defer_flags``: no host read,
+        a received layer's result is its buffer whatever the owner sent, and the flags stay on the device, in
+        :attr:`last_flags` (a 0-dim boolean per received layer: True where the owner sent a gradient)."""
         for i in self._round:
             if self.owners[i] == self.rank and i not in self._offered:
                 self.offer(i, None)
@@ -191,9 +194,14 @@ class GradientBroadcaster(CollectiveExecutor):
                 self._wait(i, work)
         out: dict[int, torch.Tensor | None] = {}
         received = [(i, buf) for i, buf, _ in posted if self.owners[i] != self.rank]
-        flags = torch.stack([buf[-1] for _, buf in received]).tolist() if received else []
-        for (i, buf), flag in zip(received, flags):
-            out[i] = buf[:-1].view(self.shapes[i]) if flag == 1.0 else None
+        if defer_flags:
+            self.last_flags = {i: buf[-1].eq(1.0) for i, buf in received}
+            for i, buf in received:
+                out[i] = buf[:-1].view(self.shapes[i])
+        else:
+            flags = torch.stack([buf[-1] for _, buf in received]).tolist() if received else []
+            for (i, buf), flag in zip(received, flags):
+                out[i] = buf[:-1].view(self.shapes[i]) if flag == 1.0 else None
         for i in self._round:
             if self.owners[i] == self.rank:
                 out[i] = self._offered[i]
@@ -301,9 +309,15 @@ class DPKFACDistributor(SPDDistributor):
     def finish_share(self) -> dict[int, torch.Tensor | None]:
         assert self._grads is not None  # set up
         t0 = time.perf_counter()
-        out = self._grads.finish()
+        out = self._grads.finish(defer_flags=True)  # no host read per step: the flags stay on the device
         self.timer.add("precondition_comm_wait", time.perf_counter() - t0)
         return out
+
+    def share_flags(self) -> dict[int, torch.Tensor]:
+        """Of the last :meth:`finish_share`: per received layer, a 0-dim boolean device tensor, True where its owner
+        sent a preconditioned gradient (False: the receiver keeps the gradient, as the owner does)."""
+        assert self._grads is not None  # set up
+        return self._grads.last_flags
 
     def agree_tensor(self, ok: torch.Tensor) -> torch.Tensor:
         """The AND over ranks of the boolean 0-dim ``ok``, on ``ok``'s device, without a host read (one MIN

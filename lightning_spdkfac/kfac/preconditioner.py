@@ -180,6 +180,9 @@ class KFACPreconditioner(LayerRegistration, FactorUpdates, InverseSteps, Precond
         self._owners: tuple[int, ...] | None = self.distributor.layer_owners
         # ... and, while a step exchanges the preconditioned gradients, each exchanged layer and its gradient.
         self._shared_grads: dict[int, tuple[KFACLayer, torch.Tensor]] = {}
+        # Distributed preconditioning: received layers whose owner may have sent nothing (0-dim device flags, read on
+        # no host: the gradient is kept where a flag is false, kfac/preconditioning.py).
+        self._unsure: dict[int, torch.Tensor] = {}
         self._check_memory()
         # step_size="quadratic"/"quadratic_momentum": the optimizer's update rescaled after its step (kfac/step_size.py).
         self.step_size: QuadraticStepSize | None = None

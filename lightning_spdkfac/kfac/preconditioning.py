@@ -38,6 +38,7 @@ class Preconditioning:
     _grads_finite: bool
     _preconditioned: dict[int, tuple[KFACLayer, torch.Tensor, torch.Tensor]]
     _shared_grads: dict[int, tuple[KFACLayer, torch.Tensor]]
+    _unsure: dict[int, torch.Tensor]
     _stepping: dict[int, float] | None
     _step_groups: dict[int, StepGroups]
     _graft_states: dict[int, AdamGraftState]
@@ -89,10 +90,13 @@ class Preconditioning:
     def _gather_preconditioned(self) -> None:
         """Distributed preconditioning: every exchanged layer's P from its owner (the owner's own tensor here)."""
         shared = self.distributor.finish_share()  # type: ignore[attr-defined]
+        flags = self.distributor.share_flags()  # type: ignore[attr-defined]
         for index, p in shared.items():
             if p is not None and index not in self._preconditioned:
                 layer, g = self._shared_grads[index]
                 self._preconditioned[index] = (layer, p, g.to(self.inv_dtype))
+                if index in flags:
+                    self._unsure[index] = flags[index]
         self._shared_grads = {}
 
     def _precondition(self, k: int) -> None:
@@ -101,6 +105,7 @@ class Preconditioning:
         if self._owners is not None:
             self._gather_preconditioned()
         done, self._preconditioned = self._preconditioned, {}
+        unsure, self._unsure = self._unsure, {}
         if not done:
             return
         # Layer order, not arrival order: the KL sum must add up in the same order on every rank
@@ -111,14 +116,18 @@ class Preconditioning:
                       if self.options.grafting == "adam" else None)
             beta2, eps = self._graft_hparams
             precs = tuple(graft(self.options.grafting, precs, grads, states, beta2, eps))
+        flags = [unsure.get(ly.index) for ly in todo]
+        if unsure:  # dpkfac: where a layer's owner sent nothing, its gradient stays as it is, out of the KL sum
+            precs = tuple(p if f is None else torch.where(f, p, g) for p, g, f in zip(precs, grads, flags))
         scale = None
         if self.kl_clip is not None:
-            scale = self._kl_scale(k, todo, precs, grads)
-        for layer, p in zip(todo, precs):
-            layer.helper.write_grad(p, scale, self._grads)
+            scale = self._kl_scale(k, todo, precs, grads, flags if unsure else None)
+        for layer, p, f in zip(todo, precs, flags):
+            layer.helper.write_grad(p, scale if f is None or scale is None else torch.where(f, scale, 1.0),
+                                    self._grads)
 
     def _kl_scale(self, k: int, layers: tuple[KFACLayer, ...], precs: tuple[torch.Tensor, ...],
-                  grads: tuple[torch.Tensor, ...]) -> torch.Tensor:
+                  grads: tuple[torch.Tensor, ...], flags: list[torch.Tensor | None] | None = None) -> torch.Tensor:
         """nu = min(1, sqrt(kl_clip / sum_l lr_l^2 p_l.g_l)), each layer at its own learning rate; no host sync.
 
         In float64: an extreme learning rate (1e20) squared overflows float32 to inf, which would
@@ -127,6 +136,11 @@ class Preconditioning:
         assert self.kl_clip is not None  # (called only with the clip on)
         kl_clip = val.resolve("kl_clip", self.kl_clip, k, val.POSITIVE)
         dots = torch.stack([torch.vdot(p.flatten(), g.flatten()) for p, g in zip(precs, grads)]).double()
+        if flags is not None:  # layers whose owner sent nothing (dpkfac) are out of the sum (where, not a product:
+            # an inf gradient's dot times 0 would be NaN)
+            keep = torch.stack([torch.ones((), dtype=torch.bool, device=dots.device) if f is None
+                                else f.to(dots.device) for f in flags])
+            dots = torch.where(keep, dots, torch.zeros((), dtype=dots.dtype, device=dots.device))
         # Gradients still carrying a loss scale S give S^2 times the true p.g.
         unscale = 1.0 / self.grad_access.loss_scale() ** 2
         if self.lr is not None or self._stepping is None:
