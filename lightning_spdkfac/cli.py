@@ -42,6 +42,7 @@ from pytorch_lightning.loggers import CSVLogger
 
 from . import validation as val
 from .lightning.callback import KFAC
+from .lightning.run_report import auto_choice, kfac_line
 
 # Our own subcommands: name -> function(argv after the name) -> exit code. Checked before
 # Lightning's (fit, validate, test, predict).
@@ -98,12 +99,11 @@ def _quoted(err: BaseException, raised: list[BaseException]) -> BaseException | 
 
 
 class RunSummary(pl.Callback):
-    """Collects what the CLI prints when a run ends: the K-FAC step summary of ``fit``.
-
-    Reads the :class:`~lightning_spdkfac.KFAC` callback's preconditioner after each optimizer step
-    (its per-phase seconds of that step, whether it inverted) and, at the end of training, its
-    fault counters. Added by the ``spdkfac`` CLI to every Trainer it builds; costs a few dict
-    reads per step.
+    """Times the run for the line the CLI prints when it ends; the K-FAC part of that line is the
+    :class:`~lightning_spdkfac.KFAC` callback's own record (:attr:`KFAC.run_record
+    <lightning_spdkfac.KFAC>`, :func:`~lightning_spdkfac.lightning.run_report.kfac_line`), the line the callback
+    prints by itself outside the CLI. Added by the ``spdkfac`` CLI to every Trainer it builds; it turns the
+    callback's own print off, so that the line shows once, in the outcome block.
     """
 
     def __init__(self) -> None:
@@ -114,16 +114,17 @@ class RunSummary(pl.Callback):
         self.stage = stage
         self.seconds = 0.0
         self._t0 = 0.0
-        self.kfac_steps = 0
-        self.inverse_steps = 0
-        self.phase_seconds: dict[str, float] = {}
-        self.counters: dict[str, int] = {}
-        self.auto: str | None = None  # schedule="auto" / async_inverses="auto": what was chosen, when
-        self._seen_step: int | None = None
+        self.start_step = 0  # trainer.global_step when training started (> 0: resumed from a checkpoint)
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._reset(stage)  # a fresh record for each run of the Trainer
         self._t0 = time.perf_counter()
+        kfac = self.kfac(trainer)
+        if kfac is not None:
+            kfac.print_run_line = False  # printed in outcome_lines instead
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.start_step = trainer.global_step
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self.seconds = time.perf_counter() - self._t0
@@ -131,29 +132,6 @@ class RunSummary(pl.Callback):
     @staticmethod
     def kfac(trainer: pl.Trainer) -> KFAC | None:
         return next((c for c in trainer.callbacks if isinstance(c, KFAC)), None)  # type: ignore[attr-defined]
-
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        cb = self.kfac(trainer)
-        pre = None if cb is None else cb.preconditioner
-        if pre is None or pre.steps == self._seen_step:
-            return
-        first = self._seen_step is None
-        self._seen_step = pre.steps
-        if first and pre.steps == 0:
-            return  # (no step taken yet)
-        self.kfac_steps += 1
-        self.inverse_steps += bool(pre.last_step_inverted)
-        for name, sec in pre.timer.last.items():
-            self.phase_seconds[name] = self.phase_seconds.get(name, 0.0) + sec
-
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        cb = self.kfac(trainer)
-        pre = None if cb is None else cb.preconditioner
-        if pre is not None:  # (released at teardown, after this hook)
-            self.counters = {"skipped factor steps": int(pre.skipped_factor_steps),
-                             "skipped precondition steps": int(pre.skipped_precondition_steps),
-                             "inverse fallbacks": int(pre.inverse_fallbacks)}
-            self.auto = _auto_choice(pre.distributor)
 
 
 class _SaveConfig(SaveConfigCallback):
@@ -187,36 +165,7 @@ def _metric_line(trainer: pl.Trainer) -> str | None:
     return "  ".join(f"{k} {_fmt(v)}" for k, v in metrics.items()) or None
 
 
-_OVERLAPPED = "factor_comm_inflight"
-
-
-def _auto_choice(distributor: Any) -> str | None:
-    """What an AutoDistributor (comm/auto.py) chose, for the run summary; None for a fixed schedule."""
-    decisions = getattr(distributor, "decisions", None)
-    if decisions is None:
-        return None
-    if not decisions:
-        return "auto still timing its candidates when the run ended (no choice yet)"
-    last = decisions[-1]
-    return f"auto chose {last['choice']} at step {last['step']}"
-
-
-def _kfac_line(summary: RunSummary, kfac: KFAC | None) -> str:
-    if kfac is None:
-        return "off (no KFAC callback: kfac is null)"
-    n = summary.kfac_steps
-    if n == 0:
-        return "on, no optimizer step taken"
-    ms = {k: v * 1e3 / n for k, v in summary.phase_seconds.items() if v > 0}
-    # factor_comm_inflight overlaps the other phases (launch to completion of the all-reduces): not in the sum
-    inflight = ms.pop(_OVERLAPPED, None)
-    phases = ", ".join(f"{k} {v:.2f}" for k, v in sorted(ms.items(), key=lambda kv: -kv[1]))
-    if inflight is not None:
-        phases += f"; {_OVERLAPPED} {inflight:.2f}, overlapped"
-    counters = ", ".join(f"{k} {v}" for k, v in summary.counters.items())
-    return (f"{n} steps, {sum(ms.values()):.2f} ms per step in K-FAC ({phases or 'no phase timed'}); "
-            f"inverse steps {summary.inverse_steps} of {n} ({100.0 * summary.inverse_steps / n:.0f}%)"
-            + (f"; {counters}" if counters else "") + (f"; {summary.auto}" if summary.auto else ""))
+_auto_choice = auto_choice  # (its name here before lightning/run_report.py held it)
 
 
 def _record_lines(trainer: pl.Trainer) -> list[str]:
@@ -261,6 +210,8 @@ def outcome_lines(trainer: pl.Trainer, subcommand: str) -> list[str]:
     if subcommand == "fit":
         epochs = trainer.current_epoch
         head += f" after {epochs} epoch{'' if epochs == 1 else 's'}, {trainer.global_step} optimizer steps"
+        if summary is not None and summary.start_step:
+            head += f" ({trainer.global_step - summary.start_step} in this run, resumed at step {summary.start_step})"
     if summary is not None and summary.seconds:
         head += f", {summary.seconds:.1f} s"
     if trainer.interrupted:
@@ -273,7 +224,7 @@ def outcome_lines(trainer: pl.Trainer, subcommand: str) -> list[str]:
         lines += _record_lines(trainer)
         kfac = RunSummary.kfac(trainer)
         if summary is not None:
-            lines.append(f"K-FAC: {_kfac_line(summary, kfac)}")
+            lines.append(f"K-FAC: {kfac_line(None if kfac is None else kfac.run_record)}")
     else:
         kfac = None
     lines += _where_lines(trainer, kfac)
@@ -365,6 +316,36 @@ def _cwd_on_path() -> None:
         sys.path.insert(0, os.getcwd())
 
 
+_REPOSITORY_PACKAGES = ("examples", "benchmarks")  # folders of the clone, not of the installed package
+
+
+def _refuse_repository_classes(argv: Sequence[str]) -> None:
+    """A ``--config`` naming a class of the repository's ``examples/`` (configs/hf_gpt2.yaml does) where that
+    folder is not importable (an installed copy, run from elsewhere): one line saying where to run it, instead
+    of jsonargparse's "does not correspond to a subclass" after the whole parse."""
+    paths = [a.partition("=")[2] if a.startswith("--config=") else argv[i + 1]
+             for i, a in enumerate(argv) if a.startswith("--config=") or (a == "--config" and i + 1 < len(argv))]
+    for path in paths:
+        try:
+            with open(path) as f:
+                text = f.read()
+        except OSError:
+            continue  # LightningCLI reports a missing file itself
+        for line in text.splitlines():
+            value = line.partition("#")[0].strip().removeprefix("- ")
+            if not value.startswith("class_path:"):
+                continue
+            name = value.removeprefix("class_path:").strip().strip("'\"")
+            top = name.split(".")[0]
+            if top in _REPOSITORY_PACKAGES and importlib.util.find_spec(top) is None:
+                sys.stderr.write(
+                    f"spdkfac: {path} trains {name}, which lives in the repository's {top}/ folder, not in the "
+                    f"installed lightning_spdkfac package, and no {top!r} module is importable from {os.getcwd()}: "
+                    f"run it from the root of a clone of the repository (cd <clone> && spdkfac fit --config "
+                    f"configs/{os.path.basename(path)}), or point class_path at a module of your own\n")
+                raise SystemExit(2)
+
+
 def main(args: Sequence[str] | None = None) -> int:
     """Entry point of the ``spdkfac`` console script; ``args`` defaults to ``sys.argv[1:]``."""
     argv = sys.argv[1:] if args is None else list(args)
@@ -372,6 +353,7 @@ def main(args: Sequence[str] | None = None) -> int:
         _cwd_on_path()
     if argv and argv[0] in COMMANDS:
         return COMMANDS[argv[0]](argv[1:]) or 0
+    _refuse_repository_classes(argv)
     lightning_cli(args)  # None: LightningCLI reads sys.argv itself
     return 0
 
