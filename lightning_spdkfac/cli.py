@@ -33,15 +33,15 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from functools import cache
+from typing import TYPE_CHECKING, Any, cast
 
 import pytorch_lightning as pl
-from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from pytorch_lightning.loggers import CSVLogger
 
 from . import validation as val
-from .lightning.callback import KFAC
+from .lightning.callback import KFAC, KFACCallbackBody
 from .lightning.run_report import auto_choice, kfac_line
 
 # Our own subcommands: name -> function(argv after the name) -> exit code. Checked before
@@ -98,7 +98,17 @@ def _quoted(err: BaseException, raised: list[BaseException]) -> BaseException | 
     return None
 
 
-class RunSummary(pl.Callback):
+if TYPE_CHECKING:  # what the type checker sees; at run time each namespace's flavour adds its own base
+    _CallbackBase = pl.Callback
+    _SaveConfigBase = SaveConfigCallback
+    _CLIBase = LightningCLI
+else:
+    _CallbackBase = _SaveConfigBase = _CLIBase = object
+
+NAMESPACES = ("pytorch_lightning", "lightning.pytorch")  # the Lightning a module of the CLI may subclass
+
+
+class _RunSummaryBody(_CallbackBase):
     """Times the run for the line the CLI prints when it ends; the K-FAC part of that line is the
     :class:`~lightning_spdkfac.KFAC` callback's own record (:attr:`KFAC.run_record
     <lightning_spdkfac.KFAC>`, :func:`~lightning_spdkfac.lightning.run_report.kfac_line`), the line the callback
@@ -130,11 +140,16 @@ class RunSummary(pl.Callback):
         self.seconds = time.perf_counter() - self._t0
 
     @staticmethod
-    def kfac(trainer: pl.Trainer) -> KFAC | None:
-        return next((c for c in trainer.callbacks if isinstance(c, KFAC)), None)  # type: ignore[attr-defined]
+    def kfac(trainer: pl.Trainer) -> KFACCallbackBody | None:
+        """The KFAC callback of either namespace."""
+        return next((c for c in trainer.callbacks if isinstance(c, KFACCallbackBody)), None)  # type: ignore[attr-defined]
 
 
-class _SaveConfig(SaveConfigCallback):
+class RunSummary(_RunSummaryBody, pl.Callback):
+    __doc__ = _RunSummaryBody.__doc__
+
+
+class _SaveConfigBody(_SaveConfigBase):
     """Lightning's SaveConfigCallback (config.yaml in the logger's versioned folder), plus a copy at
     ``trainer.default_root_dir/config.yaml``: the latest run's config where scripts look for it."""
 
@@ -147,6 +162,10 @@ class _SaveConfig(SaveConfigCallback):
         os.makedirs(root, exist_ok=True)
         self.parser.save(self.config, os.path.join(root, self.config_filename), skip_none=False, overwrite=True,
                          multifile=self.multifile)
+
+
+class _SaveConfig(_SaveConfigBody, SaveConfigCallback):
+    __doc__ = _SaveConfigBody.__doc__
 
 
 def _fmt(value: Any) -> str:
@@ -182,18 +201,19 @@ def _record_lines(trainer: pl.Trainer) -> list[str]:
     return lines
 
 
-def _where_lines(trainer: pl.Trainer, kfac: KFAC | None) -> list[str]:
+def _where_lines(trainer: pl.Trainer, kfac: KFACCallbackBody | None) -> list[str]:
     lines = []
     if not trainer.loggers:
         lines.append("logs: none (trainer.logger is false)")
     for logger in trainer.loggers:
         where = logger.log_dir if hasattr(logger, "log_dir") else getattr(logger, "save_dir", None)
         hint = ""
-        if isinstance(logger, CSVLogger) and importlib.util.find_spec("tensorboard") is None:
+        if type(logger).__name__ == CSVLogger.__name__ and importlib.util.find_spec("tensorboard") is None:
             hint = " (CSV: metrics.csv; `pip install tensorboard` for TensorBoard)"
         lines.append(f"logs: {type(logger).__name__} -> {where}{hint}")
-    for cb in trainer.checkpoint_callbacks:
-        if isinstance(cb, ModelCheckpoint) and (cb.best_model_path or cb.last_model_path):
+    for cb in trainer.checkpoint_callbacks:  # (either namespace's ModelCheckpoint)
+        cb = cast(Any, cb)
+        if hasattr(cb, "best_model_path") and (cb.best_model_path or cb.last_model_path):
             best = f" (best {cb.monitor} {_fmt(float(cb.best_model_score))})" if cb.monitor and \
                 cb.best_model_score is not None else ""
             lines.append(f"checkpoint: {cb.best_model_path or cb.last_model_path}{best}")
@@ -205,7 +225,7 @@ def _where_lines(trainer: pl.Trainer, kfac: KFAC | None) -> list[str]:
 
 def outcome_lines(trainer: pl.Trainer, subcommand: str) -> list[str]:
     """What ``spdkfac SUBCOMMAND`` prints when it ends (rank 0): metrics, run records, K-FAC, locations."""
-    summary = next((c for c in trainer.callbacks if isinstance(c, RunSummary)), None)  # type: ignore[attr-defined]
+    summary = next((c for c in trainer.callbacks if isinstance(c, _RunSummaryBody)), None)  # type: ignore[attr-defined]
     head = f"spdkfac {subcommand}: done"
     if subcommand == "fit":
         epochs = trainer.current_epoch
@@ -231,7 +251,7 @@ def outcome_lines(trainer: pl.Trainer, subcommand: str) -> list[str]:
     return [lines[0]] + ["  " + line for line in lines[1:]]
 
 
-class _CLI(LightningCLI):
+class _CLIBody(_CLIBase):
     """LightningCLI with the ``kfac`` argument group, an outcome printed at the end, and
     construction errors that read as one line.
 
@@ -242,11 +262,16 @@ class _CLI(LightningCLI):
     traceback.
     """
 
+    # The namespace's flavours: the KFAC callback of the kfac group (and its import path), the run summary.
+    kfac_class: type = KFAC
+    kfac_path = "lightning_spdkfac.KFAC"
+    summary_class: type = RunSummary
+
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         # Subclass mode: `kfac: null` (or --kfac=null) can turn it off, `kfac: {damping: 0.05}` needs no
         # class_path, and --kfac.damping=0.05 sets one argument.
-        parser.add_lightning_class_args(KFAC, "kfac", subclass_mode=True, required=False)
-        parser.set_defaults({"kfac": {"class_path": "lightning_spdkfac.KFAC"}})
+        parser.add_lightning_class_args(self.kfac_class, "kfac", subclass_mode=True, required=False)
+        parser.set_defaults({"kfac": {"class_path": self.kfac_path}})
 
     def _add_subcommands(self, parser: LightningArgumentParser, **kwargs: Any) -> None:
         super()._add_subcommands(parser, **kwargs)
@@ -254,7 +279,7 @@ class _CLI(LightningCLI):
         action = getattr(parser, "_subcommands_action", None)
         if action is not None:
             for name, text in COMMAND_HELP.items():
-                action.add_subcommand(name, LightningArgumentParser(description=text), help=text)
+                action.add_subcommand(name, type(parser)(description=text), help=text)
 
     def instantiate_classes(self) -> None:
         with val.collecting_errors() as raised:
@@ -277,8 +302,8 @@ class _CLI(LightningCLI):
         listed = config.get("callbacks") or []
         listed = listed if isinstance(listed, list) else [listed]
         extra = [c for c in callbacks if c is not None]  # kfac: null
-        group = next((c for c in extra if isinstance(c, KFAC)), None)
-        if group is not None and any(isinstance(c, KFAC) for c in listed):
+        group = next((c for c in extra if isinstance(c, KFACCallbackBody)), None)
+        if group is not None and any(isinstance(c, KFACCallbackBody) for c in listed):
             if not self._kfac_group_is_default():
                 sys.stderr.write(
                     "spdkfac: invalid configuration: K-FAC is configured twice, as a lightning_spdkfac.KFAC entry "
@@ -286,7 +311,7 @@ class _CLI(LightningCLI):
                     "init_args under kfac: (or give kfac: null to use the trainer.callbacks entry)\n")
                 raise SystemExit(2)
             extra.remove(group)  # an older config: its trainer.callbacks entry is the K-FAC of this run
-        extra.append(RunSummary())
+        extra.append(self.summary_class())
         return super()._instantiate_trainer(config, extra)
 
     def _run_subcommand(self, subcommand: str) -> None:
@@ -295,14 +320,88 @@ class _CLI(LightningCLI):
             print("\n".join(outcome_lines(self.trainer, subcommand)), flush=True)
 
 
-def lightning_cli(args: Sequence[str] | None = None, run: bool = True) -> LightningCLI:
-    """Build (and with ``run=True`` run) the LightningCLI behind ``spdkfac fit|validate|test|predict``."""
-    return _CLI(
-        pl.LightningModule,
-        pl.LightningDataModule,
+class _CLI(_CLIBody, LightningCLI):
+    __doc__ = _CLIBody.__doc__
+
+
+@cache
+def _flavour(namespace: str) -> tuple[type, type, type, type]:
+    """(CLI class, SaveConfigCallback class, LightningModule, LightningDataModule) of ``namespace``: the same
+    bodies on the Lightning classes of ``pytorch_lightning`` or of the unified ``lightning.pytorch``."""
+    if namespace == "pytorch_lightning":
+        return _CLI, _SaveConfig, pl.LightningModule, pl.LightningDataModule
+    import lightning.pytorch as L  # noqa: N812
+    from lightning.pytorch.cli import LightningCLI as UnifiedCLI
+    from lightning.pytorch.cli import SaveConfigCallback as UnifiedSaveConfig
+
+    from . import unified
+
+    summary = type("RunSummary", (_RunSummaryBody, L.Callback), {"__doc__": _RunSummaryBody.__doc__})
+    save = type("_SaveConfig", (_SaveConfigBody, UnifiedSaveConfig), {"__doc__": _SaveConfigBody.__doc__})
+    cli = type("_CLI", (_CLIBody, UnifiedCLI), {"__doc__": _CLIBody.__doc__, "kfac_class": unified.KFAC,
+                                                "kfac_path": "lightning_spdkfac.unified.KFAC",
+                                                "summary_class": summary})
+    return cli, save, L.LightningModule, L.LightningDataModule
+
+
+def _configured_model(argv: Sequence[str]) -> str | None:
+    """The model's class_path as ``spdkfac`` would read it from ``argv`` (its ``--config`` files, then
+    ``--model``/``--model.class_path``, the last one winning), or None."""
+    import yaml
+
+    found = None
+    for i, arg in enumerate(argv):
+        key, eq, value = arg.partition("=")
+        if not eq:
+            value = argv[i + 1] if i + 1 < len(argv) else ""
+        if key == "--config":
+            try:
+                with open(value) as f:
+                    config = yaml.safe_load(f)
+            except (OSError, yaml.YAMLError):
+                continue  # LightningCLI reports it
+            model = config.get("model") if isinstance(config, dict) else None
+            model = model.get("class_path") if isinstance(model, dict) else model
+            found = model if isinstance(model, str) else found
+        elif key in ("--model", "--model.class_path") and value and not value.startswith(("{", "-")):
+            found = value
+    return found
+
+
+def model_namespace(argv: Sequence[str]) -> str:
+    """``"lightning.pytorch"`` when the configured model subclasses the unified package's LightningModule,
+    else ``"pytorch_lightning"`` (also when it cannot be imported: LightningCLI then says why)."""
+    path = _configured_model(argv)
+    module, _, name = (path or "").rpartition(".")
+    if not module:
+        return "pytorch_lightning"
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except Exception:
+        return "pytorch_lightning"
+    unified = sys.modules.get("lightning.pytorch")
+    if unified is not None and isinstance(cls, type) and issubclass(cls, unified.LightningModule):
+        return "lightning.pytorch"
+    return "pytorch_lightning"
+
+
+def lightning_cli(args: Sequence[str] | None = None, run: bool = True, namespace: str | None = None) -> LightningCLI:
+    """Build (and with ``run=True`` run) the LightningCLI behind ``spdkfac fit|validate|test|predict``.
+
+    ``namespace``: the Lightning of the model, ``"pytorch_lightning"`` or ``"lightning.pytorch"`` (the unified
+    package); None: the one the configured model subclasses (:func:`model_namespace`). The Trainer, the KFAC
+    callback of the ``kfac`` group and the ``spdkfac*`` strategy names are then that namespace's."""
+    if namespace is None:
+        namespace = model_namespace(sys.argv[1:] if args is None else list(args))
+    if namespace not in NAMESPACES:
+        raise ValueError(f"namespace must be one of {NAMESPACES} or None (the model's), got {namespace!r}")
+    cli, save, module, datamodule = _flavour(namespace)
+    return cli(
+        module,
+        datamodule,
         subclass_mode_model=True,
         subclass_mode_data=True,
-        save_config_callback=_SaveConfig,
+        save_config_callback=save,
         save_config_kwargs={"overwrite": True},
         args=None if args is None else list(args),
         run=run,
