@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Literal
@@ -37,7 +38,7 @@ from ..kfac.step_size import LOSS_PARTS_HELP
 from ..telemetry import PHASES, WindowStats
 from ..vocabulary import FactorApproxName, GraftingName, InverseMethodName, StepSizeName
 from .protocol import KFACStrategy
-from .run_report import KFACRunRecord, kfac_line, possible_phases
+from .run_report import KFACRunRecord, kfac_line, possible_phases, thread_note
 from .trainer_rules import _logs_written_this_step, _refuse_uninitialized_lazy_layers, _steps_before, _where
 
 if TYPE_CHECKING:
@@ -299,17 +300,20 @@ class KFACCallbackBody(_CallbackBase):
                 and not callable(getattr(pl_module, "kfac_loss_parts", None))):
             self._loss_parts(pl_module)  # raises, naming what to define: before the first step, not at it
         scaler = getattr(trainer.precision_plugin, "scaler", None)
-        self.preconditioner = pre = KFACPreconditioner(
-            pl_module,
-            self.options,
-            lr=self.lr,
-            grad_scaler=scaler,
-            distributor=self._distributor(trainer),
-            grad_access=self._grad_access(trainer),
-        )
+        with warnings.catch_warnings():
+            if not trainer.is_global_zero:  # the setup warnings (skipped or tied layers) are every rank's: rank 0's
+                warnings.simplefilter("ignore")
+            self.preconditioner = pre = KFACPreconditioner(
+                pl_module,
+                self.options,
+                lr=self.lr,
+                grad_scaler=scaler,
+                distributor=self._distributor(trainer),
+                grad_access=self._grad_access(trainer),
+            )
         self._final_model = weakref.ref(pl_module)
         if self.summary and trainer.is_global_zero:
-            rank_zero_info("K-FAC summary\n" + str(pre.summary()))
+            rank_zero_info("K-FAC summary\n" + str(pre.summary()) + thread_note(pre.timer.thread_cap))
         if self._pending_state is not None:
             pre.load_state_dict(self._pending_state)
             self._pending_state = None
@@ -571,6 +575,8 @@ class KFACCallbackBody(_CallbackBase):
             except ValueError as e:
                 raise ValueError(f"{where}: {e}") from None
 
+
+KFACCallbackBody.__init__.__qualname__ = "KFAC.__init__"  # "KFAC.__init__() got an unexpected keyword ..."
 
 # Arguments KFAC.__init__ checks itself; any other is held to its annotation (val.check_annotations).
 _CHECKED = ("damping", "factor_decay", "kl_clip", "lr", "factor_update_steps", "inv_update_steps", "skip_layers",

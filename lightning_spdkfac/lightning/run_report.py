@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from ..kfac.distributor import Distributor
 from ..telemetry import PHASES
 
@@ -39,6 +41,16 @@ def possible_phases(distributor: Distributor) -> tuple[str, ...]:
     if not distributor.async_inverses and not decides:
         impossible.update(ASYNC_PHASES)
     return tuple(p for p in PHASES if p not in impossible)
+
+
+def thread_note(cap: int | None) -> str:
+    """A line for the setup summary when K-FAC's own phases run on fewer threads than torch's setting (the cap of
+    :mod:`lightning_spdkfac.telemetry`, documented but otherwise invisible); "" when they do not."""
+    threads = torch.get_num_threads()
+    if cap is None or threads <= cap:
+        return ""
+    return (f"\nK-FAC threads: its own phases run on {cap} of torch's {threads} intra-op threads "
+            "(SPDKFAC_KFAC_THREADS=N sets the cap, 0 removes it; docs/guide/threads.md)")
 
 
 def auto_choice(distributor: Any) -> str | None:
