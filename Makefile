@@ -1,6 +1,6 @@
 # `make demo` and `make test` work on a fresh machine with nothing but Python 3.10+:
 # they create .venv, install the pinned torch, then this package: `make demo` with what the demo
-# needs only (torch, Lightning and the package's own dependencies), `make test` (and lint, bench)
+# needs only (torch, Lightning, the package's own dependencies and its demo extra, scikit-learn), `make test` (and lint, bench)
 # with the dev and deepspeed extras on top (DeepSpeed builds from source: a much larger environment).
 PYTHON ?= python3
 TORCH_VERSION ?= 2.13.0
