@@ -75,3 +75,16 @@ def test_the_summary_says_when_kfac_runs_on_fewer_threads(caplog, monkeypatch):
         assert thread_note(1) == ""
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_misspelled_strategy_keyword_is_refused_at_construction_with_the_nearest_name():
+    from lightning_spdkfac import SPDKFACStrategy
+
+    with pytest.raises(TypeError) as e:
+        SPDKFACStrategy(schedul="mpd")  # went to DDP's kwargs before, to fail (or not) when the model is wrapped
+    assert str(e.value) == ("SPDKFACStrategy() got an unexpected keyword argument 'schedul': neither a strategy argument "
+                            "nor one of DDPStrategy's or DistributedDataParallel's; did you mean 'schedule'?")
+    with pytest.raises(TypeError, match="'fnd_unused_parameters'.*did you mean 'find_unused_parameters'"):
+        SPDKFACStrategy(fnd_unused_parameters=True)
+    # DDPStrategy's and DistributedDataParallel's own keywords still pass through
+    SPDKFACStrategy(find_unused_parameters=True, static_graph=False, start_method="popen", ddp_comm_hook=None)
