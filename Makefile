@@ -1,6 +1,6 @@
 # `make demo` and `make test` work on a fresh machine with nothing but Python 3.10+:
 # they create .venv, install the pinned torch, then this package: `make demo` with what the demo
-# needs only (torch, Lightning and the package's own dependencies), `make test` (and lint, bench)
+# needs only (torch, Lightning, the package's own dependencies and its demo extra, scikit-learn), `make test` (and lint, bench)
 # with the dev and deepspeed extras on top (DeepSpeed builds from source: a much larger environment).
 PYTHON ?= python3
 TORCH_VERSION ?= 2.13.0
@@ -30,13 +30,14 @@ $(TORCH_STAMP): $(PY)
 	$(PIP) install "torch==$(TORCH_VERSION)"
 	touch $(TORCH_STAMP)
 
-# The package and its dependencies only: what `python -m lightning_spdkfac.demo` imports.
+# The package, its dependencies and the `demo` extra (scikit-learn, for the bundled digits): what
+# `python -m lightning_spdkfac.demo` imports.
 $(DEMO_STAMP): $(TORCH_STAMP) pyproject.toml
-	$(PIP) install -c $(CONSTRAINTS) -e .
+	$(PIP) install -c $(CONSTRAINTS) -e ".[demo]"
 	touch $(DEMO_STAMP)
 
-# Tests, lint and benchmarks: the dev extras (pytest, ruff, mypy, the unified `lightning` package, ...)
-# and DeepSpeed. This environment also runs the demo.
+# Tests, lint and benchmarks: the dev extras (pytest, ruff, mypy, the unified `lightning` package, ...;
+# the `demo` extra is part of dev) and DeepSpeed. This environment also runs the demo.
 $(STAMP): $(TORCH_STAMP) pyproject.toml
 	$(PIP) install -c $(CONSTRAINTS) -e ".[dev,deepspeed]"
 	touch $(STAMP) $(DEMO_STAMP)

@@ -33,15 +33,16 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from functools import cache
+from typing import TYPE_CHECKING, Any, cast
 
 import pytorch_lightning as pl
-from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from pytorch_lightning.loggers import CSVLogger
 
 from . import validation as val
-from .lightning.callback import KFAC
+from .lightning.callback import KFAC, KFACCallbackBody
+from .lightning.run_report import auto_choice, kfac_line
 
 # Our own subcommands: name -> function(argv after the name) -> exit code. Checked before
 # Lightning's (fit, validate, test, predict).
@@ -97,13 +98,22 @@ def _quoted(err: BaseException, raised: list[BaseException]) -> BaseException | 
     return None
 
 
-class RunSummary(pl.Callback):
-    """Collects what the CLI prints when a run ends: the K-FAC step summary of ``fit``.
+if TYPE_CHECKING:  # what the type checker sees; at run time each namespace's flavour adds its own base
+    _CallbackBase = pl.Callback
+    _SaveConfigBase = SaveConfigCallback
+    _CLIBase = LightningCLI
+else:
+    _CallbackBase = _SaveConfigBase = _CLIBase = object
 
-    Reads the :class:`~lightning_spdkfac.KFAC` callback's preconditioner after each optimizer step
-    (its per-phase seconds of that step, whether it inverted) and, at the end of training, its
-    fault counters. Added by the ``spdkfac`` CLI to every Trainer it builds; costs a few dict
-    reads per step.
+NAMESPACES = ("pytorch_lightning", "lightning.pytorch")  # the Lightning a module of the CLI may subclass
+
+
+class _RunSummaryBody(_CallbackBase):
+    """Times the run for the line the CLI prints when it ends; the K-FAC part of that line is the
+    :class:`~lightning_spdkfac.KFAC` callback's own record (:attr:`KFAC.run_record
+    <lightning_spdkfac.KFAC>`, :func:`~lightning_spdkfac.lightning.run_report.kfac_line`), the line the callback
+    prints by itself outside the CLI. Added by the ``spdkfac`` CLI to every Trainer it builds; it turns the
+    callback's own print off, so that the line shows once, in the outcome block.
     """
 
     def __init__(self) -> None:
@@ -114,49 +124,32 @@ class RunSummary(pl.Callback):
         self.stage = stage
         self.seconds = 0.0
         self._t0 = 0.0
-        self.kfac_steps = 0
-        self.inverse_steps = 0
-        self.phase_seconds: dict[str, float] = {}
-        self.counters: dict[str, int] = {}
-        self.auto: str | None = None  # schedule="auto" / async_inverses="auto": what was chosen, when
-        self._seen_step: int | None = None
+        self.start_step = 0  # trainer.global_step when training started (> 0: resumed from a checkpoint)
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._reset(stage)  # a fresh record for each run of the Trainer
         self._t0 = time.perf_counter()
+        kfac = self.kfac(trainer)
+        if kfac is not None:
+            kfac.print_run_line = False  # printed in outcome_lines instead
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.start_step = trainer.global_step
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self.seconds = time.perf_counter() - self._t0
 
     @staticmethod
-    def kfac(trainer: pl.Trainer) -> KFAC | None:
-        return next((c for c in trainer.callbacks if isinstance(c, KFAC)), None)  # type: ignore[attr-defined]
-
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        cb = self.kfac(trainer)
-        pre = None if cb is None else cb.preconditioner
-        if pre is None or pre.steps == self._seen_step:
-            return
-        first = self._seen_step is None
-        self._seen_step = pre.steps
-        if first and pre.steps == 0:
-            return  # (no step taken yet)
-        self.kfac_steps += 1
-        self.inverse_steps += bool(pre.last_step_inverted)
-        for name, sec in pre.timer.last.items():
-            self.phase_seconds[name] = self.phase_seconds.get(name, 0.0) + sec
-
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        cb = self.kfac(trainer)
-        pre = None if cb is None else cb.preconditioner
-        if pre is not None:  # (released at teardown, after this hook)
-            self.counters = {"skipped factor steps": int(pre.skipped_factor_steps),
-                             "skipped precondition steps": int(pre.skipped_precondition_steps),
-                             "inverse fallbacks": int(pre.inverse_fallbacks)}
-            self.auto = _auto_choice(pre.distributor)
+    def kfac(trainer: pl.Trainer) -> KFACCallbackBody | None:
+        """The KFAC callback of either namespace."""
+        return next((c for c in trainer.callbacks if isinstance(c, KFACCallbackBody)), None)  # type: ignore[attr-defined]
 
 
-class _SaveConfig(SaveConfigCallback):
+class RunSummary(_RunSummaryBody, pl.Callback):
+    __doc__ = _RunSummaryBody.__doc__
+
+
+class _SaveConfigBody(_SaveConfigBase):
     """Lightning's SaveConfigCallback (config.yaml in the logger's versioned folder), plus a copy at
     ``trainer.default_root_dir/config.yaml``: the latest run's config where scripts look for it."""
 
@@ -169,6 +162,10 @@ class _SaveConfig(SaveConfigCallback):
         os.makedirs(root, exist_ok=True)
         self.parser.save(self.config, os.path.join(root, self.config_filename), skip_none=False, overwrite=True,
                          multifile=self.multifile)
+
+
+class _SaveConfig(_SaveConfigBody, SaveConfigCallback):
+    __doc__ = _SaveConfigBody.__doc__
 
 
 def _fmt(value: Any) -> str:
@@ -187,36 +184,7 @@ def _metric_line(trainer: pl.Trainer) -> str | None:
     return "  ".join(f"{k} {_fmt(v)}" for k, v in metrics.items()) or None
 
 
-_OVERLAPPED = "factor_comm_inflight"
-
-
-def _auto_choice(distributor: Any) -> str | None:
-    """What an AutoDistributor (comm/auto.py) chose, for the run summary; None for a fixed schedule."""
-    decisions = getattr(distributor, "decisions", None)
-    if decisions is None:
-        return None
-    if not decisions:
-        return "auto still timing its candidates when the run ended (no choice yet)"
-    last = decisions[-1]
-    return f"auto chose {last['choice']} at step {last['step']}"
-
-
-def _kfac_line(summary: RunSummary, kfac: KFAC | None) -> str:
-    if kfac is None:
-        return "off (no KFAC callback: kfac is null)"
-    n = summary.kfac_steps
-    if n == 0:
-        return "on, no optimizer step taken"
-    ms = {k: v * 1e3 / n for k, v in summary.phase_seconds.items() if v > 0}
-    # factor_comm_inflight overlaps the other phases (launch to completion of the all-reduces): not in the sum
-    inflight = ms.pop(_OVERLAPPED, None)
-    phases = ", ".join(f"{k} {v:.2f}" for k, v in sorted(ms.items(), key=lambda kv: -kv[1]))
-    if inflight is not None:
-        phases += f"; {_OVERLAPPED} {inflight:.2f}, overlapped"
-    counters = ", ".join(f"{k} {v}" for k, v in summary.counters.items())
-    return (f"{n} steps, {sum(ms.values()):.2f} ms per step in K-FAC ({phases or 'no phase timed'}); "
-            f"inverse steps {summary.inverse_steps} of {n} ({100.0 * summary.inverse_steps / n:.0f}%)"
-            + (f"; {counters}" if counters else "") + (f"; {summary.auto}" if summary.auto else ""))
+_auto_choice = auto_choice  # (its name here before lightning/run_report.py held it)
 
 
 def _record_lines(trainer: pl.Trainer) -> list[str]:
@@ -233,18 +201,19 @@ def _record_lines(trainer: pl.Trainer) -> list[str]:
     return lines
 
 
-def _where_lines(trainer: pl.Trainer, kfac: KFAC | None) -> list[str]:
+def _where_lines(trainer: pl.Trainer, kfac: KFACCallbackBody | None) -> list[str]:
     lines = []
     if not trainer.loggers:
         lines.append("logs: none (trainer.logger is false)")
     for logger in trainer.loggers:
         where = logger.log_dir if hasattr(logger, "log_dir") else getattr(logger, "save_dir", None)
         hint = ""
-        if isinstance(logger, CSVLogger) and importlib.util.find_spec("tensorboard") is None:
+        if type(logger).__name__ == CSVLogger.__name__ and importlib.util.find_spec("tensorboard") is None:
             hint = " (CSV: metrics.csv; `pip install tensorboard` for TensorBoard)"
         lines.append(f"logs: {type(logger).__name__} -> {where}{hint}")
-    for cb in trainer.checkpoint_callbacks:
-        if isinstance(cb, ModelCheckpoint) and (cb.best_model_path or cb.last_model_path):
+    for cb in trainer.checkpoint_callbacks:  # (either namespace's ModelCheckpoint)
+        cb = cast(Any, cb)
+        if hasattr(cb, "best_model_path") and (cb.best_model_path or cb.last_model_path):
             best = f" (best {cb.monitor} {_fmt(float(cb.best_model_score))})" if cb.monitor and \
                 cb.best_model_score is not None else ""
             lines.append(f"checkpoint: {cb.best_model_path or cb.last_model_path}{best}")
@@ -256,11 +225,13 @@ def _where_lines(trainer: pl.Trainer, kfac: KFAC | None) -> list[str]:
 
 def outcome_lines(trainer: pl.Trainer, subcommand: str) -> list[str]:
     """What ``spdkfac SUBCOMMAND`` prints when it ends (rank 0): metrics, run records, K-FAC, locations."""
-    summary = next((c for c in trainer.callbacks if isinstance(c, RunSummary)), None)  # type: ignore[attr-defined]
+    summary = next((c for c in trainer.callbacks if isinstance(c, _RunSummaryBody)), None)  # type: ignore[attr-defined]
     head = f"spdkfac {subcommand}: done"
     if subcommand == "fit":
         epochs = trainer.current_epoch
         head += f" after {epochs} epoch{'' if epochs == 1 else 's'}, {trainer.global_step} optimizer steps"
+        if summary is not None and summary.start_step:
+            head += f" ({trainer.global_step - summary.start_step} in this run, resumed at step {summary.start_step})"
     if summary is not None and summary.seconds:
         head += f", {summary.seconds:.1f} s"
     if trainer.interrupted:
@@ -273,14 +244,14 @@ def outcome_lines(trainer: pl.Trainer, subcommand: str) -> list[str]:
         lines += _record_lines(trainer)
         kfac = RunSummary.kfac(trainer)
         if summary is not None:
-            lines.append(f"K-FAC: {_kfac_line(summary, kfac)}")
+            lines.append(f"K-FAC: {kfac_line(None if kfac is None else kfac.run_record)}")
     else:
         kfac = None
     lines += _where_lines(trainer, kfac)
     return [lines[0]] + ["  " + line for line in lines[1:]]
 
 
-class _CLI(LightningCLI):
+class _CLIBody(_CLIBase):
     """LightningCLI with the ``kfac`` argument group, an outcome printed at the end, and
     construction errors that read as one line.
 
@@ -291,11 +262,16 @@ class _CLI(LightningCLI):
     traceback.
     """
 
+    # The namespace's flavours: the KFAC callback of the kfac group (and its import path), the run summary.
+    kfac_class: type = KFAC
+    kfac_path = "lightning_spdkfac.KFAC"
+    summary_class: type = RunSummary
+
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         # Subclass mode: `kfac: null` (or --kfac=null) can turn it off, `kfac: {damping: 0.05}` needs no
         # class_path, and --kfac.damping=0.05 sets one argument.
-        parser.add_lightning_class_args(KFAC, "kfac", subclass_mode=True, required=False)
-        parser.set_defaults({"kfac": {"class_path": "lightning_spdkfac.KFAC"}})
+        parser.add_lightning_class_args(self.kfac_class, "kfac", subclass_mode=True, required=False)
+        parser.set_defaults({"kfac": {"class_path": self.kfac_path}})
 
     def _add_subcommands(self, parser: LightningArgumentParser, **kwargs: Any) -> None:
         super()._add_subcommands(parser, **kwargs)
@@ -303,7 +279,7 @@ class _CLI(LightningCLI):
         action = getattr(parser, "_subcommands_action", None)
         if action is not None:
             for name, text in COMMAND_HELP.items():
-                action.add_subcommand(name, LightningArgumentParser(description=text), help=text)
+                action.add_subcommand(name, type(parser)(description=text), help=text)
 
     def instantiate_classes(self) -> None:
         with val.collecting_errors() as raised:
@@ -326,8 +302,8 @@ class _CLI(LightningCLI):
         listed = config.get("callbacks") or []
         listed = listed if isinstance(listed, list) else [listed]
         extra = [c for c in callbacks if c is not None]  # kfac: null
-        group = next((c for c in extra if isinstance(c, KFAC)), None)
-        if group is not None and any(isinstance(c, KFAC) for c in listed):
+        group = next((c for c in extra if isinstance(c, KFACCallbackBody)), None)
+        if group is not None and any(isinstance(c, KFACCallbackBody) for c in listed):
             if not self._kfac_group_is_default():
                 sys.stderr.write(
                     "spdkfac: invalid configuration: K-FAC is configured twice, as a lightning_spdkfac.KFAC entry "
@@ -335,7 +311,7 @@ class _CLI(LightningCLI):
                     "init_args under kfac: (or give kfac: null to use the trainer.callbacks entry)\n")
                 raise SystemExit(2)
             extra.remove(group)  # an older config: its trainer.callbacks entry is the K-FAC of this run
-        extra.append(RunSummary())
+        extra.append(self.summary_class())
         return super()._instantiate_trainer(config, extra)
 
     def _run_subcommand(self, subcommand: str) -> None:
@@ -344,14 +320,88 @@ class _CLI(LightningCLI):
             print("\n".join(outcome_lines(self.trainer, subcommand)), flush=True)
 
 
-def lightning_cli(args: Sequence[str] | None = None, run: bool = True) -> LightningCLI:
-    """Build (and with ``run=True`` run) the LightningCLI behind ``spdkfac fit|validate|test|predict``."""
-    return _CLI(
-        pl.LightningModule,
-        pl.LightningDataModule,
+class _CLI(_CLIBody, LightningCLI):
+    __doc__ = _CLIBody.__doc__
+
+
+@cache
+def _flavour(namespace: str) -> tuple[type, type, type, type]:
+    """(CLI class, SaveConfigCallback class, LightningModule, LightningDataModule) of ``namespace``: the same
+    bodies on the Lightning classes of ``pytorch_lightning`` or of the unified ``lightning.pytorch``."""
+    if namespace == "pytorch_lightning":
+        return _CLI, _SaveConfig, pl.LightningModule, pl.LightningDataModule
+    import lightning.pytorch as L  # noqa: N812
+    from lightning.pytorch.cli import LightningCLI as UnifiedCLI
+    from lightning.pytorch.cli import SaveConfigCallback as UnifiedSaveConfig
+
+    from . import unified
+
+    summary = type("RunSummary", (_RunSummaryBody, L.Callback), {"__doc__": _RunSummaryBody.__doc__})
+    save = type("_SaveConfig", (_SaveConfigBody, UnifiedSaveConfig), {"__doc__": _SaveConfigBody.__doc__})
+    cli = type("_CLI", (_CLIBody, UnifiedCLI), {"__doc__": _CLIBody.__doc__, "kfac_class": unified.KFAC,
+                                                "kfac_path": "lightning_spdkfac.unified.KFAC",
+                                                "summary_class": summary})
+    return cli, save, L.LightningModule, L.LightningDataModule
+
+
+def _configured_model(argv: Sequence[str]) -> str | None:
+    """The model's class_path as ``spdkfac`` would read it from ``argv`` (its ``--config`` files, then
+    ``--model``/``--model.class_path``, the last one winning), or None."""
+    import yaml
+
+    found = None
+    for i, arg in enumerate(argv):
+        key, eq, value = arg.partition("=")
+        if not eq:
+            value = argv[i + 1] if i + 1 < len(argv) else ""
+        if key == "--config":
+            try:
+                with open(value) as f:
+                    config = yaml.safe_load(f)
+            except (OSError, yaml.YAMLError):
+                continue  # LightningCLI reports it
+            model = config.get("model") if isinstance(config, dict) else None
+            model = model.get("class_path") if isinstance(model, dict) else model
+            found = model if isinstance(model, str) else found
+        elif key in ("--model", "--model.class_path") and value and not value.startswith(("{", "-")):
+            found = value
+    return found
+
+
+def model_namespace(argv: Sequence[str]) -> str:
+    """``"lightning.pytorch"`` when the configured model subclasses the unified package's LightningModule,
+    else ``"pytorch_lightning"`` (also when it cannot be imported: LightningCLI then says why)."""
+    path = _configured_model(argv)
+    module, _, name = (path or "").rpartition(".")
+    if not module:
+        return "pytorch_lightning"
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except Exception:
+        return "pytorch_lightning"
+    unified = sys.modules.get("lightning.pytorch")
+    if unified is not None and isinstance(cls, type) and issubclass(cls, unified.LightningModule):
+        return "lightning.pytorch"
+    return "pytorch_lightning"
+
+
+def lightning_cli(args: Sequence[str] | None = None, run: bool = True, namespace: str | None = None) -> LightningCLI:
+    """Build (and with ``run=True`` run) the LightningCLI behind ``spdkfac fit|validate|test|predict``.
+
+    ``namespace``: the Lightning of the model, ``"pytorch_lightning"`` or ``"lightning.pytorch"`` (the unified
+    package); None: the one the configured model subclasses (:func:`model_namespace`). The Trainer, the KFAC
+    callback of the ``kfac`` group and the ``spdkfac*`` strategy names are then that namespace's."""
+    if namespace is None:
+        namespace = model_namespace(sys.argv[1:] if args is None else list(args))
+    if namespace not in NAMESPACES:
+        raise ValueError(f"namespace must be one of {NAMESPACES} or None (the model's), got {namespace!r}")
+    cli, save, module, datamodule = _flavour(namespace)
+    return cli(
+        module,
+        datamodule,
         subclass_mode_model=True,
         subclass_mode_data=True,
-        save_config_callback=_SaveConfig,
+        save_config_callback=save,
         save_config_kwargs={"overwrite": True},
         args=None if args is None else list(args),
         run=run,
@@ -365,6 +415,36 @@ def _cwd_on_path() -> None:
         sys.path.insert(0, os.getcwd())
 
 
+_REPOSITORY_PACKAGES = ("examples", "benchmarks")  # folders of the clone, not of the installed package
+
+
+def _refuse_repository_classes(argv: Sequence[str]) -> None:
+    """A ``--config`` naming a class of the repository's ``examples/`` (configs/hf_gpt2.yaml does) where that
+    folder is not importable (an installed copy, run from elsewhere): one line saying where to run it, instead
+    of jsonargparse's "does not correspond to a subclass" after the whole parse."""
+    paths = [a.partition("=")[2] if a.startswith("--config=") else argv[i + 1]
+             for i, a in enumerate(argv) if a.startswith("--config=") or (a == "--config" and i + 1 < len(argv))]
+    for path in paths:
+        try:
+            with open(path) as f:
+                text = f.read()
+        except OSError:
+            continue  # LightningCLI reports a missing file itself
+        for line in text.splitlines():
+            value = line.partition("#")[0].strip().removeprefix("- ")
+            if not value.startswith("class_path:"):
+                continue
+            name = value.removeprefix("class_path:").strip().strip("'\"")
+            top = name.split(".")[0]
+            if top in _REPOSITORY_PACKAGES and importlib.util.find_spec(top) is None:
+                sys.stderr.write(
+                    f"spdkfac: {path} trains {name}, which lives in the repository's {top}/ folder, not in the "
+                    f"installed lightning_spdkfac package, and no {top!r} module is importable from {os.getcwd()}: "
+                    f"run it from the root of a clone of the repository (cd <clone> && spdkfac fit --config "
+                    f"configs/{os.path.basename(path)}), or point class_path at a module of your own\n")
+                raise SystemExit(2)
+
+
 def main(args: Sequence[str] | None = None) -> int:
     """Entry point of the ``spdkfac`` console script; ``args`` defaults to ``sys.argv[1:]``."""
     argv = sys.argv[1:] if args is None else list(args)
@@ -372,6 +452,7 @@ def main(args: Sequence[str] | None = None) -> int:
         _cwd_on_path()
     if argv and argv[0] in COMMANDS:
         return COMMANDS[argv[0]](argv[1:]) or 0
+    _refuse_repository_classes(argv)
     lightning_cli(args)  # None: LightningCLI reads sys.argv itself
     return 0
 

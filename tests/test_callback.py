@@ -142,11 +142,16 @@ def test_step_times_are_logged_as_window_aggregates_when_lightning_writes(tmp_pa
         assert got["kfac/steps_in_window"] == 2 and got["kfac/inverse_step_share"] == 0.5
         assert got["kfac/skipped_factor_steps"] == got["kfac/skipped_precondition_steps"] == 0
         window = rec.phases[end - 1:end + 1]  # the two steps since the previous log
+        # One process, synchronous inverses: no peer to wait for, no worker; those phases are not logged.
+        absent = {"factor_comm_wait", "factor_comm_inflight", "factor_pack", "inverse_comm_wait",
+                  "precondition_comm_wait", "inverse_async", "inverse_wait"}
         for phase in PHASES:
             values = [1e3 * step[phase] for step in window]
+            if phase in absent:
+                assert sum(values) == 0 and f"kfac/{phase}_ms" not in got and f"kfac/{phase}_ms_max" not in got
+                continue
             assert got[f"kfac/{phase}_ms"] == pytest.approx(sum(values) / 2, rel=1e-5, abs=1e-6), (end, phase)
             assert got[f"kfac/{phase}_ms_max"] == pytest.approx(max(values), rel=1e-5, abs=1e-6), (end, phase)
-        assert got["kfac/factor_comm_wait_ms_max"] == 0.0  # one process: nothing to wait for
         for name in ("step", "fwd_bwd", "factor_compute", "precondition"):
             assert got[f"kfac/{name}_ms_max"] >= got[f"kfac/{name}_ms"] > 0, (end, name)
         # The K-FAC step holds its factor update, inversions and preconditioning.

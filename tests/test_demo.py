@@ -223,25 +223,44 @@ def test_demo_seed_table_reports_median_and_range_over_seeds():
     assert "96.0% [95.0%-98.0%]" in sgd and "2 of 3" in sgd and "5 [4-6]" in sgd and "0.8 s [0.5 s-1.0 s]" in sgd
     assert lines[-1] == ("epochs to 97% per seed: seed 0: K-FAC 5, SGD 6; seed 1: K-FAC 2, SGD -; "
                          "seed 2: K-FAC 3, SGD 4")
-    assert parse_args(["--seeds", "3,1"]).seeds == [3, 1] and parse_args([]).seeds is None
+    assert "CPU time to 97%" in lines[0]  # (wall seconds stand in for a record without CPU seconds, as here)
+    assert parse_args(["--seeds", "3,1"]).seeds == [3, 1] and parse_args([]).seeds == [0, 1, 2, 3, 4, 5, 6, 7]
     for bad in ("1,1", "a", "-1"):
         with pytest.raises(SystemExit):
             parse_args(["--seeds", bad])
 
 
-def test_verdict_says_who_reached_the_target_first_in_seconds_and_by_how_much():
-    from lightning_spdkfac.demo.__main__ import verdict
+def test_verdict_holds_only_when_every_seed_agrees_and_says_tie_otherwise():
+    from lightning_spdkfac.demo.__main__ import epoch_cost_line, verdict
 
-    def run(seconds):
-        return {"target": 0.97, "epoch": None if seconds is None else 3, "seconds": seconds}
+    def run(cpu, wall=None, epoch=3):
+        return {"target": 0.97, "epoch": None if cpu is None else epoch, "seconds": wall if wall is not None else cpu,
+                "cpu_seconds": cpu}
 
-    assert "K-FAC wins" in verdict({"K-FAC": [run(1.0)], "SGD": [run(2.0)]}) and "0.50x" in verdict(
-        {"K-FAC": [run(1.0)], "SGD": [run(2.0)]})
-    assert "K-FAC loses" in verdict({"K-FAC": [run(3.0)], "SGD": [run(1.5)]})
-    assert "ties" in verdict({"K-FAC": [run(1.0)], "SGD": [run(1.05)]})
-    # medians over seeds, a seed that missed the target counting as never reaching it
-    three = verdict({"K-FAC": [run(1.0), run(1.2), run(None)], "SGD": [run(0.5), run(0.6), run(0.7)]})
-    assert "1.2 s against SGD's 0.6 s" in three and "loses" in three
-    assert "SGD did not" in verdict({"K-FAC": [run(1.0)], "SGD": [run(None)]})
-    assert "K-FAC did not" in verdict({"K-FAC": [run(None)], "SGD": [run(1.0)]})
-    assert "neither" in verdict({"K-FAC": [run(None)], "SGD": [run(None)]})
+    # K-FAC faster on every seed: wins, with the median and range of the paired ratios
+    wins = verdict({"K-FAC": [run(1.0), run(1.8), run(0.9)], "SGD": [run(2.0), run(2.0), run(1.0)]})
+    assert wins.startswith("verdict: K-FAC wins: K-FAC/SGD time to 97% = 0.90x median over 3 seeds [0.50x to 0.90x]")
+    assert "faster to 97% on every seed (3 of 3)" in wins
+    assert "K-FAC loses" in verdict({"K-FAC": [run(3.0), run(1.2)], "SGD": [run(1.5), run(1.0)]})
+    # the spread covers 1: a tie, whatever the median says (here 0.75x)
+    tie = verdict({"K-FAC": [run(0.5), run(1.5), run(0.6)], "SGD": [run(1.0), run(1.0), run(0.8)]})
+    assert tie.startswith("verdict: tie: K-FAC/SGD time to 97% = 0.75x median over 3 seeds [0.50x to 1.50x]")
+    assert "K-FAC faster to 97% on 2 of 3 seeds and slower on 1" in tie
+    # CPU seconds decide, not wall seconds (a neighbour slowed SGD's wall clock only)
+    assert "K-FAC loses" in verdict({"K-FAC": [run(2.0, wall=2.0)], "SGD": [run(1.0, wall=5.0)]})
+    assert "K-FAC wins" in verdict({"K-FAC": [run(2.0, wall=2.0)], "SGD": [run(1.0, wall=5.0)]}, clock="seconds")
+    # a seed that missed counts as never; a seed both missed says nothing
+    missed = verdict({"K-FAC": [run(1.0), run(None), run(None)], "SGD": [run(None), run(1.0), run(None)]})
+    assert "tie" in missed and "[SGD missed 97% on 1 seed; K-FAC missed 97% on 1 seed]" in missed
+    assert "on 1 of 2 seeds" in missed
+    three = verdict({"K-FAC": [run(1.0), run(1.0), run(2.0)], "SGD": [run(None), run(2.0), run(1.0)]})
+    assert "= 0.50x median over 3 seeds [0.50x to 2.00x; SGD missed 97% on 1 seed]" in three
+    assert "K-FAC wins" in verdict({"K-FAC": [run(1.0), run(2.0)], "SGD": [run(None), run(3.0)]})
+    assert "no verdict" in verdict({"K-FAC": [run(None)], "SGD": [run(None)]})
+    assert "one seed has no spread" in verdict({"K-FAC": [run(1.0)], "SGD": [run(2.0)]})
+    # why: epochs to the target and an epoch's CPU cost, K-FAC's over SGD's (medians over seeds)
+    k = [dict(run(1.0, epoch=e), epochs=8, total_cpu_seconds=8 * c) for e, c in ((3, 0.3), (4, 0.26), (5, 0.28))]
+    g = [dict(run(1.0, epoch=e), epochs=8, total_cpu_seconds=8 * 0.2) for e in (4, 5, 6)]
+    assert epoch_cost_line({"K-FAC": k, "SGD": g}) == (
+        "why: epochs to 97%, median over the seeds that reached it: K-FAC 4 (3 of 3 seeds), SGD 5 (3 of 3); "
+        "a K-FAC epoch costs 1.40x an SGD epoch (CPU seconds, median over seeds).")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Literal
@@ -34,9 +35,10 @@ from ..kfac.gradients import GradAccess
 from ..kfac.options import KFACOptions
 from ..kfac.preconditioner import KFACPreconditioner
 from ..kfac.step_size import LOSS_PARTS_HELP
-from ..telemetry import WindowStats
+from ..telemetry import PHASES, WindowStats
 from ..vocabulary import FactorApproxName, GraftingName, InverseMethodName, StepSizeName
 from .protocol import KFACStrategy
+from .run_report import KFACRunRecord, kfac_line, possible_phases, thread_note
 from .trainer_rules import _logs_written_this_step, _refuse_uninitialized_lazy_layers, _steps_before, _where
 
 if TYPE_CHECKING:
@@ -81,7 +83,9 @@ class KFACCallbackBody(_CallbackBase):
             logs Lightning writes (every ``log_every_n_steps`` optimizer steps, at the step index
             Lightning's rows have, and every step once ``trainer.should_stop`` is set), aggregates over
             the steps since the previous write: ``kfac/<name>_ms`` (mean), ``kfac/<name>_ms_max``
-            (max), ``kfac/inverse_step_share`` (the fraction of those steps that recomputed inverses,
+            (max; only the phases that can be non-zero in the run: no ``factor_comm_*`` or
+            ``inverse_comm_wait`` in one process, no ``inverse_async``/``inverse_wait`` without
+            asynchronous inverses), ``kfac/inverse_step_share`` (the fraction of those steps that recomputed inverses,
             so that a mean can be read against the inverse schedule) and ``kfac/steps_in_window``.
             The steps after the last write of a fit are not logged (Lightning writes no step metrics
             there either). They go to ``logger.log_metrics`` directly, not through ``self.log``, so
@@ -136,7 +140,9 @@ class KFACCallbackBody(_CallbackBase):
         adapt_damping: Levenberg-Marquardt adaptation of ``damping`` from the quadratic model's reduction ratio at
             each measurement (default False); needs ``kfac_loss_parts`` like ``step_size``.
         summary: print the K-FAC summary (each block's factor layout and bytes; every trainable parameter left
-            to the optimizer, with the reason) on rank 0 when the fit starts. Default True.
+            to the optimizer, with the reason) on rank 0 when the fit starts, and one line of what K-FAC added
+            when training ends (its ms per step and share of the step, inverse steps, fallbacks: the line the
+            ``spdkfac`` CLI prints; :attr:`run_record` holds its figures). Default True.
         load_state: what ``trainer.fit(ckpt_path=...)`` does with the checkpoint's K-FAC state.
             ``"strict"`` (default) restores it, and refuses a state saved for another model (layers
             missing or unexpected, other factor shapes) or a corrupt one (missing keys, wrong types,
@@ -228,6 +234,10 @@ class KFACCallbackBody(_CallbackBase):
         self._profiler: profile | None = None  # recording trace_step
         self._t_step_start: float | None = None
         self._window = WindowStats()  # step times since the last log (log_step_time)
+        self._phases: tuple[str, ...] | None = None  # the phases that can be non-zero in this fit (logged)
+        self.run_record = KFACRunRecord()  # this fit's K-FAC steps: the line printed at the end
+        self.print_run_line = True  # (the spdkfac CLI prints the line in its own outcome and sets this False)
+        self._kfac_stepped = False  # K-FAC stepped in the optimizer step under way
         self.preconditioner: KFACPreconditioner | None = None
         self._pending_state: dict | None = None  # loaded before setup built the preconditioner
         # The state at the end of the last fit: for save_checkpoint after fit, and continued by the next
@@ -259,6 +269,8 @@ class KFACCallbackBody(_CallbackBase):
         if previous is not pl_module or self._pending_state is not None:
             self._final_state = None  # another model, or a state given to load_state_dict: nothing to continue
         self._window.reset()
+        self.run_record.reset()
+        self._phases = None
         self._checkpoint_seen = self._start_fresh = False
         self._guard_checkpoint_loading(trainer)
 
@@ -288,17 +300,20 @@ class KFACCallbackBody(_CallbackBase):
                 and not callable(getattr(pl_module, "kfac_loss_parts", None))):
             self._loss_parts(pl_module)  # raises, naming what to define: before the first step, not at it
         scaler = getattr(trainer.precision_plugin, "scaler", None)
-        self.preconditioner = pre = KFACPreconditioner(
-            pl_module,
-            self.options,
-            lr=self.lr,
-            grad_scaler=scaler,
-            distributor=self._distributor(trainer),
-            grad_access=self._grad_access(trainer),
-        )
+        with warnings.catch_warnings():
+            if not trainer.is_global_zero:  # the setup warnings (skipped or tied layers) are every rank's: rank 0's
+                warnings.simplefilter("ignore")
+            self.preconditioner = pre = KFACPreconditioner(
+                pl_module,
+                self.options,
+                lr=self.lr,
+                grad_scaler=scaler,
+                distributor=self._distributor(trainer),
+                grad_access=self._grad_access(trainer),
+            )
         self._final_model = weakref.ref(pl_module)
         if self.summary and trainer.is_global_zero:
-            rank_zero_info("K-FAC summary\n" + str(pre.summary()))
+            rank_zero_info("K-FAC summary\n" + str(pre.summary()) + thread_note(pre.timer.thread_cap))
         if self._pending_state is not None:
             pre.load_state_dict(self._pending_state)
             self._pending_state = None
@@ -315,6 +330,10 @@ class KFACCallbackBody(_CallbackBase):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         pre = self.preconditioner
+        if pre is not None:
+            self.run_record.finish(pre)
+            if self.summary and self.print_run_line and trainer.is_global_zero:
+                rank_zero_info("K-FAC: " + kfac_line(self.run_record))
         if pre is not None and pre.distributor.layer_owners is not None:
             # schedule="dpkfac": a rank holds its own layers only, and the state is gathered from their owners (a
             # collective). Here every rank is still in step and the process group is alive; at teardown it may
@@ -383,7 +402,9 @@ class KFACCallbackBody(_CallbackBase):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if self.preconditioner is not None and self.preconditioner.final_micro_batch:
-            self._t_step_start = None
+            if self._kfac_stepped and self._t_step_start is not None:
+                self.run_record.add_step_time(time.perf_counter() - self._t_step_start)
+            self._t_step_start, self._kfac_stepped = None, False
             prof = self._profiler
             if prof is not None:
                 self._stop_trace(trainer, prof)
@@ -416,6 +437,8 @@ class KFACCallbackBody(_CallbackBase):
         # the layers this optimizer steps, each at its param group's lr
         pre.step(optimizer, loss_parts=self._loss_parts(pl_module) if pre.step_size is not None else None)
         t1 = time.perf_counter()
+        self.run_record.add_step(pre.timer.last, pre.last_step_inverted)
+        self._kfac_stepped = True
         if not trainer.loggers:  # nothing would be written
             return
         if self.log_step_time:  # seconds, as host floats: no tensor, no sync
@@ -455,7 +478,11 @@ class KFACCallbackBody(_CallbackBase):
         window = self._window
         if self.log_step_time and window.steps:
             maxima = window.maxima()
+            if self._phases is None:
+                self._phases = possible_phases(pre.distributor)
             for name, mean in window.means().items():
+                if name in PHASES and name not in self._phases:
+                    continue  # cannot be non-zero in this run (a wait for a peer in one process, ...)
                 metrics[f"kfac/{name}_ms"] = mean * 1e3
                 metrics[f"kfac/{name}_ms_max"] = maxima[name] * 1e3
             metrics["kfac/inverse_step_share"] = window.flagged_share
@@ -548,6 +575,8 @@ class KFACCallbackBody(_CallbackBase):
             except ValueError as e:
                 raise ValueError(f"{where}: {e}") from None
 
+
+KFACCallbackBody.__init__.__qualname__ = "KFAC.__init__"  # "KFAC.__init__() got an unexpected keyword ..."
 
 # Arguments KFAC.__init__ checks itself; any other is held to its annotation (val.check_annotations).
 _CHECKED = ("damping", "factor_decay", "kl_clip", "lr", "factor_update_steps", "inv_update_steps", "skip_layers",

@@ -50,6 +50,7 @@ from .deepspeed_config import (
     _deepspeed_fp16_support,
     _fp16_requested,
     _load_config,
+    _refuse_stale_op_lock,
 )
 from .deepspeed_grads import DeepSpeedGradAccess
 from .strategy import (
@@ -199,7 +200,9 @@ class SPDKFACDeepSpeedStrategyBody(_SPDKFACStrategyMixin, _DeepSpeedBase):
             self._process_group_backend = self._get_process_group_backend()
             assert self.cluster_environment is not None  # (asserted by _set_node_environment_variables too)
             _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout)
-            _announce_op_build("ShareMemCommBuilder")  # init_distributed JIT-builds it on a first run, silently
+            # init_distributed JIT-builds it on a first run, silently, and waits forever on a killed build's lock
+            _refuse_stale_op_lock("ShareMemCommBuilder")
+            _announce_op_build("ShareMemCommBuilder")
             deepspeed.init_distributed(self._process_group_backend, timeout=self._timeout)
         self._new_factor_group()
 

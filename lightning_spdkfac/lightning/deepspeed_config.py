@@ -1,12 +1,14 @@
 """What ``SPDKFACDeepSpeedStrategy`` checks before DeepSpeed runs, so that a wrong argument or an unsupported
 machine is refused with a message that names it: the DeepSpeed config (a dict or a JSON file, its ZeRO stage:
-0, 1 or 2), whether the accelerator runs fp16, and the one-line notice before DeepSpeed JIT-builds an op."""
+0, 1 or 2), whether the accelerator runs fp16, the one-line notice before DeepSpeed JIT-builds an op, and a
+stale build lock (a killed build's ``lock`` file, which torch's extension loader would wait on forever)."""
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 
 from pytorch_lightning.strategies import DeepSpeedStrategy
 
@@ -41,6 +43,91 @@ def _announce_op_build(builder_name: str) -> bool:
         f"DeepSpeed is building its {builder.name} op once (about a minute, in {folder}); later runs reuse it"
     )
     return True
+
+
+# A build lock with no process building in its folder and nothing written there for this long is stale. A live
+# build always has a process there (torch runs ninja, and ninja the compiler, in the build folder); the wait covers
+# the moment between a builder taking the lock and starting ninja.
+STALE_LOCK_SECONDS = 30.0
+
+
+def _builders_in(folder: str) -> list[int]:
+    """The processes whose working directory is ``folder`` (a build under way: ninja and the compiler run there);
+    Linux's /proc, the processes this user may inspect; [] elsewhere."""
+    found: list[int] = []
+    real = os.path.realpath(folder)
+    try:
+        pids = [p for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return found
+    for pid in pids:
+        try:
+            if os.path.realpath(os.readlink(f"/proc/{pid}/cwd")) == real:
+                found.append(int(pid))
+        except OSError:  # gone, or another user's
+            continue
+    return found
+
+
+def _last_write(folder: str) -> float:
+    """The newest modification time of ``folder`` and its entries (the lock included)."""
+    newest = os.stat(folder).st_mtime
+    with os.scandir(folder) as entries:
+        for entry in entries:
+            try:
+                newest = max(newest, entry.stat(follow_symlinks=False).st_mtime)
+            except OSError:
+                continue
+    return newest
+
+
+def check_build_lock(folder: str, *, stale_after: float = STALE_LOCK_SECONDS, poll: float = 0.5,
+                     clock: Callable[[], float] = time.time, sleep: Callable[[float], None] = time.sleep) -> None:
+    """Return when torch's extension loader will not wait forever on ``folder``'s ``lock``: there is none, or a
+    build is under way there (a process works in the folder); raise a RuntimeError naming the folder and the fix
+    when the lock is stale: no process builds there and nothing in the folder was written for ``stale_after``
+    seconds (a killed build left it, and every later run would wait on it without a word). A young lock with no
+    builder yet is watched, every ``poll`` seconds, until one of those holds: at most ``stale_after`` seconds."""
+    lock = os.path.join(folder, "lock")
+    while True:
+        try:
+            created = os.stat(lock).st_mtime
+            idle = clock() - _last_write(folder)
+        except FileNotFoundError:
+            return  # no lock (or its build just finished)
+        if _builders_in(folder):
+            return  # a build is under way: waiting for it is right
+        if idle >= stale_after:
+            age = clock() - created
+            raise RuntimeError(
+                f"DeepSpeed's op build folder {folder} holds a stale lock file ({lock}, {age:.0f} s old; no process is "
+                f"building there and nothing was written there for {idle:.0f} s): a build that was interrupted "
+                "(a killed first run) left it, and torch's extension loader would wait on it forever. Fix: delete it "
+                f"(rm {lock}; or rm -r {folder} to rebuild the op from scratch), or point TORCH_EXTENSIONS_DIR at a "
+                "fresh folder. (If a build on another machine shares this folder, wait for it to finish instead.)"
+            )
+        sleep(min(poll, stale_after - idle))
+
+
+def _refuse_stale_op_lock(builder_name: str) -> None:
+    """:func:`check_build_lock` on the folder DeepSpeed JIT-builds the op ``builder_name`` in, when it would build
+    it (not installed prebuilt, compatible); a DeepSpeed or torch without these internals: nothing checked."""
+    try:
+        import deepspeed.ops
+        from deepspeed.accelerator import get_accelerator
+        from deepspeed.git_version_info import installed_ops
+        from torch.utils.cpp_extension import _get_build_directory
+
+        builder = get_accelerator().create_op_builder(builder_name)
+        if builder is None or installed_ops.get(builder.NAME, False):
+            return
+        if not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+            return
+        folder = _get_build_directory(builder.name, verbose=False)
+    except Exception:
+        return
+    if os.path.isdir(folder):
+        check_build_lock(folder)
 
 
 def _fp16_requested(config: Mapping | None, precision: str | None) -> bool:

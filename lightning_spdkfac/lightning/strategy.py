@@ -232,6 +232,7 @@ class SPDKFACStrategyBody(_SPDKFACStrategyMixin, _DDPBase):
             val.check_annotations(SPDKFACStrategyBody.__init__, arguments, skip=("schedule", *SPD_ARGUMENTS, "timeout"))
             self.spd_options = _spd_options(arguments)
             timeout = pg_timeout(timeout, self.spd_options)
+            _refuse_unknown_ddp_kwargs(type(self), kwargs)
             super().__init__(timeout=timeout, **kwargs)
 
     def setup_distributed(self) -> None:
@@ -248,6 +249,29 @@ class SPDKFACStrategyBody(_SPDKFACStrategyMixin, _DDPBase):
             what = ", ".join(f"{k} {v!r}" for k, v in fixed.items())
             strategy_registry.register(name, cls, description=f"DDP + SPD-KFAC scheduling, {what}",
                                        override=True, **fixed)
+
+
+def _refuse_unknown_ddp_kwargs(cls: type, kwargs: dict[str, Any]) -> None:
+    """A keyword that neither the strategy, Lightning's DDPStrategy nor DistributedDataParallel takes (a misspelled
+    ``schedul=``) is a TypeError now, naming the strategy and the nearest names, instead of going to DDP's
+    kwargs and failing (or not) when the model is wrapped."""
+    if not kwargs:
+        return
+    import difflib
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp_strategy = next((c for c in cls.__mro__ if c.__name__ == "DDPStrategy"), DDPStrategy)
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    known = {name for c in (SPDKFACStrategyBody, ddp_strategy, DistributedDataParallel)
+             for name, p in inspect.signature(c).parameters.items() if p.kind in named} - {"self", "module"}
+    for name in kwargs:
+        if name not in known:
+            near = difflib.get_close_matches(name, sorted(known), n=3)
+            hint = f"; did you mean {' or '.join(repr(n) for n in near)}?" if near else ""
+            raise TypeError(f"{cls.__name__}() got an unexpected keyword argument {name!r}: neither a strategy "
+                            f"argument nor one of DDPStrategy's or DistributedDataParallel's{hint}")
 
 
 class SPDKFACStrategy(SPDKFACStrategyBody, DDPStrategy):
