@@ -307,6 +307,7 @@ def _deferred_flags(rank, world):
                                                                            bc.last_flags.items()}
 
 
+@pytest.mark.slow  # a 2-rank job of its own (about 13 s); the budget test (tests/test_sync_budget.py) covers the path
 def test_deferred_flags_stay_on_the_device_and_say_which_owner_sent_a_gradient():
     """dpkfac's exchange without a host read: a receiver gets every buffer, and the 0-dim flags that say where the
     owner sent nothing (the preconditioner then keeps that layer's gradient, out of the KL sum)."""

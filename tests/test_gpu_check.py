@@ -223,8 +223,10 @@ def test_a_run_with_wheels_records_them_and_removes_their_folder(gpu_check, tmp_
 
 
 def test_make_gpu_check_without_install_runs_the_given_python_from_the_checkout():
-    out = subprocess.run(["make", "-n", "gpu-check", "NO_INSTALL=1", "PYTHON=python3", "WHEELS=.whl", "OUT=rep"],
-                         cwd=REPO, capture_output=True, text=True, timeout=60)
+    # (Under `make test` the parent make's MAKEFLAGS/MAKELEVEL would add "Entering directory" lines: not passed on.)
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
+    out = subprocess.run(["make", "--no-print-directory", "-n", "gpu-check", "NO_INSTALL=1", "PYTHON=python3",
+                          "WHEELS=.whl", "OUT=rep"], cwd=REPO, capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode == 0, out.stderr
     (line,) = out.stdout.strip().splitlines()  # one command: no venv, no pip
     assert line == (f'PYTHONPATH="{REPO}${{PYTHONPATH:+:$PYTHONPATH}}" python3 benchmarks/gpu_check.py '
