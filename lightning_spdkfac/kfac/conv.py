@@ -163,11 +163,19 @@ class ConvHelper(LayerHelper):
         if want.dim() == self.unbatched_dim:
             want = want.unsqueeze(0)
 
+        failures: list[str] = []  # why an attempt could not run at all
+
         def matches() -> bool:
-            got = self._output_from_patches(x)
+            # An attempt that cannot run (an input smaller than the kernel before the padding that makes it fit,
+            # a reflect padding wider than the input) does not match; it never crashes the step.
+            try:
+                got = self._output_from_patches(x)
+            except (RuntimeError, ValueError) as e:
+                failures.append(str(e).splitlines()[0] if str(e) else type(e).__name__)
+                return False
             if got.shape != want.shape:
                 return False
-            return bool((got - want).norm() <= 1e-2 * want.norm() + 1e-6)
+            return bool((got - want).norm() <= 1e-2 * want.norm() + 1e-6)  # once per layer: its first call
 
         with torch.no_grad():
             if matches():
@@ -176,6 +184,14 @@ class ConvHelper(LayerHelper):
             if matches():
                 return
             self._pad_override = None
+        if len(failures) == 2:
+            raise RuntimeError(
+                f"K-FAC layer {name!r} ({type(self.module).__name__}): its forward overrides the convolution's, and "
+                f"K-FAC could not check what it computes from its input of shape {tuple(x.shape)}: neither the "
+                f"padding its attributes describe nor dynamic 'same' padding gives a convolution that runs "
+                f"({failures[0]}; {failures[1]}). Leave it to the optimizer with "
+                f"skip_layers=[{type(self.module).__name__!r}] (or the layer's name), or register a helper for this "
+                "type with lightning_spdkfac.register_layer_type")
         raise RuntimeError(
             f"K-FAC layer {name!r} ({type(self.module).__name__}): its forward does not compute the convolution its "
             f"attributes describe (padding={self.module.padding!r}, padding_mode={self.module.padding_mode!r}, "

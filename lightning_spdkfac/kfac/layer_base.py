@@ -19,6 +19,7 @@ from torch import nn
 
 from ..factor_shapes import FactorShape
 from . import factors
+from .forward_check import verify_output as _verify_output
 
 
 class LayerHelper:
@@ -96,8 +97,28 @@ class LayerHelper:
     # Whether K-FAC-reduce rows exist for this type (an embedding's stay expand: its A is diagonal only there).
     reducible = True
 
+    # Whether :meth:`check_forward` also recomputes the output (set by ``make_helper`` for a subclass of the
+    # registered type that overrides forward: kfac/forward_check.py); the check clears it once done.
+    verify_output = False
+    # The map :meth:`expected_output` computes, as the error of a mismatch names it.
+    reference_map = "the map the helper assumes"
+
     def check_forward(self, name: str, x: torch.Tensor, output: Any) -> None:
         """Verify that the rows describe what the module's forward computed (raise naming ``name`` if not)."""
+        self.needs_check = False
+        if self.verify_output:
+            _verify_output(self, name, x, output)
+            self.needs_check = self.verify_output  # (an empty input: checked at the next call)
+
+    def expected_output(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None] | str:
+        """What the module computes from ``x`` if it is the map this helper assumes (float32, no grad), with a
+        0-d bool tensor telling whether ``x`` is an input the map takes (None: any it runs on), or a reason why
+        ``x`` cannot be one. Only for a type whose ``verify_output`` can be set (kfac/forward_check.py)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot recompute its module's output")
+
+    def input_requirement(self) -> str:
+        """What an input must be, as the error of an input the map does not take names it."""
+        return "an input of the map the helper assumes"
 
     def a_rows(self, x: torch.Tensor) -> torch.Tensor:
         """The input rows ``R x in`` without the bias column (the 1s are added in closed form)."""

@@ -20,6 +20,7 @@ from torch import nn
 
 from ..factor_shapes import FactorShape
 from .conv import ConvHelper, conv_helper
+from .forward_check import overrides_forward
 from .layer_base import LayerHelper
 
 __all__ = [
@@ -62,6 +63,18 @@ class LinearHelper(LayerHelper):
     def g_rows(self, grad_output: torch.Tensor) -> torch.Tensor:
         return grad_output.reshape(-1, grad_output.shape[-1])
 
+    reference_map = "F.linear(x, weight, bias)"
+
+    def expected_output(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None] | str:
+        if not x.is_floating_point():
+            return f"a {x.dtype} input where the map takes floating-point features"
+        bias = self._bias().detach().float() if self.has_bias else None
+        return self._linear(x.detach().float(), self._weight().detach().float(), bias), None
+
+    @staticmethod
+    def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return torch.nn.functional.linear(x, weight, bias)
+
     # One position per example for inputs of at most two dims: the rows themselves, bit for bit.
     def a_reduced(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if x.dim() <= 2:
@@ -96,6 +109,13 @@ class TransposedLinearHelper(LinearHelper):
     def _from_matrix(self, block: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
         return block.T
 
+    reference_map = "x @ weight + bias"
+
+    @staticmethod
+    def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        y = x @ weight
+        return y if bias is None else y + bias
+
 
 class EmbeddingHelper(LayerHelper):
     """``nn.Embedding``: an input row is the one-hot vector of the token, so A is the diagonal matrix of the
@@ -115,14 +135,32 @@ class EmbeddingHelper(LayerHelper):
         """Warn once about a batch-1 input of a sequence: position ids shared by the batch (GPT-2's and BERT's
         ``position_ids`` are ``1 x T``), whose output is broadcast, so that its output gradient is the sum over the
         batch's examples and its G factor depends on the per-rank batch size."""
-        self.needs_check = False
-        if x.dim() >= 2 and x.shape[0] == 1:
+        super().check_forward(name, x, output)  # a subclass's own forward, first (kfac/forward_check.py)
+        if x.dim() >= 2 and x.shape[0] == 1 and not self.warned_batch_1:
+            self.warned_batch_1 = True
             warnings.warn(
                 f"K-FAC layer {name!r} (nn.Embedding) got an input of batch dimension 1 ({tuple(x.shape)}): if it is "
                 "shared by the batch (position ids broadcast over the examples, as GPT-2 and BERT pass them), its "
                 "output gradient is the batch's sum and its G factor depends on the per-rank batch size, so runs on "
                 "different numbers of ranks differ. Pass position_ids expanded to the batch (B x T), or leave the "
                 f"layer to the optimizer with skip_layers=[{name!r}]", stacklevel=2)
+
+    warned_batch_1 = False
+    reference_map = "F.embedding(ids, weight, padding_idx)"
+
+    def expected_output(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None] | str:
+        """The table rows of the ids, with whether every id is in the table (out-of-range ids are clamped for the
+        lookup, so that a GPU does not assert: the flag is read with the comparison, in one host read)."""
+        if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
+            return f"a {x.dtype} input where an embedding takes integer token ids"
+        n = self.module.num_embeddings
+        ids = x.detach().long()
+        valid = ((ids >= 0) & (ids < n)).all()
+        rows = torch.nn.functional.embedding(ids.clamp(0, n - 1), self._weight().detach(), self.module.padding_idx)
+        return rows.float(), valid  # (the rows looked up, then widened: no float copy of a large table)
+
+    def input_requirement(self) -> str:
+        return f"token ids in [0, {self.module.num_embeddings}) (its num_embeddings), not all of them are"
 
     @property
     def in_features(self) -> int:
@@ -244,14 +282,18 @@ def registered_layer_types() -> list[str]:
     return [f"{t.__module__}.{t.__qualname__}" for t in _BY_TYPE] + list(_BY_NAME)
 
 
-def _lookup(module: nn.Module) -> tuple[HelperFactory | None, Callable[[nn.Module], str | None] | None]:
+Refusal = Callable[[nn.Module], str | None]
+
+
+def _lookup(module: nn.Module) -> tuple[HelperFactory | None, Refusal | None, type]:
+    """The factory and refusal of the nearest registered class of the module's, and that class."""
     for cls in type(module).__mro__:
         if cls in _BY_TYPE:
-            return _BY_TYPE[cls], _REFUSALS.get(cls)
+            return _BY_TYPE[cls], _REFUSALS.get(cls), cls
         factory = _BY_NAME.get(f"{cls.__module__}.{cls.__qualname__}")
         if factory is not None:
-            return factory, None
-    return None, None
+            return factory, None, cls
+    return None, None, type(module)
 
 
 def _is_candidate(module: nn.Module) -> bool:
@@ -282,7 +324,7 @@ def make_helper(module: nn.Module) -> tuple[LayerHelper | None, str | None]:
     layer type K-FAC looks at; see :func:`unsupported_reason` for the types it names)."""
     if isinstance(module, nn.modules.lazy.LazyModuleMixin):
         return None, None
-    factory, refusal = _lookup(module)
+    factory, refusal, registered = _lookup(module)
     if factory is None:
         return None, None
     computed = computed_parameter(module)
@@ -291,7 +333,13 @@ def make_helper(module: nn.Module) -> tuple[LayerHelper | None, str | None]:
     why = refusal(module) if refusal is not None else None
     if why is not None:
         return None, why
-    return factory(module), None
+    helper = factory(module)
+    # A subclass of the registered type with a forward of its own: checked once against its output, where the
+    # helper can recompute it (a convolution's helper checks its own subclasses: kfac/conv.py).
+    if (registered is not type(module) and overrides_forward(type(module), registered)
+            and type(helper).expected_output is not LayerHelper.expected_output):
+        helper.verify_output = helper.needs_check = True
+    return helper, None
 
 
 def linear_and_conv_modules(model: nn.Module) -> list[nn.Module]:
