@@ -69,6 +69,8 @@ class Coverage:
                 if not has_grad:
                     ran_without_grad.append(layer.name)
                 continue
+            # A gradient autograd gave the weight this step (not one left over, or zeros of zero_grad(set_to_none=False))
+            has_grad = has_grad and layer.grad_seen
             if not has_grad or (layer.a_calls == 0 and not self._local and layer.A is not None):
                 continue  # not used this step (or, distributed, run on other ranks): quiet
             if layer.a_calls == 0:
