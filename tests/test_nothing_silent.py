@@ -253,3 +253,35 @@ def test_gradients_kept_elsewhere_raise_instead_of_a_silent_plain_run() -> None:
     with pytest.raises(RuntimeError, match=r"hooks of 2 layer\(s\) ran \('0', '2'\).*param.grad is None.*"
                                            r"SPDKFACDeepSpeedStrategy or the DDP strategy"):
         pre.step()
+
+
+def test_a_gradient_that_does_not_match_the_factors_raises_naming_the_layer() -> None:
+    """The layer's weight replaced by one of another shape after its factors were taken (was: a silent skip)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    pre = KFACPreconditioner(model, lr=0.1, factor_update_steps=10, inv_update_steps=10)
+    F.cross_entropy(model(torch.randn(4, 6)), torch.randint(0, 3, (4,))).backward()
+    pre.step()  # factors and inverses for a 6-input layer
+    model[0].weight.data = torch.randn(8, 5)  # the same Parameter, another shape
+    model.zero_grad()
+    F.cross_entropy(model(torch.randn(4, 5)), torch.randint(0, 3, (4,))).backward()  # not a factor step
+    with pytest.raises(RuntimeError, match=r"K-FAC layer '0': its gradient matrix has shape \(8, 6\), not \(8, 7\)"):
+        pre.step()
+
+
+def test_a_state_naming_a_layer_frozen_at_setup_registers_it() -> None:
+    """Resuming a fine-tuning run: the state was saved once the layer trained; here it is frozen at setup."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    pre = KFACPreconditioner(model, lr=0.1)
+    train_small = [(torch.randn(4, 6), torch.randint(0, 3, (4,))) for _ in range(2)]
+    for x, y in train_small:
+        model.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        pre.step()
+    state = pre.state_dict()
+    model[0].requires_grad_(False)
+    resumed = KFACPreconditioner(model, lr=0.1)
+    assert "0" not in resumed.layers
+    resumed.load_state_dict(state)
+    assert "0" in resumed.layers and torch.equal(resumed.layers["0"].A, pre.layers["0"].A)

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from .gradients import GradAccess
+from .hook_tools import eager
 from .layer_state import KFACLayer
 
 # The measured reasons (the forward hook never ran; it ran but the output-gradient hook never did).
@@ -62,6 +63,9 @@ class Coverage:
         for layer in self.layers.values():
             if (self._stepping is not None and layer.index not in self._stepping) or not layer.trainable():
                 continue  # another optimizer's (or none's), or frozen: quiet
+            if not layer.grad_watched:  # registered while frozen (distributed, a loaded state): watched from now on
+                watch_grad(layer)
+                continue
             has_grad = self._grads.get(layer.helper.params()[0]) is not None
             if layer.a_calls and layer.g_calls:
                 self.unfactored.pop(layer.name, None)
@@ -99,6 +103,20 @@ class Coverage:
                 f"K-FAC layer {layer.name!r}: its {what} has shape {tuple(got)}, not {tuple(want)}: K-FAC cannot read "
                 "it as the layer's gradient (a sharded or flattened gradient, or a layer whose shape changed after "
                 f"setup). {SHARDED_HINT}; or rebuild the preconditioner after changing a layer")
+
+
+def watch_grad(layer: KFACLayer) -> None:
+    """Put the hook that tells a gradient autograd gave the layer's weight this step (``layer.grad_seen``, a host flag:
+    nothing is read) from one left over or set by hand; only on a weight that requires grad (torch refuses others)."""
+    weight = layer.helper.params()[0]
+    if layer.grad_watched or not weight.requires_grad:
+        return
+
+    def seen(_: torch.Tensor) -> None:
+        layer.grad_seen = True
+
+    layer.handles.append(weight.register_post_accumulate_grad_hook(eager(seen)))  # type: ignore[no-untyped-call]
+    layer.grad_watched = True
 
 
 def _optimized_module() -> type:

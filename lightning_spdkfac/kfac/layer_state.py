@@ -54,6 +54,7 @@ class KFACLayer:
     # Whether autograd accumulated a gradient into the weight since the last step (a post-accumulate hook: a
     # gradient left over or set by hand does not count); the coverage check reads it (kfac/coverage.py).
     grad_seen: bool = False
+    grad_watched: bool = False  # whether that hook is in place (on a weight that requires grad only)
 
     def reset_accumulators(self) -> None:
         self.rows = self.examples = self.a_calls = self.g_calls = 0

@@ -19,6 +19,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..vocabulary import FactorApproxName
 from .attention import module_layers
+from .coverage import watch_grad
 from .gradients import GradAccess
 from .hook_tools import eager
 from .layer_state import KFACLayer
@@ -128,8 +129,7 @@ class LayerRegistration:
         for _, module, module_helper in group:
             layer.handles.append(module.register_forward_hook(self._make_forward_hook(layer, module_helper)))
             self._known[id(module)] = (module, None)
-        layer.handles.append(helper.params()[0].register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
-            _grad_seen(layer)))
+        watch_grad(layer)
         self.layers[name] = layer
         return layer
 
@@ -216,15 +216,6 @@ class LayerRegistration:
                 "replace them during fit), or freeze these layers if they are not trained"
             )
 
-
-
-def _grad_seen(layer: KFACLayer) -> Callable[[torch.Tensor], None]:
-    """The weight's post-accumulate hook: autograd gave it a gradient this step (a host flag; nothing is read)."""
-
-    def seen(_: torch.Tensor) -> None:
-        layer.grad_seen = True
-
-    return eager(seen)
 
 
 def _group_trainable(group: list[tuple[str, nn.Module, LayerHelper]]) -> bool:
