@@ -112,7 +112,8 @@ def test_unsupported_layers_are_named_in_one_setup_warning():
         warnings.simplefilter("always")
         pre = kfac(model)
     msgs = kfac_warnings(record)
-    assert set(pre.layers) == {"0", "4", "5"} and set(pre.skipped) == {"1", "2", "3"}
+    assert set(pre.layers) == {"0", "4"} and set(pre.skipped) == {"1", "2", "3"}
+    assert set(pre.frozen_layers) == {"5"}  # frozen at setup: registered once it trains
     combined = [m for m in msgs if "'1'" in m]
     assert len(combined) == 1 and "ConvTranspose2d" in combined[0] and "'3' (LSTM" in combined[0], msgs
     assert "'2' (Bilinear" in combined[0]

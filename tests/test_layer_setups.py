@@ -524,8 +524,9 @@ def test_a_layer_frozen_at_setup_gets_kfac_once_unfrozen():
                 ref_pre = kfac(ref)
                 ref_pre.steps = pre.steps
                 for name, layer in ref_pre.layers.items():  # the head's factors carry over; layer 0 has none yet
-                    src = pre.layers[name]
-                    layer.A, layer.G = (None, None) if name == "0" else (src.A.clone(), src.G.clone())
+                    # (nor is it registered yet: a layer frozen at setup is, when the model next runs with it trainable)
+                    layer.A, layer.G = ((None, None) if name == "0"
+                                        else (pre.layers[name].A.clone(), pre.layers[name].G.clone()))
             model.zero_grad()
             F.cross_entropy(model(x), y).backward()
             frozen = model[0].weight.detach().clone()

@@ -619,11 +619,20 @@ def finetune_reference():
     return net
 
 
-def fit_finetune(kfac_first):
+class FinetuneByNet(Finetune):
+    """Calls ``self.net``, never itself: the backbone, frozen when K-FAC is set up (not registered then), is
+    registered by the KFAC callback at the batch it trains from, before that batch's forward."""
+
+    def training_step(self, batch, _):
+        x, y = batch
+        return F.cross_entropy(self.net(x), y)
+
+
+def fit_finetune(kfac_first, cls=None):
     from pytorch_lightning.callbacks import BackboneFinetuning
 
     cb = KFAC(**KW)
-    model = Finetune()
+    model = (cls or Finetune)()
     initial = model.backbone.weight.detach().clone()
     seen = []
 
@@ -646,3 +655,7 @@ def test_backbone_finetuning_frozen_then_preconditioned():
 
 def test_backbone_finetuning_listed_before_kfac():
     assert_same_params(fit_finetune(kfac_first=False).net, finetune_reference())
+
+
+def test_backbone_finetuning_of_a_module_that_calls_its_net():
+    assert_same_params(fit_finetune(kfac_first=False, cls=FinetuneByNet).net, finetune_reference())

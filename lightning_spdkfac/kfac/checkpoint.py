@@ -75,6 +75,10 @@ class CheckpointState:
         """Forget the statistics collected since the last step (the preconditioner's)."""
         raise NotImplementedError
 
+    def _register_frozen(self, names: set[str]) -> None:
+        """Register these layers frozen at setup now (the preconditioner's, kfac/registration.py)."""
+        raise NotImplementedError
+
     def _settle_inverses(self, keep: bool = True) -> None:
         """Swap in (``keep``) or drop the asynchronous inversions in flight (the preconditioner's)."""
         raise NotImplementedError
@@ -238,6 +242,9 @@ class CheckpointState:
         if not isinstance(layers, Mapping):
             corrupt.append(f"'layers' must be a dict of layer name -> factors, got a {type(layers).__name__}")
             layers = {}
+        # A layer held aside as frozen at setup that the state has factors or dims for (saved once it trained, as
+        # on resuming a fine-tuning run): registered now, as it would be once it trains.
+        self._register_frozen({n for n in (dims if dims is not None else layers) if isinstance(n, str)})
         self._check_layer_names(dims, layers, mismatch)
         factors = self._check_factors(dims, layers, corrupt, mismatch, method)
         if method == "eigen":

@@ -27,6 +27,7 @@ class FactorUpdates:
     distributor: Distributor
     timer: StepTimer
     _owners: tuple[int, ...] | None
+    _grads: dict[torch.nn.Parameter, torch.Tensor | None]
 
     if TYPE_CHECKING:  # the preconditioner's (declared for the type checker only: nothing here at run time)
 
@@ -53,6 +54,8 @@ class FactorUpdates:
             if layer.a_calls == layer.g_calls and layer.rows == 0:
                 continue
             if layer.a_calls != layer.g_calls:
+                if layer.g_calls == 0 and self._grads.get(layer.helper.params()[0]) is not None:
+                    continue  # its weight got a gradient anyway: named by the coverage check, with its reason
                 self._warn_once(
                     layer.name,
                     "calls",

@@ -51,10 +51,15 @@ class KFACLayer:
     # "eigen": the damping resolved at the step that computed A_inv and G_inv (used until the next one).
     inv_damping: float | None = None
     handles: list[RemovableHandle] = field(default_factory=list)
+    # Whether autograd accumulated a gradient into the weight since the last step (a post-accumulate hook: a
+    # gradient left over or set by hand does not count); the coverage check reads it (kfac/coverage.py).
+    grad_seen: bool = False
+    grad_watched: bool = False  # whether that hook is in place (on a weight that requires grad only)
 
     def reset_accumulators(self) -> None:
         self.rows = self.examples = self.a_calls = self.g_calls = 0
         self.mb_a_calls = self.mb_g_calls = 0
+        self.grad_seen = False
         self.last_micro_batch = -1
         self.submitted.clear()
 

@@ -30,12 +30,14 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from .. import validation as val
 from ..factor_shapes import describe
 from ..telemetry import StepTimer
 from . import factors
 from .checkpoint import STATE_VERSION, CheckpointState
+from .coverage import Coverage
 from .distributor import Distributor
 from .factor_updates import FactorUpdates
 from .gradients import GradAccess
@@ -56,7 +58,7 @@ __all__ = ["STATE_VERSION", "KFACLayer", "KFACPreconditioner"]
 
 
 class KFACPreconditioner(LayerRegistration, FactorUpdates, InverseSteps, Preconditioning, NonFiniteGuard,
-                         CheckpointState):
+                         CheckpointState, Coverage):
     """K-FAC for the ``nn.Linear``, ``nn.Conv1d/2d/3d``, ``nn.Embedding`` and ``nn.MultiheadAttention`` layers of a
     model (docs/math.md, "Layers and rows"), usable with any optimizer.
 
@@ -154,11 +156,15 @@ class KFACPreconditioner(LayerRegistration, FactorUpdates, InverseSteps, Precond
         self._micro_batch = 0
         self._backward_seen = False
         self._warned: set[tuple[str, str]] = set()
+        # Layers whose weight got a gradient but whose block produced no factors, with the measured reason (coverage.py)
+        self.unfactored: dict[str, str] = {}
         self.layers: dict[str, KFACLayer] = {}
         self.skipped: dict[str, str] = {}
         # id -> (module, None for a registered module or the reason it was skipped): the supported modules
         # seen at registration, held so that their ids stay theirs (see _check_layers).
         self._known: dict[int, tuple[nn.Module, str | None]] = {}
+        self.frozen_layers: dict[str, list[tuple[str, nn.Module, LayerHelper]]] = {}  # (registration.py)
+        self._frozen_hook: RemovableHandle | None = None
         self._register(model)
         # Each once: the q, k and v blocks of an attention share its packed weight.
         self._grad_params = list(dict.fromkeys(p for ly in self.layers.values() for p in ly.helper.params()))
@@ -242,6 +248,9 @@ class KFACPreconditioner(LayerRegistration, FactorUpdates, InverseSteps, Precond
             for h in layer.handles:
                 h.remove()
             layer.handles.clear()
+        if self._frozen_hook is not None:
+            self._frozen_hook.remove()
+            self._frozen_hook = None
         if getattr(self, "step_size", None) is not None:
             self.step_size.remove_hooks()  # type: ignore[union-attr]
 
@@ -444,6 +453,7 @@ class KFACPreconditioner(LayerRegistration, FactorUpdates, InverseSteps, Precond
                 on this batch from the current parameters, ``loss(outputs)`` is the scalar the training step
                 minimizes; needed on the steps that measure the quadratic model (every ``step_size_every``).
         """
+        self._register_unfrozen()  # (layers frozen at setup that train now, where no forward hook saw them first)
         self._select(optimizer)
         if self.step_size is not None:
             self._prepare_step_size(optimizer, loss_parts)
@@ -458,6 +468,7 @@ class KFACPreconditioner(LayerRegistration, FactorUpdates, InverseSteps, Precond
                     self._update_factors(k)
             else:
                 self._update_factors_distributed(k)
+            self._check_coverage()  # (after the update: distributed, a layer run on other ranks has factors then)
             for layer in self.layers.values():
                 # Calls of one micro-batch: the count that makes a factor final when pipelining.
                 if layer.a_calls and layer.mb_a_calls == layer.mb_g_calls:

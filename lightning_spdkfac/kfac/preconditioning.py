@@ -8,6 +8,8 @@ docs/math.md.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -44,6 +46,11 @@ class Preconditioning:
     _graft_states: dict[int, AdamGraftState]
     _graft_hparams: tuple[float, float]
 
+    if TYPE_CHECKING:  # the preconditioner's (kfac/coverage.py)
+
+        def _check_grad_shape(self, layer: KFACLayer, what: str, got: tuple[int, ...],
+                              want: tuple[int, ...]) -> None: ...
+
     def _precondition_layer(self, layer: KFACLayer) -> None:
         """P = G_inv [dW, db] A_inv (or its eigen form) for one layer, kept until the KL clip of the step is known."""
         # Not whether this rank ran the layer, which is local (data-dependent control flow): the gradient,
@@ -56,8 +63,7 @@ class Preconditioning:
             return
         assert layer.G_inv is not None  # the inverses are set together (both arrive before this is called)
         # The last dim: n for an n x n inverse, an (n+1) x n eigen payload and a diagonal one alike.
-        if layer.A_inv.shape[-1] != g.shape[-1] or layer.G_inv.shape[-1] != g.shape[-2]:
-            return  # the layer changed shape since its factors were taken
+        self._check_grad_shape(layer, "gradient matrix", tuple(g.shape[-2:]), (layer.G_inv.shape[-1], layer.A_inv.shape[-1]))
         gi = g.to(self.inv_dtype)
         if self._eigen:
             assert layer.inv_damping is not None  # set with the payloads
@@ -75,6 +81,10 @@ class Preconditioning:
             return None  # another optimizer (or none) steps this layer
         if not layer.trainable():  # frozen after its forward: its (stale or absent) gradient is left as is
             return None
+        weight = layer.helper.params()[0]
+        wg = self._grads.get(weight)
+        if wg is not None:  # (a flat shard would read as an (n, 1) matrix: refused by name, never skipped)
+            self._check_grad_shape(layer, "weight's gradient", tuple(wg.shape), tuple(weight.shape))
         return layer.helper.grad_matrix(self._grads)
 
     def _begin_share(self) -> None:

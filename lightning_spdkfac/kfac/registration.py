@@ -13,11 +13,15 @@ import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from ..vocabulary import FactorApproxName
 from .attention import module_layers
+from .coverage import watch_grad
 from .gradients import GradAccess
+from .hook_tools import eager
 from .layer_state import KFACLayer
 from .layers import (
     LayerHelper,
@@ -27,7 +31,8 @@ from .layers import (
     unsupported_reason,
 )
 from .options import KFACOptions
-from .summary import KFACSummary, format_bytes
+from .param_groups import StepGroups
+from .summary import FROZEN_PART, KFACSummary, format_bytes
 
 
 class LayerRegistration:
@@ -41,6 +46,14 @@ class LayerRegistration:
     layers: dict[str, KFACLayer]
     skipped: dict[str, str]
     _known: dict[int, tuple[nn.Module, str | None]]
+    # Layers frozen at setup (one process): first module name -> its group, registered once all its parameters train.
+    frozen_layers: dict[str, list[tuple[str, nn.Module, LayerHelper]]]
+    _frozen_hook: RemovableHandle | None
+    _local: bool
+    paused: bool
+    _grad_params: list[nn.Parameter]
+    _other_params: list[nn.Parameter]
+    _step_groups: dict[int, StepGroups]
 
     if TYPE_CHECKING:  # the preconditioner's (declared for the type checker only: nothing here at run time)
 
@@ -68,10 +81,8 @@ class LayerRegistration:
                 if any(p.search(name) or p.search(cls) for p in self.skip_layers):
                     self._skip(name, hooked, "matched skip_layers")
                     continue
-                # A layer frozen now is registered too: frozen layers are left alone step by step (trainable()), and
-                # one frozen at setup may be unfrozen later (BackboneFinetuning, a warm-up): it then gets K-FAC like
-                # the others. (Distributed, its factor slots travel, empty, while it is frozen: exclude a layer that
-                # stays frozen for the whole run with skip_layers.)
+                # A layer frozen now is held aside until it trains (_hold_frozen); one frozen after setup is left
+                # alone step by step (trainable()).
                 candidates.append((name, hooked, helper))
             if refused and unsupported_reason(module) is not None:
                 of_type.append(f"{module_name!r} ({cls}: {self.skipped[module_name]})")
@@ -89,20 +100,14 @@ class LayerRegistration:
                 for name, module, _ in group:
                     self._skip(name, module, why)
                 continue
-            # One K-FAC block for modules that share all their parameters (one module: the usual case),
-            # named after the first; each module's calls add to its factors with that module's own
-            # geometry, like the calls of one layer called several times per forward.
-            name, _, helper = group[0]
-            reduce = helper.reducible and (
-                self.factor_approx == "reduce" or (self.factor_approx == "auto" and helper.auto_reduce))
-            a_shape, g_shape = helper.factor_shapes(self.options.max_factor_side)
-            layer = KFACLayer(name=name, helper=helper, index=len(self.layers), reduce=reduce, a_shape=a_shape,
-                              g_shape=g_shape)
-            for _, module, module_helper in group:
-                layer.handles.append(module.register_forward_hook(self._make_forward_hook(layer, module_helper)))
-                self._known[id(module)] = (module, None)
-            self.layers[name] = layer
-        if not self.layers:
+            if self._local and not _group_trainable(group):
+                # Frozen at setup (a LoRA base layer, a backbone frozen for a warm-up): not registered (no hooks, no
+                # memory, not counted), and registered when it trains (_register_unfrozen). Distributed, the layers
+                # are fixed at setup: registered, and left alone while frozen (trainable()).
+                self._hold_frozen(group)
+                continue
+            self._add_layer(group)
+        if not self.layers and not self.frozen_layers:
             found = ", ".join(sorted(set(seen_types)))
             detail = "; ".join(f"{n or '<root>'}: {r}" for n, r in self.skipped.items())
             raise ValueError(
@@ -110,6 +115,60 @@ class LayerRegistration:
                 "model; "
                 f"module types found: {found}" + (f"; skipped: {detail}" if detail else "")
             )
+
+    def _add_layer(self, group: list[tuple[str, nn.Module, LayerHelper]]) -> KFACLayer:
+        """One K-FAC block for modules that share all their parameters (one module: the usual case), named after the
+        first; each module's calls add to its factors with that module's own geometry, like the calls of one layer
+        called several times per forward."""
+        name, _, helper = group[0]
+        reduce = helper.reducible and (
+            self.factor_approx == "reduce" or (self.factor_approx == "auto" and helper.auto_reduce))
+        a_shape, g_shape = helper.factor_shapes(self.options.max_factor_side)
+        layer = KFACLayer(name=name, helper=helper, index=len(self.layers), reduce=reduce, a_shape=a_shape,
+                          g_shape=g_shape)
+        for _, module, module_helper in group:
+            layer.handles.append(module.register_forward_hook(self._make_forward_hook(layer, module_helper)))
+            self._known[id(module)] = (module, None)
+        watch_grad(layer)
+        self.layers[name] = layer
+        return layer
+
+    def _hold_frozen(self, group: list[tuple[str, nn.Module, LayerHelper]]) -> None:
+        """Keep a group frozen at setup aside until all its parameters train; a trainable part (a bias beside a
+        frozen weight) is named once: K-FAC preconditions a layer's parameters together."""
+        self.frozen_layers[group[0][0]] = group
+        for _, module, _ in group:
+            self._known[id(module)] = (module, None)
+        if any(p.requires_grad for _, _, h in group for p in h.params()):
+            warnings.warn(f"K-FAC leaves layer {group[0][0]!r} to the optimizer while {FROZEN_PART}", stacklevel=4)
+        if self._frozen_hook is None:  # registration as soon as the model runs with them trainable
+            self._frozen_hook = self.model.register_forward_pre_hook(eager(self._forward_pre_hook))
+
+    def _forward_pre_hook(self, module: nn.Module, inputs: Any) -> None:
+        if torch.is_grad_enabled() and not self.paused:
+            self._register_unfrozen()
+
+    def _register_unfrozen(self) -> None:
+        """Register the layers frozen at setup that train now (all their parameters require grad): before the model
+        runs (a hook on it; the KFAC callback at each batch) or, at the latest, at the next step()."""
+        if self.frozen_layers:
+            self._register_frozen({name for name, group in self.frozen_layers.items() if _group_trainable(group)})
+
+    def _register_frozen(self, names: set[str]) -> None:
+        """Register the layers of ``names`` held aside as frozen at setup (others: ignored)."""
+        now = [name for name in self.frozen_layers if name in names]
+        if not now:
+            return
+        for name in now:
+            self._add_layer(self.frozen_layers.pop(name))
+        self._grad_params = list(dict.fromkeys(p for ly in self.layers.values() for p in ly.helper.params()))
+        kfac_ids = {id(p) for p in self._grad_params}
+        self._other_params = [p for p in self.model.parameters() if id(p) not in kfac_ids]
+        self._step_groups.clear()  # which param group holds each layer: rebuilt with the new layers
+        if not self.frozen_layers and self._frozen_hook is not None:
+            self._frozen_hook.remove()
+            self._frozen_hook = None
+        self._check_memory()
 
     def _check_memory(self) -> None:
         """Stop at setup, before any factor is allocated, when the K-FAC memory would exceed ``memory_limit``."""
@@ -156,3 +215,9 @@ class LayerRegistration:
                 "final (with the KFAC callback: create the layers in the LightningModule's __init__ and do not "
                 "replace them during fit), or freeze these layers if they are not trained"
             )
+
+
+
+def _group_trainable(group: list[tuple[str, nn.Module, LayerHelper]]) -> bool:
+    """Whether every parameter K-FAC would precondition for these modules requires grad."""
+    return all(p.requires_grad for _, _, helper in group for p in helper.params())

@@ -23,6 +23,11 @@ from torch import nn
 
 from ..factor_shapes import FactorShape, describe, inverse_shape, numel
 
+# Why the trainable rest of a partly frozen layer is left to the optimizer (summary and setup warning).
+FROZEN_PART = ("some of its parameters are frozen: K-FAC preconditions a layer's weight and bias together, so the "
+               "trainable rest (e.g. a bias beside a frozen weight) is left to the optimizer (unfreeze the whole layer "
+               "to have it preconditioned)")
+
 if TYPE_CHECKING:  # (the preconditioner imports this module)
     from .layer_state import KFACLayer
     from .preconditioner import KFACPreconditioner
@@ -55,6 +60,9 @@ class LayerRow:
         return self.accumulator_bytes
 
     accumulator_bytes: int = 0  # (included in factor_bytes) the step's sums, held on every rank
+    # False: the block produced no factors though its weight got a gradient (measured; its parameters are listed
+    # among those left to the optimizer, with the reason, and not counted as preconditioned)
+    factored: bool = True
 
 
 @dataclass(frozen=True)
@@ -76,7 +84,7 @@ class KFACSummary:
 
     @property
     def preconditioned(self) -> int:
-        return sum(r.params for r in self.rows)
+        return sum(r.params for r in self.rows if r.factored)
 
     @property
     def total_bytes(self) -> int:
@@ -114,19 +122,26 @@ def summarize(pre: KFACPreconditioner) -> KFACSummary:
     async_inverses = pre.distributor.use_async_inverses()
     rows = []
     counted: set[int] = set()
+    unfactored: dict[int, str] = {}  # parameter id -> why its block produced no factors (kfac/coverage.py)
     for ly in pre.layers.values():
-        counted.update(id(p) for p in ly.helper.params())
+        if not ly.trainable():  # frozen (distributed: registered at setup all the same): no factors, not counted
+            continue
+        why = pre.unfactored.get(ly.name)
+        if why is None:
+            counted.update(id(p) for p in ly.helper.params())
+        else:
+            unfactored.update((id(p), why) for p in ly.helper.params())
         # The block's own entries (a packed attention weight's q, k and v rows are three blocks of it).
         params = ly.helper.out_features * ly.helper.a_dim * ly.helper.groups
         fb, ib, ab, acc = _layer_bytes(ly, f_size, i_size, pre.inverse_method, async_inverses)
         rows.append(LayerRow(ly.name, type(ly.helper.owner()).__name__, ly.a_shape, ly.g_shape, params, fb, ib, ab,
-                             None if owners is None else owners[ly.index], acc))
-    left = _left_out(pre, counted)
+                             None if owners is None else owners[ly.index], acc, why is None))
+    left = _left_out(pre, counted, unfactored)
     trainable = sum(p.numel() for p in {id(p): p for p in pre.model.parameters() if p.requires_grad}.values())
     return KFACSummary(tuple(rows), tuple(left), trainable, None if owners is None else pre.distributor.rank)
 
 
-def _left_out(pre: KFACPreconditioner, preconditioned: set[int]) -> list[LeftOut]:
+def _left_out(pre: KFACPreconditioner, preconditioned: set[int], unfactored: dict[int, str]) -> list[LeftOut]:
     out = []
     seen = set(preconditioned)
     for mname, module in pre.model.named_modules():
@@ -135,13 +150,16 @@ def _left_out(pre: KFACPreconditioner, preconditioned: set[int]) -> list[LeftOut
                 continue
             seen.add(id(p))
             name = f"{mname}.{pname}" if mname else pname
-            out.append(LeftOut(name, type(module).__name__, p.numel(), _reason(pre, mname, module)))
+            why = unfactored.get(id(p)) or _reason(pre, mname, module)
+            out.append(LeftOut(name, type(module).__name__, p.numel(), why))
     return out
 
 
 def _reason(pre: KFACPreconditioner, name: str, module: nn.Module) -> str:
     if name in pre.skipped:
         return pre.skipped[name]
+    if name in pre.frozen_layers or name in pre.layers:  # the trainable part of a partly frozen layer
+        return FROZEN_PART
     cls = type(module).__name__
     if any(w in cls.lower() for w in _NORM_WORDS):
         return "a normalization layer's scale/shift: left to the optimizer (docs/math.md)"
@@ -161,7 +179,7 @@ def format_summary(s: KFACSummary) -> str:
         head += ("Owner",)
     table = [head]
     for i, r in enumerate(s.rows):
-        line: tuple[str, ...] = (str(i), r.name or "<root>", r.kind, describe(r.a_shape), describe(r.g_shape), f"{r.params:,}",
+        line: tuple[str, ...] = (str(i), (r.name or "<root>") + ("" if r.factored else " (no factors)"), r.kind, describe(r.a_shape), describe(r.g_shape), f"{r.params:,}",
                 format_bytes(r.factor_bytes), format_bytes(r.inverse_bytes))
         if show_async:
             line += (format_bytes(r.async_bytes),)

@@ -1,0 +1,130 @@
+"""Nothing left out silently: the registered layers whose weight got a gradient but whose block produced no factors,
+each named once with the measured reason, and gradients K-FAC cannot read, refused by name.
+
+Checked on every factor step from host-side facts only (the hooks' call counters, ``grad is None``, shapes): no tensor
+is read, so no host sync is added. :class:`Coverage` is a part of
+:class:`~lightning_spdkfac.kfac.KFACPreconditioner`; the summary lists what it found (kfac/summary.py).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from .gradients import GradAccess
+from .hook_tools import eager
+from .layer_state import KFACLayer
+
+# The measured reasons (the forward hook never ran; it ran but the output-gradient hook never did).
+FUNCTION = ("used through a function K-FAC could not follow (e.g. F.linear(x, module.weight)) or hooks bypassed by a "
+            "graph compiled before K-FAC attached: its forward hook never ran although its weight got a gradient; "
+            "call the module / compile after K-FAC is set up")
+COMPILED = ("hooks bypassed by a graph compiled before K-FAC attached (the model holds a torch.compile'd module, whose "
+            "cached graph runs without K-FAC's hooks): compile after K-FAC is set up")
+NO_OUTPUT_GRAD = ("its forward ran but its output got no gradient while its weight did: the output was detached or "
+                  "replaced after the forward (e.g. masking that writes into a detached copy), or the weight is also "
+                  "used outside the module call; let the output keep its gradient, or leave the layer to the optimizer "
+                  "with skip_layers")
+SHARDED_HINT = ("FSDP and DeepSpeed ZeRO strategies that are not K-FAC-aware keep sharded or flattened gradients; use "
+                "SPDKFACDeepSpeedStrategy or the DDP strategy (SPDKFACStrategy)")
+
+
+class Coverage:
+    """``_check_coverage`` / ``_check_grad_shape`` of the preconditioner (a mixin: the attributes are its)."""
+
+    model: nn.Module
+    layers: dict[str, KFACLayer]
+    grad_access: GradAccess
+    paused: bool
+    _local: bool
+    _stepping: dict[int, float] | None
+    _grads: dict[nn.Parameter, torch.Tensor | None]
+    _warned: set[tuple[str, str]]
+    # layer name -> why its block produced no factors though its weight got a gradient (measured; the summary's)
+    unfactored: dict[str, str]
+
+    if TYPE_CHECKING:  # the preconditioner's
+
+        @property
+        def collecting(self) -> bool: ...
+
+    def _check_coverage(self) -> None:
+        """On a factor step (before the factor update): name, once per layer and reason, every layer stepped now whose
+        weight got a gradient but whose hooks did not both run; refuse gradients that every layer lacks though their
+        hooks ran (a strategy keeping them elsewhere)."""
+        if self.paused:
+            return
+        compiled = None
+        new: list[str] = []
+        ran_without_grad, ran = [], 0
+        for layer in self.layers.values():
+            if (self._stepping is not None and layer.index not in self._stepping) or not layer.trainable():
+                continue  # another optimizer's (or none's), or frozen: quiet
+            if not layer.grad_watched:  # registered while frozen (distributed, a loaded state): watched from now on
+                watch_grad(layer)
+                continue
+            has_grad = self._grads.get(layer.helper.params()[0]) is not None
+            if layer.a_calls and layer.g_calls:
+                self.unfactored.pop(layer.name, None)
+                ran += 1
+                if not has_grad:
+                    ran_without_grad.append(layer.name)
+                continue
+            # A gradient autograd gave the weight this step (not one left over, or zeros of zero_grad(set_to_none=False))
+            has_grad = has_grad and layer.grad_seen
+            if not has_grad or (layer.a_calls == 0 and not self._local and layer.A is not None):
+                continue  # not used this step (or, distributed, run on other ranks): quiet
+            if layer.a_calls == 0:
+                if compiled is None:
+                    compiled = any(isinstance(m, _optimized_module()) for m in self.model.modules())
+                reason = COMPILED if compiled else FUNCTION
+            else:
+                reason = NO_OUTPUT_GRAD
+            self.unfactored[layer.name] = reason
+            if (layer.name, reason) not in self._warned:
+                self._warned.add((layer.name, reason))
+                new.append(f"{layer.name!r} ({reason})")
+        if new:
+            warnings.warn("K-FAC: these layers' weights got gradients but their K-FAC blocks produced no factors, so "
+                          "the optimizer gets them unpreconditioned: " + "; ".join(new), stacklevel=3)
+        if ran and len(ran_without_grad) == ran and type(self.grad_access) is GradAccess:
+            raise RuntimeError(
+                f"K-FAC: the hooks of {ran} layer(s) ran ({', '.join(repr(n) for n in ran_without_grad[:3])}"
+                f"{', ...' if ran > 3 else ''}) but none of their parameters has a gradient (param.grad is None): the "
+                f"strategy keeps the gradients elsewhere, so K-FAC would precondition nothing. {SHARDED_HINT}")
+
+    def _check_grad_shape(self, layer: KFACLayer, what: str, got: tuple[int, ...], want: tuple[int, ...]) -> None:
+        """Refuse, naming the layer, a gradient whose shape is not what its parameters and factors need."""
+        if got != want:
+            raise RuntimeError(
+                f"K-FAC layer {layer.name!r}: its {what} has shape {tuple(got)}, not {tuple(want)}: K-FAC cannot read "
+                "it as the layer's gradient (a sharded or flattened gradient, or a layer whose shape changed after "
+                f"setup). {SHARDED_HINT}; or rebuild the preconditioner after changing a layer")
+
+
+def watch_grad(layer: KFACLayer) -> None:
+    """Put the hook that tells a gradient autograd gave the layer's weight this step (``layer.grad_seen``, a host flag:
+    nothing is read) from one left over or set by hand; only on a weight that requires grad (torch refuses others)."""
+    weight = layer.helper.params()[0]
+    if layer.grad_watched or not weight.requires_grad:
+        return
+
+    def seen(_: torch.Tensor) -> None:
+        layer.grad_seen = True
+
+    layer.handles.append(weight.register_post_accumulate_grad_hook(eager(seen)))  # type: ignore[no-untyped-call]
+    layer.grad_watched = True
+
+
+def _optimized_module() -> type:
+    """torch.compile's module wrapper (a placeholder type where torch has none)."""
+    dynamo = getattr(torch, "_dynamo", None)
+    eval_frame = getattr(dynamo, "eval_frame", None) if dynamo is not None else None
+    return getattr(eval_frame, "OptimizedModule", _NoType)
+
+
+class _NoType:
+    pass
