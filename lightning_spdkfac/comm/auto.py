@@ -115,7 +115,7 @@ class AutoDistributor(Distributor):
         self._periods: list[list[float]] = [[] for _ in self.candidates]
         # A slot is timed from its first step's start to its last step's end by one clock (comm/clock.py): CUDA
         # events on a GPU, where the host runs ahead of the work, with one synchronisation when a slot ends.
-        self._clock: HostClock | CudaClock | None = None
+        self._clock: HostClock | CudaClock = clock_for(self.candidates[0].device)
         self._slot_start: object = None
         self._decided_at = 0
 
@@ -167,7 +167,6 @@ class AutoDistributor(Distributor):
             self._periods_done += 1
             if self._periods_done < self._slot_periods:
                 return  # the slot goes on
-            assert self._clock is not None  # set when the slot started
             seconds = self._clock.seconds(self._slot_start, [self._clock.stamp()])[0]
             self._periods[self.active].append(seconds / self._slot_periods)
             self._slot += 1
@@ -181,8 +180,6 @@ class AutoDistributor(Distributor):
             self.chosen, self._slot = None, 0
         if self._slot is not None:
             self.active = self._slot % len(self.candidates)
-            if self._clock is None:
-                self._clock = clock_for(self.candidates[0].device)
             self._slot_start = self._clock.stamp()
             self._periods_done = 0
 

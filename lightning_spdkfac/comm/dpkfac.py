@@ -331,17 +331,6 @@ class DPKFACDistributor(SPDDistributor):
                   stream_only=stream_ordered(self.process_group))
         return flag.reshape(()).eq(1.0).to(ok.device)
 
-    def agree(self, ok: bool) -> bool:
-        """True on every rank when ``ok`` is true on every rank (one all-reduce of one flag)."""
-        if not self._dist or self.world_size == 1:
-            return ok
-        flag = torch.tensor([1.0 if ok else 0.0], device=self.device)
-        work = dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.process_group, async_op=True)
-        wait_work(work, self.options.comm_timeout_s, collective="all_reduce", phase=FINITE_AGREEMENT,
-                  what="the finite-factor flag of this step", rank=self.rank, world_size=self.world_size,
-                  stream_only=stream_ordered(self.process_group))
-        return bool(flag.item() == 1.0)
-
     def gather_layers(self, held: dict[int, LayerTensors], shapes: Sequence[tuple[FactorShape, ...]],
                       dtypes: tuple[torch.dtype, torch.dtype]) -> dict[int, LayerTensors]:
         """Every layer's (A, G, A_inv, G_inv, damping) on every rank, from its owner (``held``: the owned

@@ -82,7 +82,7 @@ class CollectiveExecutor(ABC):
         self._distributed = distributed_ready(process_group)
         self.world_size = dist.get_world_size(process_group) if self._distributed else 1
         self.rank = dist.get_rank(process_group) if self._distributed else 0
-        self._stream_only = stream_ordered(process_group) if self._distributed else False  # NCCL: no host waits
+        self._stream_only = stream_ordered(process_group)  # NCCL: no host waits
 
     # ------------------------------------------------------------------------- what subclasses provide
     @abstractmethod

@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from .. import validation as val
 from ..factor_shapes import ShapeLike, describe, packed_numel
+from ..kfac.factors import fill_runs
 from ._common import NAN, check_wire_dtype, default_device, global_rank
 from .executor import CollectiveExecutor
 from .faults import FACTOR_ALLREDUCE, Work
@@ -310,14 +311,9 @@ class FusedAllReduce(CollectiveExecutor):
                     off = self._offset[i]
                     buf[off:off + packed_numel(self.shapes[i])].zero_()
         if self.allow_missing:
-            # One fill per run of equal flags (one kernel when every member is here): never a host tensor copied
-            # into the buffer, which would block the host inside the hook that launches the group.
-            flags = buf[self._numel[g] - len(members):]
-            start = 0
-            for end in range(1, len(members) + 1):
-                if end == len(members) or self._present[members[end]] != self._present[members[start]]:
-                    flags[start:end].fill_(1.0 if self._present[members[start]] else 0.0)
-                    start = end
+            # Filled on the device: a host tensor copied into the buffer would block the host inside the hook that
+            # launches the group.
+            fill_runs(buf[self._numel[g] - len(members):], [1.0 if self._present[i] else 0.0 for i in members])
         work: Work
         if self._distributed and self.destinations is not None:
             dst = global_rank(self.process_group, self.destinations[g])

@@ -359,10 +359,14 @@ class SPDDistributor(Distributor):
         """This rank's inverses of the round (the factors it owns, and the replicated ones), by position in
         ``tasks``: one call of ``invert_fn`` for all of them, so that they are inverted batched by size with one
         finiteness read (kfac/inverse.py), not one factor (and one host read) at a time."""
-        mine = [i for i, o in enumerate(owners) if o in (-1, self.rank)]
+        mine = self._mine(owners)
         if not mine:
             return {}
         return dict(zip(mine, invert_fn([tasks[i] for i in mine]), strict=True))
+
+    def _mine(self, owners: Sequence[int]) -> list[int]:
+        """Positions of a round's factors this rank inverts: those it owns and the replicated ones."""
+        return [i for i, o in enumerate(owners) if o in (-1, self.rank)]
 
     def _exchange(self, tasks: Sequence[Task], owners: list[int], computed: dict[int, torch.Tensor],
                   group: dist.ProcessGroup | None, on_ready: Callable[[int, str, torch.Tensor], None]) -> None:
@@ -372,7 +376,7 @@ class SPDDistributor(Distributor):
         bc, order = self._broadcaster(tasks, owners, group)
         bc.begin_round()
         bc.exchange(computed.pop)
-        arrival = [i for i in range(len(tasks)) if owners[i] in (-1, self.rank)]
+        arrival = self._mine(owners)
         arrival += [i for i in order if owners[i] != self.rank]
         for i in arrival:
             t0 = time.perf_counter()
@@ -393,7 +397,7 @@ class SPDDistributor(Distributor):
         if all(o == -1 for o in owners):
             return super().invert_async(tasks, invert_fn)
         self._new_async_group()  # (created at setup whenever async inverses are on from the start)
-        mine = [i for i, o in enumerate(owners) if o in (-1, self.rank)]
+        mine = self._mine(owners)
 
         def run() -> list[Inverse]:  # the worker: compute only
             computed = self._compute(tasks, owners, invert_fn)

@@ -44,11 +44,14 @@ Contract, per optimizer step (every rank calls the same methods in the same orde
    its owner only (None elsewhere), ``invert`` is given owned layers only, and the preconditioned gradients
    are exchanged every step: ``begin_share(layers)`` (the layers to exchange, identical on every rank) before
    the inversions, ``offer(index, P or None)`` on the owner as soon as a layer is preconditioned, and
-   ``finish_share()`` returns every exchanged layer's P (None: left as it is), identical on every rank. P has
+   ``finish_share()`` returns every exchanged layer's P (None: left as it is; a received P whose ``share_flags()``
+   entry, a 0-dim boolean device tensor, is false was not sent, and its gradient is left as it is), identical on
+   every rank. P has
    the shape :func:`~lightning_spdkfac.factor_shapes.preconditioned_shape` gives: ``(side(G), side(A))`` when
    neither factor is grouped, ``(b, side(G), side(A))`` when either is (b the grouped one's blocks; both have
    the same b when both are grouped).
-   ``agree(ok)`` (every factor step, on every rank) is the AND of ``ok`` over ranks, and
+   ``agree_tensor(ok)`` (every factor step, on every rank) is the AND over ranks of the 0-dim boolean ``ok``, left
+   on the device, and
    ``gather_layers(...)`` gives every rank every layer's state (for checkpoints).
 """
 

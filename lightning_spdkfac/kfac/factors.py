@@ -13,6 +13,18 @@ import torch
 from ..factor_shapes import FactorShape
 
 
+def fill_runs(dst: torch.Tensor, values: list[float]) -> torch.Tensor:
+    """``dst`` (1-D, ``len(values)`` long) set to ``values`` on its device without a host-to-device copy
+    (``torch.tensor(values, device=cuda)`` blocks the host): one ``fill_`` per run of equal values, so one kernel
+    when they are all equal. Returns ``dst``."""
+    start = 0
+    for end in range(1, len(values) + 1):
+        if end == len(values) or values[end] != values[start]:
+            dst[start:end].fill_(values[start])
+            start = end
+    return dst
+
+
 def grouped_rows(rows: torch.Tensor, groups: int) -> torch.Tensor:
     """``R x (b*n)`` rows as ``b x R x n`` (one batch of rows per group)."""
     return rows.reshape(rows.shape[0], groups, rows.shape[1] // groups).transpose(0, 1)

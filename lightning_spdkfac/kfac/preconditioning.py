@@ -187,13 +187,7 @@ class Preconditioning:
 
 def _lr_weights(lrs: dict[int, float], layers: tuple[KFACLayer, ...], unscale: float,
                 like: torch.Tensor) -> torch.Tensor:
-    """The KL clip's per-layer weights lr_l^2 / S^2 as a float64 tensor on ``like``'s device, without a host-to-device
-    copy (``torch.tensor([...], device=cuda)`` blocks the host): each run of layers at one learning rate is one fill
-    (one run, one kernel, with a single learning rate), the same values as building them on the host."""
+    """The KL clip's per-layer weights lr_l^2 / S^2 as a float64 tensor on ``like``'s device, filled there
+    (:func:`~lightning_spdkfac.kfac.factors.fill_runs`: no host-to-device copy), the values built on the host."""
     weights = torch.empty(len(layers), dtype=torch.float64, device=like.device)
-    start = 0
-    for end in range(1, len(layers) + 1):
-        if end == len(layers) or lrs[layers[end].index] != lrs[layers[start].index]:
-            weights[start:end].fill_(lrs[layers[start].index] ** 2 * unscale)
-            start = end
-    return weights
+    return factors.fill_runs(weights, [lrs[ly.index] ** 2 * unscale for ly in layers])
