@@ -160,11 +160,23 @@ def assert_named(model: nn.Module, pre: KFACPreconditioner, msgs: list[str], rea
     assert "lin (no factors)" in str(s) and reason in str(s)
 
 
-def test_a_weight_used_through_a_function_is_named_and_not_counted() -> None:
+def test_a_weight_used_through_a_function_is_named_and_not_counted_without_capture() -> None:
+    model = Functional()
+    pre = KFACPreconditioner(model, lr=0.1, factor_update_steps=1, capture=False)
+    assert pre.summary().preconditioned == pre.summary().trainable  # before any step: nothing measured yet
+    assert_named(model, pre, run(model, pre), "and capture=False")
+
+
+def test_a_weight_used_through_a_function_is_named_once_then_followed() -> None:
+    """capture='auto' (the default): named at the factor step that found it, followed from the next one on."""
     model = Functional()
     pre = KFACPreconditioner(model, lr=0.1, factor_update_steps=1)
-    assert pre.summary().preconditioned == pre.summary().trainable  # before any step: nothing measured yet
-    assert_named(model, pre, run(model, pre), "used through a function K-FAC could not follow")
+    msgs = run(model, pre)
+    named = [m for m in msgs if "'lin'" in m]
+    assert len(named) == 1 and "follows its weight through functions from the next factor step" in named[0], msgs
+    assert pre.layers["lin"].A is not None and not pre.unfactored
+    s = pre.summary()
+    assert s.preconditioned == s.trainable and not s.left_out
 
 
 def test_an_output_that_got_no_gradient_is_named_with_its_reason() -> None:

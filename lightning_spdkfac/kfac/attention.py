@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .experts import experts_layers
 from .layers import LayerHelper, LinearHelper, make_helper, unsupported_reason
 
 _PARTS = ("q", "k", "v")
@@ -256,6 +257,9 @@ def module_layers(name: str, module: nn.Module) -> list[tuple[str, nn.Module, La
                 for part, tap in zip(_PARTS, install(module), strict=True)]
     helper, why = make_helper(module)
     if helper is None and why is None:
+        stacks = experts_layers(module)  # expert stacks and bare-weight routers (kfac/experts.py)
+        if stacks:
+            return [(name if pname == "weight" else _child(name, pname), module, h, w) for pname, h, w in stacks]
         why = unsupported_reason(module)
         if why is None or not any(p.requires_grad for p in module.parameters()):
             return []

@@ -14,20 +14,28 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from .capture import FunctionCapture
 from .gradients import GradAccess
 from .hook_tools import eager
 from .layer_state import KFACLayer
+from .options import KFACOptions
 
 # The measured reasons (the forward hook never ran; it ran but the output-gradient hook never did).
-FUNCTION = ("used through a function K-FAC could not follow (e.g. F.linear(x, module.weight)) or hooks bypassed by a "
-            "graph compiled before K-FAC attached: its forward hook never ran although its weight got a gradient; "
-            "call the module / compile after K-FAC is set up")
+FUNCTION = ("used through a function (e.g. F.linear(x, module.weight)) or hooks bypassed by a graph compiled before "
+            "K-FAC attached: its forward hook never ran although its weight got a gradient, and capture=False; call the "
+            "module, pass capture='auto', or compile after K-FAC is set up")
 COMPILED = ("hooks bypassed by a graph compiled before K-FAC attached (the model holds a torch.compile'd module, whose "
             "cached graph runs without K-FAC's hooks): compile after K-FAC is set up")
 NO_OUTPUT_GRAD = ("its forward ran but its output got no gradient while its weight did: the output was detached or "
                   "replaced after the forward (e.g. masking that writes into a detached copy), or the weight is also "
                   "used outside the module call; let the output keep its gradient, or leave the layer to the optimizer "
                   "with skip_layers")
+CAPTURING = ("used through a function (e.g. F.linear(x, module.weight)): its forward hook never ran although its weight "
+             "got a gradient; K-FAC follows its weight through functions from the next factor step on (capture='auto')")
+CAPTURE_MISSED = ("used through an operation K-FAC's function capture cannot follow (not F.linear, matmul, F.conv*d, "
+                  "F.embedding or grouped_mm on the weight, its transpose or one expert's slice: e.g. a fused kernel, a "
+                  "custom autograd Function, einsum): left to the optimizer unpreconditioned; call the module, or use "
+                  "skip_layers to silence this")
 SHARDED_HINT = ("FSDP and DeepSpeed ZeRO strategies that are not K-FAC-aware keep sharded or flattened gradients; use "
                 "SPDKFACDeepSpeedStrategy or the DDP strategy (SPDKFACStrategy)")
 
@@ -45,6 +53,9 @@ class Coverage:
     _warned: set[tuple[str, str]]
     # layer name -> why its block produced no factors though its weight got a gradient (measured; the summary's)
     unfactored: dict[str, str]
+    capture: FunctionCapture
+    options: KFACOptions
+    _hooked: dict[str, list[nn.Module]]
 
     if TYPE_CHECKING:  # the preconditioner's
 
@@ -80,7 +91,15 @@ class Coverage:
             if layer.a_calls == 0:
                 if compiled is None:
                     compiled = any(isinstance(m, _optimized_module()) for m in self.model.modules())
-                reason = COMPILED if compiled else FUNCTION
+                if compiled:
+                    reason = COMPILED
+                elif layer.name in self.capture.layers:  # followed, and still no call K-FAC could read
+                    reason = self.capture.refused.get(layer.name, CAPTURE_MISSED)
+                elif self.options.capture == "auto":
+                    self.capture.watch(layer, self._hooked.get(layer.name, []))
+                    reason = CAPTURING
+                else:
+                    reason = FUNCTION
             else:
                 reason = NO_OUTPUT_GRAD
             self.unfactored[layer.name] = reason

@@ -92,6 +92,14 @@ class LayerHelper:
     # Whether :meth:`check_forward` must see the layer's first collected call (a module whose forward may not be
     # what its attributes say: kfac/conv.py); it clears the flag once done.
     needs_check = False
+    # A block collected by function capture only (kfac/capture.py): its module's forward is not its map (an expert
+    # stack, a router's bare weight: kfac/experts.py), so no forward hook collects it.
+    capture_only = False
+    # Whether its number of calls per step varies (the experts a batch reaches): reduced at the step, not pipelined.
+    dynamic_calls = False
+    # Whether the layer's map is ``x @ weight`` (its weight stored ``in x out``): how function capture tells a use
+    # of the weight that is the layer's map from a transposed one.
+    capture_transposed = False
     # What factor_approx="auto" uses for this layer type (docs/math.md, "K-FAC-expand and K-FAC-reduce").
     auto_reduce = False
     # Whether K-FAC-reduce rows exist for this type (an embedding's stay expand: its A is diagonal only there).
@@ -144,6 +152,17 @@ class LayerHelper:
     def add_gram(self, xx: torch.Tensor, a: torch.Tensor, first: bool, shape: FactorShape) -> None:
         """``xx = a^T a`` (``first``) or ``xx += a^T a``, in place, in ``shape``'s layout: the A sum of one call."""
         factors.gram(xx, a, shape, first)
+
+    def add_g_gram(self, dd: torch.Tensor, d: torch.Tensor, first: bool, shape: FactorShape) -> None:
+        """``dd = d^T d`` (``first``) or ``dd += d^T d``, in place: the G sum of one call (an expert's call adds to its
+        own block only: kfac/experts.py)."""
+        factors.gram(dd, d, shape, first)
+
+    counts_rows = False  # whether count_rows keeps per-block counts (layer.group_rows)
+
+    def count_rows(self, counts: torch.Tensor, a: torch.Tensor) -> None:
+        """Add one call's rows to the per-block row counts of a layer whose blocks see different rows (an expert
+        stack: kfac/experts.py); nothing for any other layer (every block sees every row)."""
 
     # -- gradient as a matrix ---------------------------------------------------------
     def params(self) -> list[torch.nn.Parameter]:

@@ -9,6 +9,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..factor_shapes import FactorShape
 from . import factors
+from .experts import fill_empty_groups
 from .layer_base import LayerHelper
 
 
@@ -30,6 +31,9 @@ class KFACLayer:
     # which keeps no off-diagonal entry (see keeps_x_sum)
     x_sum: torch.Tensor | None = None
     rows: int = 0  # R, rows seen by A
+    # Per block, the rows seen by A, where blocks see different rows (an expert stack: kfac/experts.py), on the
+    # factors' device (grouped_mm's per-expert counts are never read to the host); None for any other layer.
+    group_rows: torch.Tensor | None = None
     dd: torch.Tensor | None = None  # sum_r d_r d_r^T, in G's layout
     examples: int = 0  # N, examples seen (counted once per micro-batch, not per call)
     a_calls: int = 0
@@ -60,6 +64,7 @@ class KFACLayer:
         self.rows = self.examples = self.a_calls = self.g_calls = 0
         self.mb_a_calls = self.mb_g_calls = 0
         self.grad_seen = False
+        self.group_rows = None
         self.last_micro_batch = -1
         self.submitted.clear()
 
@@ -87,6 +92,10 @@ class KFACLayer:
         """
         xx = self.xx
         assert xx is not None
+        if self.group_rows is not None:  # an expert stack: each block's mean over its own rows, empty blocks kept
+            A_new = xx / self.group_rows.clamp(min=1).view(-1, 1, 1).to(xx.dtype)
+            fill_empty_groups(A_new, self.A, self.group_rows)
+            return A_new
         if not self.helper.has_bias:
             return xx / self.rows
         A = torch.empty(self.a_shape, dtype=xx.dtype, device=xx.device)
@@ -114,7 +123,10 @@ class KFACLayer:
     def step_g(self, g_scale: float | torch.Tensor) -> torch.Tensor:
         """This step's G_new as a new matrix (once this step's G was accumulated: ``g_calls > 0``)."""
         assert self.dd is not None
-        return self.dd * (self.examples * g_scale)
+        G_new = self.dd * (self.examples * g_scale)
+        if self.group_rows is not None:
+            fill_empty_groups(G_new, self.G, self.group_rows)
+        return G_new
 
     def fold(self, A_new: torch.Tensor, G_new: torch.Tensor, decay: float) -> None:
         """Running averages from explicit step factors (the distributed path)."""
@@ -165,8 +177,14 @@ class KFACLayer:
         else:
             first = False
         weight = 1.0 if first else 1.0 - decay
-        xx = self.xx.mul_(1.0 / self.rows)
-        dd = self.dd.mul_(self.examples * g_scale)
+        if self.group_rows is not None:  # an expert stack: per-block means; a block with no rows keeps its factors
+            xx = self.xx.div_(self.group_rows.clamp(min=1).view(-1, 1, 1).to(self.xx.dtype))
+            dd = self.dd.mul_(self.examples * g_scale)
+            fill_empty_groups(xx, None if first else A, self.group_rows)
+            fill_empty_groups(dd, None if first else G, self.group_rows)
+        else:
+            xx = self.xx.mul_(1.0 / self.rows)
+            dd = self.dd.mul_(self.examples * g_scale)
         if self.helper.has_bias:
             self._fill_a(A, xx, None if self.x_sum is None else self.x_sum.mul_(1.0 / self.rows), weight)
         elif weight == 1.0:

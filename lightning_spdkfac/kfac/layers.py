@@ -110,6 +110,7 @@ class TransposedLinearHelper(LinearHelper):
         return block.T
 
     reference_map = "x @ weight + bias"
+    capture_transposed = True
 
     @staticmethod
     def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -108,6 +108,14 @@ class KFACOptions:
             predicted it well (ratio above 3/4) and grows when it did not (below 1/4), by 0.95**step_size_every,
             within [1e-6, 10], starting from ``damping`` (which must then be a number). Needs ``kfac_loss_parts``
             like ``step_size``.
+        capture: how layers whose weight is used through a function (``F.linear(x, self.qkv.weight)``,
+            ``w @ x``, ``F.conv2d(x, self.conv.weight, ...)``, ``F.embedding``) get their factors
+            (kfac/capture.py): ``"auto"`` (the default) follows, from the next factor step on, every layer found
+            on a factor step with a gradient but no module call, at the cost of a torch-function mode active only
+            during the forward of the modules that hold such weights (nothing for a model that needs none);
+            ``True`` follows every layer from the first step; ``False`` never (such layers are named in a warning
+            and in the summary). Expert stacks and routers holding a bare weight (kfac/experts.py) are always
+            followed.
     """
 
     # The defaults are the winners of benchmarks/time_to_accuracy.py (docs/results/time-to-accuracy.md): the
@@ -135,6 +143,7 @@ class KFACOptions:
     step_size_clip: tuple[float, float] = (0.1, 10.0)
     step_size_damping: float | None = None
     adapt_damping: bool = False
+    capture: bool | str = "auto"
 
     def __post_init__(self) -> None:
         val.check_schedule("damping", self.damping, val.NONNEGATIVE)
@@ -159,6 +168,9 @@ class KFACOptions:
         object.__setattr__(self, "step_size_clip", step_size_clip(self.step_size_clip))
         val.check_real("step_size_damping", self.step_size_damping, val.NONNEGATIVE, optional=True)
         val.check_bool("adapt_damping", self.adapt_damping)
+        if self.capture not in (True, False, "auto"):
+            raise ValueError(f"capture must be 'auto' (follow the layers found used through functions), True (every "
+                             f"layer from the start) or False (never; such layers are named), got {val.show(self.capture)}")
         if self.adapt_damping and callable(self.damping):
             raise ValueError("adapt_damping=True adapts the damping from its starting value: damping must be a number, "
                              "not a schedule (pass a number, or adapt_damping=False to keep the schedule)")

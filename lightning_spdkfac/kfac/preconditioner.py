@@ -36,6 +36,7 @@ from .. import validation as val
 from ..factor_shapes import describe
 from ..telemetry import StepTimer
 from . import factors
+from .capture import FunctionCapture
 from .checkpoint import STATE_VERSION, CheckpointState
 from .coverage import Coverage
 from .distributor import Distributor
@@ -165,6 +166,9 @@ class KFACPreconditioner(LayerRegistration, FactorUpdates, InverseSteps, Precond
         self._known: dict[int, tuple[nn.Module, str | None]] = {}
         self.frozen_layers: dict[str, list[tuple[str, nn.Module, LayerHelper]]] = {}  # (registration.py)
         self._frozen_hook: RemovableHandle | None = None
+        # Layers used through functions (kfac/capture.py): active only around the modules of watched weights.
+        self.capture = FunctionCapture(model, self._on_call)
+        self._hooked: dict[str, list[nn.Module]] = {}
         self._register(model)
         # Each once: the q, k and v blocks of an attention share its packed weight.
         self._grad_params = list(dict.fromkeys(p for ly in self.layers.values() for p in ly.helper.params()))
@@ -251,6 +255,7 @@ class KFACPreconditioner(LayerRegistration, FactorUpdates, InverseSteps, Precond
         if self._frozen_hook is not None:
             self._frozen_hook.remove()
             self._frozen_hook = None
+        self.capture.remove()
         if getattr(self, "step_size", None) is not None:
             self.step_size.remove_hooks()  # type: ignore[union-attr]
 
@@ -265,42 +270,59 @@ class KFACPreconditioner(LayerRegistration, FactorUpdates, InverseSteps, Precond
         """The forward hook of one module of ``layer`` (``helper``: that module's rows)."""
 
         def forward_hook(module: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
-            # Grad mode, not module.training, tells a forward that trains: a forward without grad (validation or
-            # inference under no_grad / inference_mode, a pseudo-label or EMA-target pass, reentrant
-            # checkpointing's first pass) gets no gradient, while a trainable layer in eval mode (inside a
-            # frozen-BatchNorm backbone) does.
-            if self.paused or not torch.is_grad_enabled() or not layer.trainable():  # frozen: not collected
+            if not isinstance(output, torch.Tensor) or not inputs:
                 return
-            if not self.collecting or not isinstance(output, torch.Tensor) or not output.requires_grad:
-                return
-            # A forward during backward is activation checkpointing's recomputation. Non-reentrant
-            # (use_reentrant=False): the first forward was counted and its output's gradient is the one backward
-            # uses; this output gets none. Reentrant: the first forward ran without grad; this output is the one
-            # backward differentiates.
-            recomputed = in_backward()
-            if self._backward_seen and not recomputed:  # a forward after a backward starts a new micro-batch
-                self._micro_batch += 1
-                self._backward_seen = False
-                for ly in self.layers.values():
-                    ly.mb_a_calls = ly.mb_g_calls = 0
-            x = inputs[0]
-            # Before either path below: a module in eval mode (a frozen-BatchNorm backbone) or recomputed is
-            # collected too, and must be checked like one in train mode.
-            if helper.needs_check:  # a module whose forward may not be what its attributes say (kfac/conv.py)
-                helper.check_forward(layer.name, x, output)
-            if recomputed or not module.training:
-                # Counted when its output gets a gradient, and only then: that tells the two recomputations
-                # apart, and an eval-mode forward with grad enabled that is not back-propagated (an
-                # evaluation without no_grad) adds nothing. The input is held until then.
-                output.register_hook(self._make_grad_hook(layer, helper, x, deferred=True))  # type: ignore[no-untyped-call]
-                return
-            output.register_hook(self._make_grad_hook(layer, helper, x))  # type: ignore[no-untyped-call]
-            self._collect_a(layer, helper, x)
+            self._on_call(layer, helper, module.training, inputs[0], output)
 
         # Under torch.compile the hooks run as plain Python (a graph break at each K-FAC layer): traced,
         # K-FAC's bookkeeping would be compiled into graphs guarded on per-layer Python state, with its
         # in-place updates of persistent buffers replayed as side effects.
         return eager(forward_hook)
+
+    def _on_call(self, layer: KFACLayer, helper: LayerHelper, training: bool, x: Any, output: torch.Tensor,
+                 g_transform: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        """One call of a layer: a module call (its forward hook) or a function given its weight (kfac/capture.py;
+        ``g_transform`` maps the output's gradient to the rows' layout). ``training``: the module's mode."""
+        capture, was = self.capture, self.capture.suspended
+        capture.suspended = True  # (a forward hook inside a captured forward: K-FAC's own products are not calls)
+        try:
+            self._collect_call(layer, helper, training, x, output, g_transform)
+        finally:
+            capture.suspended = was
+
+    def _collect_call(self, layer: KFACLayer, helper: LayerHelper, training: bool, x: Any, output: torch.Tensor,
+                      g_transform: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
+        # Grad mode, not module.training, tells a forward that trains: a forward without grad (validation or
+        # inference under no_grad / inference_mode, a pseudo-label or EMA-target pass, reentrant
+        # checkpointing's first pass) gets no gradient, while a trainable layer in eval mode (inside a
+        # frozen-BatchNorm backbone) does.
+        if self.paused or not torch.is_grad_enabled() or not layer.trainable():  # frozen: not collected
+            return
+        if not self.collecting or not output.requires_grad:
+            return
+        # A forward during backward is activation checkpointing's recomputation. Non-reentrant
+        # (use_reentrant=False): the first forward was counted and its output's gradient is the one backward
+        # uses; this output gets none. Reentrant: the first forward ran without grad; this output is the one
+        # backward differentiates.
+        recomputed = in_backward()
+        if self._backward_seen and not recomputed:  # a forward after a backward starts a new micro-batch
+            self._micro_batch += 1
+            self._backward_seen = False
+            for ly in self.layers.values():
+                ly.mb_a_calls = ly.mb_g_calls = 0
+        # Before either path below: a module in eval mode (a frozen-BatchNorm backbone) or recomputed is
+        # collected too, and must be checked like one in train mode.
+        if helper.needs_check:  # a module whose forward may not be what its attributes say (kfac/conv.py)
+            helper.check_forward(layer.name, x, output)
+        if recomputed or not training:
+            # Counted when its output gets a gradient, and only then: that tells the two recomputations
+            # apart, and an eval-mode forward with grad enabled that is not back-propagated (an
+            # evaluation without no_grad) adds nothing. The input is held until then.
+            hook = self._make_grad_hook(layer, helper, x, deferred=True, g_transform=g_transform)
+            output.register_hook(hook)  # type: ignore[no-untyped-call]
+            return
+        output.register_hook(self._make_grad_hook(layer, helper, x, g_transform=g_transform))  # type: ignore[no-untyped-call]
+        self._collect_a(layer, helper, x)
 
     def _collect_a(self, layer: KFACLayer, helper: LayerHelper, x: torch.Tensor) -> None:
         """Add one call's input to A; when this call makes this step's A final (pipelining), send it."""
@@ -313,8 +335,9 @@ class KFACPreconditioner(LayerRegistration, FactorUpdates, InverseSteps, Precond
             A_new = layer.step_a() if layer.rows else None  # empty input: no data from this rank, not 0/0
         self.distributor.factor_final(layer.index, "A", A_new)
 
-    def _make_grad_hook(self, layer: KFACLayer, helper: LayerHelper, x: torch.Tensor,
-                        deferred: bool = False) -> Callable[[torch.Tensor], None]:
+    def _make_grad_hook(self, layer: KFACLayer, helper: LayerHelper, x: torch.Tensor, deferred: bool = False,
+                        g_transform: Callable[[torch.Tensor], torch.Tensor] | None = None
+                        ) -> Callable[[torch.Tensor], None]:
         """The output-gradient hook of one call; ``deferred``: the call's A is added here too, first."""
         batch = helper.examples(x, layer.reduce)
         micro_batch = self._micro_batch
@@ -322,6 +345,8 @@ class KFACPreconditioner(LayerRegistration, FactorUpdates, InverseSteps, Precond
 
         def grad_hook(grad_output: torch.Tensor) -> None:
             self._backward_seen = True
+            if g_transform is not None:
+                grad_output = g_transform(grad_output)
             if held is not None:
                 self._collect_a(layer, helper, held)
             with self.timer.phase("factor_compute"):
@@ -350,6 +375,10 @@ class KFACPreconditioner(LayerRegistration, FactorUpdates, InverseSteps, Precond
             layer.x_sum.add_(factors.column_sums(a, layer.a_shape))
         assert layer.xx is not None
         helper.add_gram(layer.xx, a, first, shape)
+        if helper.counts_rows:  # an expert stack's call: rows per block
+            if first or layer.group_rows is None:
+                layer.group_rows = torch.zeros(layer.a_shape[0], dtype=torch.float32, device=a.device)
+            helper.count_rows(layer.group_rows, a)
         layer.rows += a.shape[0]
         layer.a_calls += 1
         layer.mb_a_calls += 1
@@ -364,7 +393,7 @@ class KFACPreconditioner(LayerRegistration, FactorUpdates, InverseSteps, Precond
         if first and (layer.dd is None or layer.dd.shape != layer.g_shape or layer.dd.device != d.device):
             layer.dd = torch.empty(layer.g_shape, dtype=self.factor_dtype, device=d.device)
         assert layer.dd is not None  # allocated by this step's first call
-        factors.gram(layer.dd, d, layer.g_shape, first)
+        helper.add_g_gram(layer.dd, d, first, layer.g_shape)
         if micro_batch != layer.last_micro_batch:  # several calls in one forward share examples
             layer.examples += batch
             layer.last_micro_batch = micro_batch
@@ -471,7 +500,7 @@ class KFACPreconditioner(LayerRegistration, FactorUpdates, InverseSteps, Precond
             self._check_coverage()  # (after the update: distributed, a layer run on other ranks has factors then)
             for layer in self.layers.values():
                 # Calls of one micro-batch: the count that makes a factor final when pipelining.
-                if layer.a_calls and layer.mb_a_calls == layer.mb_g_calls:
+                if layer.a_calls and layer.mb_a_calls == layer.mb_g_calls and not layer.helper.dynamic_calls:
                     layer.calls_per_micro_batch = layer.mb_a_calls
         if self._owners is not None:
             self._begin_share()

@@ -19,6 +19,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..vocabulary import FactorApproxName
 from .attention import module_layers
+from .capture import FunctionCapture
 from .coverage import watch_grad
 from .gradients import GradAccess
 from .hook_tools import eager
@@ -54,6 +55,8 @@ class LayerRegistration:
     _grad_params: list[nn.Parameter]
     _other_params: list[nn.Parameter]
     _step_groups: dict[int, StepGroups]
+    capture: FunctionCapture
+    _hooked: dict[str, list[nn.Module]]  # layer name -> its modules whose forward hooks collect it
 
     if TYPE_CHECKING:  # the preconditioner's (declared for the type checker only: nothing here at run time)
 
@@ -80,6 +83,12 @@ class LayerRegistration:
                     continue
                 if any(p.search(name) or p.search(cls) for p in self.skip_layers):
                     self._skip(name, hooked, "matched skip_layers")
+                    continue
+                too_large = getattr(helper, "too_large", None)
+                why_large = too_large(self.options.max_factor_side) if too_large is not None else None
+                if why_large is not None:
+                    self._skip(name, hooked, why_large)
+                    refused.append(name)
                     continue
                 # A layer frozen now is held aside until it trains (_hold_frozen); one frozen after setup is left
                 # alone step by step (trainable()).
@@ -126,9 +135,19 @@ class LayerRegistration:
         a_shape, g_shape = helper.factor_shapes(self.options.max_factor_side)
         layer = KFACLayer(name=name, helper=helper, index=len(self.layers), reduce=reduce, a_shape=a_shape,
                           g_shape=g_shape)
+        hooked = []
         for _, module, module_helper in group:
-            layer.handles.append(module.register_forward_hook(self._make_forward_hook(layer, module_helper)))
             self._known[id(module)] = (module, None)
+            if module_helper.capture_only:  # its calls are functions inside its module's forward (kfac/experts.py)
+                record = getattr(module_helper, "record_tokens", None)
+                if record is not None:
+                    layer.handles.append(module.register_forward_pre_hook(eager(record), with_kwargs=True))
+                continue
+            layer.handles.append(module.register_forward_hook(self._make_forward_hook(layer, module_helper)))
+            hooked.append(module)
+        if helper.capture_only or self.options.capture is True:
+            self.capture.watch(layer, hooked)
+        self._hooked[layer.name] = hooked
         watch_grad(layer)
         self.layers[name] = layer
         return layer
