@@ -170,7 +170,7 @@ class CheckpointState:
         self._settle_inverses(keep=False)  # inversions of the replaced state's factors: never swapped in
         loaded = {}  # converted first: nothing is assigned unless every tensor converted
         for name, (A, G, A_inv, G_inv) in factors.items():
-            dev = self.layers[name].helper.module.weight.device
+            dev = self.layers[name].helper.params()[0].device
             loaded[name] = (
                 A.to(device=dev, dtype=self.factor_dtype).clone(),
                 G.to(device=dev, dtype=self.factor_dtype).clone(),
@@ -201,7 +201,7 @@ class CheckpointState:
         self._graft_states.clear()
         for name, entry in (state.get("grafting_moments") or {}).items():
             st = self._graft_states[self.layers[name].index] = AdamGraftState()
-            st.v = entry["v"].to(device=self.layers[name].helper.module.weight.device, dtype=torch.float64).clone()
+            st.v = entry["v"].to(device=self.layers[name].helper.params()[0].device, dtype=torch.float64).clone()
             st.t = int(entry["t"])
         if self.step_size is not None and "step_size" in state:
             self.step_size.load_state_dict(state["step_size"], dict(self.model.named_parameters()))
