@@ -548,7 +548,8 @@ def _transformers() -> Any:
     return transformers
 
 
-def moe(family: str, experts_implementation: str | None = "eager", seq: int = 16, **overrides: Any) -> Built:
+def moe(family: str, experts_implementation: str | None = "eager", seq: int = 16, batch: int = 2,
+        **overrides: Any) -> Built:
     """A tiny ``transformers`` MoE causal LM of ``family`` (a key of :data:`MOE_SPECS`), random weights, offline.
     ``experts_implementation``: "eager", "grouped_mm", "batched_mm", or None for transformers' own pick (grouped_mm
     here, see above); ``model.config._experts_implementation`` says what was applied."""
@@ -557,7 +558,7 @@ def moe(family: str, experts_implementation: str | None = "eager", seq: int = 16
     extra = {} if experts_implementation is None else dict(experts_implementation=experts_implementation)
     torch.manual_seed(0)
     config = getattr(tf, cfg)(**{**MOE_COMMON, **kw, **overrides}, **extra)
-    return getattr(tf, cls)(config), _hf_lm_batch(MOE_COMMON["vocab_size"], seq), _hf_loss
+    return getattr(tf, cls)(config), _hf_lm_batch(config.vocab_size, seq, batch), _hf_loss
 
 
 # --------------------------------------------------------------------------------------------- PEFT LoRA
