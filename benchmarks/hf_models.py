@@ -11,9 +11,10 @@ The measurements (issues 26 and 35), each printed and written to a fresh folder 
     in blocks that produced factors (measured: the block holds A and G and is not in the preconditioner's
     ``unfactored``), the share named with a reason (the summary's left-out list, which includes ``unfactored``), and
     the SILENT share: parameters that got a gradient but are neither in a block that produced factors nor named
-    (the target is 0%). Beside: the summary's own "preconditioned" share, the share whose weight also went through
-    a linear-map function (F.linear, a matmul, F.conv*d, F.embedding, grouped_mm) more often than its module was
-    called (factors from the module call only: partial), whether the run raised (an error naming the layer is an
+    (the target is 0%). Beside: the summary's own "preconditioned" share, the PARTIAL share (blocks that produced
+    factors from their module calls while their weight also went through a linear-map function -- F.linear, a
+    matmul, F.conv*d, F.embedding, grouped_mm -- outside any call of a module holding it: its gradient has a part
+    the factors did not see; measured in one extra forward), whether the run raised (an error naming the layer is an
     acceptable outcome for a refused layer: it is printed), the blocks by layout, the K-FAC memory the summary
     predicts and the bytes held (the prediction must be within 5%).
 ``gpt2-small``
@@ -202,17 +203,25 @@ def _flat(args, kwargs) -> list:
     return out
 
 
-def weight_uses(pre: KFACPreconditioner, model: nn.Module, loss_fn, inputs) -> dict[str, tuple[int, int]]:
-    """One forward (no backward): per registered layer, (calls of its module, linear-map function calls given its
-    weight or a view of it). More uses than calls: the weight also works outside the module call."""
+def functional_uses(pre: KFACPreconditioner, model: nn.Module, loss_fn, inputs) -> dict[str, int]:
+    """One forward (no gradient): per registered layer, the linear-map function calls given its weight (or a view of
+    it) while no module holding that weight as its own parameter is running: uses outside a module call (a tied
+    embedding's own call counts as a module call, the documented convention of docs/math.md)."""
     weights = {id(ly.helper.params()[0]): name for name, ly in pre.layers.items()}
+    owners: dict[int, set[int]] = {}
+    for m in model.modules():
+        for p in m._parameters.values():
+            if p is not None and id(p) in weights:
+                owners.setdefault(id(p), set()).add(id(m))
     uses = dict.fromkeys(pre.layers, 0)
-    calls = dict.fromkeys(pre.layers, 0)
-    handles = []
-    for name, ly in pre.layers.items():
-        def hook(_m, _i, _o, name=name):
-            calls[name] += 1
-        handles.append(ly.helper.module.register_forward_hook(hook))
+    running: list[int] = []
+
+    def enter(m, _i):
+        running.append(id(m))
+
+    def leave(m, _i, _o):
+        if running and running[-1] == id(m):
+            running.pop()
 
     class Uses(torch.overrides.TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -222,19 +231,22 @@ def weight_uses(pre: KFACPreconditioner, model: nn.Module, loss_fn, inputs) -> d
                 for a in _flat(args, kwargs):
                     if isinstance(a, torch.Tensor):
                         for t in (a, a._base):
-                            if t is not None and id(t) in weights:
+                            if t is not None and id(t) in weights and not owners.get(id(t), set()) & set(running):
                                 hit.add(weights[id(t)])
                 for name in hit:
                     uses[name] += 1
             return func(*args, **kwargs)
 
+    from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+    handles = [register_module_forward_pre_hook(enter), register_module_forward_hook(leave)]
     try:
         with torch.no_grad(), Uses():
             loss_fn(model, inputs)
     finally:
         for h in handles:
             h.remove()
-    return {k: (calls[k], uses[k]) for k in pre.layers}
+    return uses
 
 
 def measure(name: str, build, steps: int = 2, kfac_kw: dict | None = None) -> dict:
@@ -284,8 +296,8 @@ def measure(name: str, build, steps: int = 2, kfac_kw: dict | None = None) -> di
     partial: list[str] = []
     if row["error"] is None and not isinstance(model, _optimized_module()):  # a probe forward would recompile it
         try:
-            for lname, (calls, uses) in weight_uses(pre, model, loss_fn, make(99)).items():
-                if uses > calls and pre.layers[lname].A is not None and lname not in pre.unfactored:
+            for lname, uses in functional_uses(pre, model, loss_fn, make(99)).items():
+                if uses and pre.layers[lname].A is not None and lname not in pre.unfactored:
                     partial.append(lname)
         except Exception as e:
             row["partial_probe_error"] = f"{type(e).__name__}: {e}"
@@ -327,8 +339,8 @@ def print_row(r: dict) -> None:
     if r["silent_params"]:
         print(f"    silent: {', '.join(r['silent_params'][:8])}{' ...' if len(r['silent_params']) > 8 else ''}")
     if r["partial_layers"]:
-        print(f"    weight also used outside its module's call (by a function or another module; factors from the "
-              f"module's calls only): "
+        print(f"    PARTIAL: weight also used through a function outside its module's call (factors from the module "
+              f"call only): "
               f"{', '.join(r['partial_layers'][:6])}")
     for why, names in r["named_reasons"].items():
         print(f"    named ({len(names)}): {', '.join(names[:3])}{' ...' if len(names) > 3 else ''}: {why[:110]}")
