@@ -1,12 +1,22 @@
-"""K-FAC on models people bring: ``transformers`` models built offline from their config classes (random weights).
+"""K-FAC on models people bring: ``transformers`` models built offline from their config classes (random weights),
+and the look-alike zoo of issue 35 (tests/helpers/lookalikes.py: models of torchvision, timm, Mamba, Whisper,
+Wav2Vec2 that use weights through functions, fused kernels, subclasses and in-place writes; a model compiled before
+K-FAC attached; tiny ``transformers`` mixture-of-experts models; a PEFT LoRA model).
 
-Three measurements (issue 26), each printed and written to a fresh folder (``results.json``):
+The measurements (issues 26 and 35), each printed and written to a fresh folder (``results.json``):
 
 ``coverage``
-    For every model (the five of tests/test_hf_models.py and others not in the tests): the share of trainable
-    parameters in K-FAC blocks and the share named in the summary with a reason (together 100% by construction:
-    the check is that nothing is unaccounted for), the blocks by layout, the K-FAC memory the summary predicts and
-    the bytes held after a factor + inverse step (the prediction must be within 5%), and the process's peak RSS.
+    For every model (the five of tests/test_hf_models.py, others not in the tests, and the zoo): two training steps
+    with K-FAC at every-step cadence (factors and inverses every step), then, of the trainable parameters, the share
+    in blocks that produced factors (measured: the block holds A and G and is not in the preconditioner's
+    ``unfactored``), the share named with a reason (the summary's left-out list, which includes ``unfactored``), and
+    the SILENT share: parameters that got a gradient but are neither in a block that produced factors nor named
+    (the target is 0%). Beside: the summary's own "preconditioned" share, the PARTIAL share (blocks that produced
+    factors from their module calls while their weight also went through a linear-map function -- F.linear, a
+    matmul, F.conv*d, F.embedding, grouped_mm -- outside any call of a module holding it: its gradient has a part
+    the factors did not see; measured in one extra forward), whether the run raised (an error naming the layer is an
+    acceptable outcome for a refused layer: it is printed), the blocks by layout, the K-FAC memory the summary
+    predicts and the bytes held (the prediction must be within 5%).
 ``gpt2-small``
     GPT-2 small (12 layers, n_embd 768, vocabulary 50257, tied head) from its config: the summary's K-FAC memory,
     then one factor + inverse step actually taken, with the bytes held and the process's peak RSS.
@@ -18,21 +28,51 @@ Three measurements (issue 26), each printed and written to a fresh folder (``res
     printed beside (forward + backward of every matmul of the model; K-FAC's factor, inverse and
     preconditioning matmuls from each block's layout).
 
-    python benchmarks/hf_models.py                       # all three (about 10 minutes on 1 thread)
+``moe-step``
+    A tiny Mixtral and a tiny Qwen2-MoE (the zoo's, transformers' own experts implementation unless
+    ``--experts-implementation``): the AdamW step against K-FAC (factors every 5 steps, inverses every 50) on AdamW,
+    interleaved and amortized as in ``step-time``; the ratio (target <= 2x) and the share of trainable parameters in
+    blocks that produced factors (target >= 95%).
+``capture-cost``
+    K-FAC's whole training step (library defaults, amortized over blocks of consecutive steps) on a model that needs
+    no function capture (plain nn.Linear layers) and on the Swin-like model, interleaved; with ``--kfac-kw`` each
+    model is also timed with those extra KFACPreconditioner arguments (e.g. ``--kfac-kw capture=True``) and the
+    ratio is printed.
+
+``--kfac-kw KEY=VALUE`` (repeatable; VALUE read as a Python literal, else a string) passes extra arguments to every
+KFACPreconditioner of ``coverage`` and ``moe-step``, and to the second timing of ``capture-cost``.
+
+    python benchmarks/hf_models.py                       # all (about 12 minutes on 1 thread)
     python benchmarks/hf_models.py --only coverage --quick
+    python benchmarks/hf_models.py --only coverage --models swin_like,eva_like --kfac-kw capture=True
+    python benchmarks/hf_models.py --only moe-step --only capture-cost
     python benchmarks/hf_models.py --only max-side       # what a dense factor side costs (the default's basis)
 """
 
 from __future__ import annotations
 
+import ast
 import os
 import resource
 import statistics
+import sys
 import time
 import warnings
+from pathlib import Path
 
 import torch
-from _common import bench_parser, env_info, interleave, out_dir, parse, save_json, set_threads, spread
+import torch.nn.functional as F
+from _common import (
+    bench_parser,
+    env_info,
+    interleave,
+    interleaved_blocks,
+    out_dir,
+    parse,
+    save_json,
+    set_threads,
+    spread,
+)
 from torch import nn
 
 from lightning_spdkfac.factor_shapes import FactorShape, numel
@@ -113,42 +153,207 @@ def layouts(pre: KFACPreconditioner) -> dict[str, int]:
     return kinds
 
 
-def coverage(names: list[str]) -> list[dict]:
+def zoo():
+    """tests/helpers/lookalikes.py, the look-alike zoo the tests use too (one copy of the builders: the repository
+    root goes on sys.path, so that this script runs from a checkout as ``python benchmarks/hf_models.py``)."""
+    root = str(Path(__file__).resolve().parents[1])
+    if root not in sys.path:
+        sys.path.insert(1, root)
+    from tests.helpers import lookalikes
+
+    return lookalikes
+
+
+def _optimized_module() -> type:
+    """torch.compile's module wrapper (a placeholder type where torch has none)."""
+    return getattr(getattr(getattr(torch, "_dynamo", None), "eval_frame", None), "OptimizedModule", type(None))
+
+
+def _hf_case(build):
+    """A MODELS entry as a zoo builder: (model, make_batch(seed), loss_fn(model, inputs))."""
+    def case():
+        model, batch = build()
+
+        def make(seed: int) -> dict:
+            torch.manual_seed(1000 + seed)
+            return batch()
+
+        return model, make, lambda m, inputs: m(**inputs).loss
+    return case
+
+
+def cases() -> dict:
+    """Every coverage model: MODELS, then the zoo (tests/helpers/lookalikes.py)."""
+    return {**{k: _hf_case(b) for k, b in MODELS.items()}, **zoo().ZOO}
+
+
+QUICK_COVERAGE = ["gpt2", "convnext"]  # plus the whole zoo (tiny models; the compiled one compiles for ~10 s)
+
+# The functions that apply a weight as a linear map (a module's own call goes through one of them too).
+_LINEAR_MAPS = {F.linear, torch.matmul, torch.mm, torch.bmm, torch.addmm, torch.einsum, F.conv1d, F.conv2d,
+                F.conv3d, F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d, F.embedding,
+                torch.Tensor.__matmul__, torch.Tensor.__rmatmul__, torch.Tensor.matmul, torch.Tensor.mm}
+_LINEAR_MAPS |= {f for f in (getattr(F, "grouped_mm", None), getattr(torch, "_grouped_mm", None)) if f is not None}
+
+
+def _flat(args, kwargs) -> list:
+    out = []
+    for a in (*args, *kwargs.values()):
+        out.extend(a if isinstance(a, (list, tuple)) else (a,))
+    return out
+
+
+def functional_uses(pre: KFACPreconditioner, model: nn.Module, loss_fn, inputs) -> dict[str, int]:
+    """One forward (no gradient): per registered layer, the linear-map function calls given its weight (or a view of
+    it) while no module holding that weight as its own parameter is running: uses outside a module call (a tied
+    embedding's own call counts as a module call, the documented convention of docs/math.md)."""
+    weights = {id(ly.helper.params()[0]): name for name, ly in pre.layers.items()}
+    owners: dict[int, set[int]] = {}
+    for m in model.modules():
+        for p in m._parameters.values():
+            if p is not None and id(p) in weights:
+                owners.setdefault(id(p), set()).add(id(m))
+    uses = dict.fromkeys(pre.layers, 0)
+    running: list[int] = []
+
+    def enter(m, _i):
+        running.append(id(m))
+
+    def leave(m, _i, _o):
+        if running and running[-1] == id(m):
+            running.pop()
+
+    class Uses(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func in _LINEAR_MAPS:
+                hit = set()
+                for a in _flat(args, kwargs):
+                    if isinstance(a, torch.Tensor):
+                        for t in (a, a._base):
+                            if t is not None and id(t) in weights and not owners.get(id(t), set()) & set(running):
+                                hit.add(weights[id(t)])
+                for name in hit:
+                    uses[name] += 1
+            return func(*args, **kwargs)
+
+    from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+    handles = [register_module_forward_pre_hook(enter), register_module_forward_hook(leave)]
+    try:
+        with torch.no_grad(), Uses():
+            loss_fn(model, inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    return uses
+
+
+def measure(name: str, build, steps: int = 2, kfac_kw: dict | None = None) -> dict:
+    """Two training steps of ``build()``'s model with K-FAC at every-step cadence; the shares of trainable parameters
+    factored / named / silent (see the module docstring), or the error (a build error, or the K-FAC run raising)."""
+    torch.manual_seed(0)
+    try:
+        model, make, loss_fn = build()
+    except Exception as e:  # a config this release does not take, peft missing: recorded, not hidden
+        return dict(model=name, error=f"could not build: {type(e).__name__}: {e}", stage="build")
+    row: dict = dict(model=name, error=None, stage=None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            pre = KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=1, **(kfac_kw or {}))
+        except Exception as e:  # refused at setup (a layer named): an acceptable outcome, printed
+            row.update(error=f"{type(e).__name__}: {e}", stage="setup")
+            return row
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+        loss = None
+        for step in range(steps):
+            try:
+                opt.zero_grad(set_to_none=True)
+                loss = loss_fn(model, make(step))
+                loss.backward()
+                pre.step(opt)
+                opt.step()
+            except Exception as e:  # recorded in the table, not hidden
+                row.update(error=f"{type(e).__name__}: {e}", stage=f"step {step}")
+                break
+    kfac_warnings = sorted({str(w.message)[:300] for w in caught if "K-FAC" in str(w.message)})
+    params = {id(p): (n, p) for n, p in model.named_parameters() if p.requires_grad}
+    trainable = sum(p.numel() for _, p in params.values())
+    factored_ids: set[int] = set()
+    for ly in pre.layers.values():
+        if ly.A is not None and ly.G is not None and ly.name not in pre.unfactored:
+            factored_ids.update(id(p) for p in ly.helper.params() if id(p) in params)
+    s = pre.summary()
+    by_name = {n: i for i, (n, _) in params.items()}
+    named_ids = {by_name[x.name] for x in s.left_out if x.name in by_name}
+    got_grad = {i for i, (_, p) in params.items() if p.grad is not None}
+    silent_ids = got_grad - factored_ids - named_ids
+
+    def share(ids: set[int]) -> float:
+        return sum(params[i][1].numel() for i in ids) / max(trainable, 1)
+
+    partial: list[str] = []
+    if row["error"] is None and not isinstance(model, _optimized_module()):  # a probe forward would recompile it
+        try:
+            for lname, uses in functional_uses(pre, model, loss_fn, make(99)).items():
+                if uses and pre.layers[lname].A is not None and lname not in pre.unfactored:
+                    partial.append(lname)
+        except Exception as e:
+            row["partial_probe_error"] = f"{type(e).__name__}: {e}"
+    partial_ids = {id(p) for n in partial for p in pre.layers[n].helper.params() if id(p) in params}
+    held = held_bytes(pre)
+    named_reasons: dict[str, list[str]] = {}
+    for x in s.left_out:
+        named_reasons.setdefault(x.reason, []).append(x.name)
+    layer_names = list(pre.layers) + list(pre.unfactored)
+    err = row["error"] or ""
+    row.update(
+        trainable=trainable, factored=share(factored_ids), named=share(named_ids), silent=share(silent_ids),
+        accounted=share(factored_ids | named_ids), preconditioned=s.preconditioned / max(s.trainable, 1),
+        partial=share(partial_ids), partial_layers=partial,
+        silent_params=sorted(params[i][0] for i in silent_ids), unfactored=dict(pre.unfactored),
+        named_reasons=named_reasons, error_names_layer=any(n and f"'{n}'" in err for n in layer_names),
+        kfac_warnings=kfac_warnings, blocks=len(s.rows), layouts=layouts(pre), predicted_bytes=s.total_bytes,
+        held_bytes=held, prediction_error=(s.total_bytes - held) / max(held, 1),
+        loss_finite=None if loss is None else bool(torch.isfinite(loss)),
+        left_out_reasons=sorted({x.kind for x in s.left_out}), steps=steps)
+    return row
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:5.1f}%"
+
+
+def print_row(r: dict) -> None:
+    if r.get("stage") in ("build", "setup"):
+        print(f"{r['model']:22s} {'could not build' if r['stage'] == 'build' else 'refused at setup'}: {r['error']}")
+        return
+    print(f"{r['model']:22s} params {r['trainable']:>8,}  factored {_pct(r['factored'])}  named {_pct(r['named'])}  "
+          f"SILENT {_pct(r['silent'])}  (summary: preconditioned {_pct(r['preconditioned'])}; partial "
+          f"{_pct(r['partial'])})  blocks {r['blocks']:3d}  memory {format_bytes(r['predicted_bytes'])} "
+          f"(held {format_bytes(r['held_bytes'])}, {100 * r['prediction_error']:+.1f}%)")
+    if r["error"]:
+        print(f"    raised at {r['stage']}{' (names the layer)' if r['error_names_layer'] else ''}: "
+              f"{r['error'][:300]}")
+    if r["silent_params"]:
+        print(f"    silent: {', '.join(r['silent_params'][:8])}{' ...' if len(r['silent_params']) > 8 else ''}")
+    if r["partial_layers"]:
+        print(f"    PARTIAL: weight also used through a function outside its module's call (factors from the module "
+              f"call only): "
+              f"{', '.join(r['partial_layers'][:6])}")
+    for why, names in r["named_reasons"].items():
+        print(f"    named ({len(names)}): {', '.join(names[:3])}{' ...' if len(names) > 3 else ''}: {why[:110]}")
+
+
+def coverage(names: list[str], kfac_kw: dict | None = None) -> list[dict]:
+    every = cases()
     rows = []
     for name in names:
-        torch.manual_seed(0)
-        try:
-            model, batch = MODELS[name]()
-        except Exception as e:  # a config this transformers release does not take: recorded, not hidden
-            rows.append(dict(model=name, error=f"{type(e).__name__}: {e}"))
-            print(f"{name}: could not build ({e})")
-            continue
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            pre = KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=1)
-        s = pre.summary()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        try:
-            loss = model(**batch()).loss
-            opt.zero_grad()
-            loss.backward()
-            pre.step(opt)
-            opt.step()
-        except Exception as e:  # recorded in the table, not hidden
-            rows.append(dict(model=name, error=f"{type(e).__name__}: {e}"))
-            print(f"{name}: the K-FAC step failed ({type(e).__name__}: {e})")
-            continue
-        held = held_bytes(pre)
-        named = sum(x.params for x in s.left_out)
-        rows.append(dict(model=name, trainable=s.trainable, preconditioned=s.preconditioned / s.trainable,
-                         named=named / s.trainable, accounted=(s.preconditioned + named) / s.trainable,
-                         blocks=len(s.rows), layouts=layouts(pre), predicted_bytes=s.total_bytes, held_bytes=held,
-                         prediction_error=(s.total_bytes - held) / max(held, 1), loss_finite=bool(torch.isfinite(loss)),
-                         left_out_reasons=sorted({x.kind for x in s.left_out})))
-        r = rows[-1]
-        print(f"{name:13s} params {s.trainable:>11,}  preconditioned {100 * r['preconditioned']:5.1f}%  named "
-              f"{100 * r['named']:4.1f}%  blocks {len(s.rows):3d} {r['layouts']}  memory {format_bytes(s.total_bytes)}"
-              f" (held {format_bytes(held)}, {100 * r['prediction_error']:+.1f}%)  left: {r['left_out_reasons']}")
+        rows.append(measure(name, every[name], kfac_kw=kfac_kw))
+        print_row(rows[-1])
+    bad = [r["model"] for r in rows if r.get("silent")]
+    print(f"coverage: {len(rows)} models; silent share above 0% on {len(bad)}: {', '.join(bad) or 'none'}")
     return rows
 
 
@@ -287,16 +492,190 @@ def max_side(sides: list[int]) -> list[dict]:
     return rows
 
 
+# ---------------------------------------------------------------------------------------- MoE step, capture cost
+def _factored_share(pre: KFACPreconditioner, model: nn.Module) -> float:
+    """Of the trainable parameters, the share in blocks that produced factors (hold A and G, not unfactored)."""
+    params = {id(p): p for p in model.parameters() if p.requires_grad}
+    ids = {id(p) for ly in pre.layers.values() if ly.A is not None and ly.G is not None
+           and ly.name not in pre.unfactored for p in ly.helper.params() if id(p) in params}
+    return sum(params[i].numel() for i in ids) / max(sum(p.numel() for p in params.values()), 1)
+
+
+def moe_step(reps: int, batch: int, tokens: int, families: tuple[str, ...] = ("mixtral", "qwen2_moe"),
+             experts_implementation: str | None = None, kfac_kw: dict | None = None) -> dict:
+    """AdamW against K-FAC (factors every 5, inverses every 50) on AdamW for the zoo's tiny MoE models, as step_time."""
+    set_threads(1)
+    return {fam: _moe_family(fam, reps, batch, tokens, experts_implementation, kfac_kw) for fam in families}
+
+
+def _moe_family(fam: str, reps: int, batch: int, tokens: int, experts_implementation: str | None,
+                kfac_kw: dict | None) -> dict:
+    lk = zoo()
+    base, make, loss_fn = lk.moe(fam, experts_implementation, seq=tokens, batch=batch)
+    kmodel = lk.moe(fam, experts_implementation, seq=tokens, batch=batch)[0]
+    kmodel.load_state_dict(base.state_dict())
+    data = make(0)
+    opt_a = torch.optim.AdamW(base.parameters(), lr=1e-4)
+    opt_k = torch.optim.AdamW(kmodel.parameters(), lr=1e-4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pre = KFACPreconditioner(kmodel, factor_update_steps=5, inv_update_steps=50, **(kfac_kw or {}))
+    o = pre.options
+
+    def adamw() -> None:
+        opt_a.zero_grad(set_to_none=True)
+        loss_fn(base, data).backward()
+        opt_a.step()
+
+    def kfac(k: int):
+        def run() -> None:
+            pre.steps = k  # the cadence position: k % 5 == 0 collects factors, k % 50 == 0 inverts too
+            opt_k.zero_grad(set_to_none=True)
+            loss_fn(kmodel, data).backward()
+            pre.step(opt_k)
+            opt_k.step()
+        return run
+
+    kinds = {"adamw": adamw, "kfac_plain": kfac(1), "kfac_factor": kfac(o.factor_update_steps),
+             "kfac_inverse": kfac(o.inv_update_steps)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        kinds["kfac_inverse"]()  # the first factors and inverses, and a warm-up of every kind
+        for fn in kinds.values():
+            fn()
+        times = interleave(kinds, reps, order="rotate", label=f"  {fam} rep")
+    med = {k: spread(v)["median"] for k, v in times.items()}
+    period = o.inv_update_steps
+    n_factor = period // o.factor_update_steps
+    amortized = ((period - n_factor) * med["kfac_plain"] + (n_factor - 1) * med["kfac_factor"]
+                 + med["kfac_inverse"]) / period
+    s = pre.summary()
+    r = dict(median_s=med, spread_s={k: [min(v), max(v)] for k, v in times.items()}, amortized_kfac_s=amortized,
+             ratio=amortized / med["adamw"], factored=_factored_share(pre, kmodel),
+             summary_preconditioned=s.preconditioned / max(s.trainable, 1), trainable=s.trainable,
+             experts_implementation=kmodel.config._experts_implementation, unfactored=dict(pre.unfactored),
+             batch=batch, tokens=tokens, reps=reps, threads=torch.get_num_threads())
+    print(f"{fam} ({r['trainable']:,} parameters, experts {r['experts_implementation']}), batch {batch} x {tokens} "
+          f"tokens, 1 thread, {reps} interleaved reps:")
+    for k, v in times.items():
+        print(f"  {k:13s} median {1e3 * med[k]:7.2f} ms (min {1e3 * min(v):.2f}, max {1e3 * max(v):.2f})")
+    print(f"  K-FAC (factors every {o.factor_update_steps}, inverses every {period}), amortized: "
+          f"{1e3 * amortized:.2f} ms = {r['ratio']:.2f}x the AdamW step (target <= 2x); in blocks that produced "
+          f"factors: {100 * r['factored']:.1f}% of the trainable parameters (target >= 95%; the summary says "
+          f"{100 * r['summary_preconditioned']:.1f}%)")
+    return r
+
+
+def _plain_linear():
+    """A model that needs no function capture: nn.Linear layers, each called as a module."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 10))
+    g = torch.Generator().manual_seed(0)
+    data = (torch.randn(32, 64, generator=g), torch.randint(0, 10, (32,), generator=g))
+    return model, data, lambda m, d: F.cross_entropy(m(d[0]), d[1])
+
+
+def capture_cost(blocks: int, steps_per_block: int, kfac_kw: dict | None = None) -> dict:
+    """K-FAC's training step (library defaults) on a plain-Linear model and on the Swin-like model, interleaved in
+    blocks of consecutive steps; with ``kfac_kw``, each model also with those extra arguments."""
+    lk = zoo()
+    set_threads(1)
+
+    def swin():
+        torch.manual_seed(0)
+        model, make, loss_fn = lk.swin_like()
+        return model, make(0), loss_fn
+
+    steps: dict[str, object] = {}
+    variants = [("", {})] + ([(" +" + ",".join(f"{k}={v}" for k, v in kfac_kw.items()), kfac_kw)] if kfac_kw else [])
+    for mname, build in (("plain_linear", _plain_linear), ("swin_like", swin)):
+        for suffix, kw in variants:
+            model, data, loss_fn = build()
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                pre = KFACPreconditioner(model, **kw)
+
+            def step(model=model, data=data, loss_fn=loss_fn, opt=opt, pre=pre) -> None:
+                opt.zero_grad(set_to_none=True)
+                loss_fn(model, data).backward()
+                pre.step(opt)
+                opt.step()
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                step()  # the first factors and inverses
+            steps[mname + suffix] = step
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        times = interleaved_blocks(steps, blocks, steps_per_block)  # type: ignore[arg-type]
+    med = {k: spread(v)["median"] for k, v in times.items()}
+    print(f"K-FAC training step (library defaults), medians of {blocks} interleaved blocks of {steps_per_block} "
+          "steps, 1 thread:")
+    for k, v in times.items():
+        print(f"  {k:40s} {1e3 * med[k]:7.2f} ms (min {1e3 * min(v):.2f}, max {1e3 * max(v):.2f})")
+    ratios = {}
+    if kfac_kw:
+        for mname in ("plain_linear", "swin_like"):
+            with_kw = next(k for k in med if k.startswith(mname + " +"))
+            ratios[mname] = med[with_kw] / med[mname]
+            print(f"  {mname}: with {with_kw[len(mname) + 2:]} {ratios[mname]:.3f}x the step without")
+    return dict(median_s=med, spread_s={k: [min(v), max(v)] for k, v in times.items()}, ratios=ratios,
+                kfac_kw={k: repr(v) for k, v in (kfac_kw or {}).items()}, blocks=blocks,
+                steps_per_block=steps_per_block, threads=torch.get_num_threads())
+
+
+def check_kfac_kw(kw: dict) -> None:
+    """Refuse, before anything runs, arguments this KFACPreconditioner does not take (e.g. an option not merged yet):
+    a throwaway preconditioner on one Linear is built with them."""
+    if not kw:
+        return
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            KFACPreconditioner(nn.Sequential(nn.Linear(2, 2)), **kw)
+    except TypeError as e:
+        raise SystemExit(f"--kfac-kw: {e}") from None
+
+
+def parse_kfac_kw(items: list[str] | None) -> dict:
+    """``KEY=VALUE`` strings as keyword arguments (VALUE a Python literal where it reads as one, else a string)."""
+    kw = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.isidentifier():
+            raise SystemExit(f"--kfac-kw {item!r}: give KEY=VALUE (e.g. capture=True)")
+        try:
+            kw[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            kw[key] = value
+    return kw
+
+
 def main(argv: list[str] | None = None) -> None:
     p = bench_parser(__doc__.split("\n\n")[0], reps=5,
                      quick="a smoke run: two models, a 128-wide GPT-2 of one layer for the step time")
-    p.add_argument("--only", choices=["coverage", "gpt2-small", "step-time", "max-side"], action="append")
+    p.add_argument("--only", choices=["coverage", "gpt2-small", "step-time", "max-side", "moe-step", "capture-cost"],
+                   action="append")
+    p.add_argument("--models", default=None,
+                   help="coverage: comma-separated model names (default: all; --quick: gpt2, convnext and the zoo)")
+    p.add_argument("--kfac-kw", action="append", metavar="KEY=VALUE",
+                   help="an extra KFACPreconditioner argument (repeatable; e.g. capture=True): see above")
+    p.add_argument("--experts-implementation", default=None, choices=["eager", "grouped_mm", "batched_mm"],
+                   help="moe-step: the transformers experts forward (default: transformers' own pick)")
     args = parse(p, argv)
-    only = args.only or ["coverage", "gpt2-small", "step-time"]
+    kfac_kw = parse_kfac_kw(args.kfac_kw)
+    check_kfac_kw(kfac_kw)
+    only = args.only or ["coverage", "gpt2-small", "step-time", "moe-step", "capture-cost"]
+    names = list(cases())
+    picked = args.models.split(",") if args.models else (QUICK_COVERAGE + list(zoo().ZOO) if args.quick else names)
+    unknown = sorted(set(picked) - set(names))
+    if unknown:
+        raise SystemExit(f"--models: unknown {unknown}; known: {', '.join(names)}")
     folder = out_dir(args, "hf_models")
-    results: dict = {"env": env_info(), "quick": args.quick}
+    results: dict = {"env": env_info(), "quick": args.quick, "kfac_kw": {k: repr(v) for k, v in kfac_kw.items()}}
     if "coverage" in only:
-        results["coverage"] = coverage(["gpt2", "convnext"] if args.quick else list(MODELS))
+        results["coverage"] = coverage(picked, kfac_kw)
     if "gpt2-small" in only and not args.quick:
         results["gpt2_small"] = gpt2_small()
     if "max-side" in only:
@@ -304,6 +683,13 @@ def main(argv: list[str] | None = None) -> None:
     if "step-time" in only:
         results["step_time"] = (step_time(1, 1, 16, 1, width=128, vocab=1000) if args.quick
                                 else step_time(args.reps, 8, 256, 2))
+    if "moe-step" in only:
+        results["moe_step"] = moe_step(1 if args.quick else args.reps, 2 if args.quick else 8,
+                                       16 if args.quick else 64, experts_implementation=args.experts_implementation,
+                                       kfac_kw=kfac_kw)
+    if "capture-cost" in only:
+        results["capture_cost"] = (capture_cost(1, 5, kfac_kw) if args.quick
+                                   else capture_cost(args.reps, 50, kfac_kw))
     save_json(folder, "results.json", results)
 
 
