@@ -63,6 +63,8 @@ class LayerRow:
     # False: the block produced no factors though its weight got a gradient (measured; its parameters are listed
     # among those left to the optimizer, with the reason, and not counted as preconditioned)
     factored: bool = True
+    # True: its calls come (also) from functions given its weight (kfac/capture.py): F.linear, matmul, an expert stack
+    captured: bool = False
 
 
 @dataclass(frozen=True)
@@ -135,7 +137,8 @@ def summarize(pre: KFACPreconditioner) -> KFACSummary:
         params = ly.helper.out_features * ly.helper.a_dim * ly.helper.groups
         fb, ib, ab, acc = _layer_bytes(ly, f_size, i_size, pre.inverse_method, async_inverses)
         rows.append(LayerRow(ly.name, type(ly.helper.owner()).__name__, ly.a_shape, ly.g_shape, params, fb, ib, ab,
-                             None if owners is None else owners[ly.index], acc, why is None))
+                             None if owners is None else owners[ly.index], acc, why is None,
+                             ly.name in pre.capture.layers))
     left = _left_out(pre, counted, unfactored)
     trainable = sum(p.numel() for p in {id(p): p for p in pre.model.parameters() if p.requires_grad}.values())
     return KFACSummary(tuple(rows), tuple(left), trainable, None if owners is None else pre.distributor.rank)
@@ -179,7 +182,7 @@ def format_summary(s: KFACSummary) -> str:
         head += ("Owner",)
     table = [head]
     for i, r in enumerate(s.rows):
-        line: tuple[str, ...] = (str(i), (r.name or "<root>") + ("" if r.factored else " (no factors)"), r.kind, describe(r.a_shape), describe(r.g_shape), f"{r.params:,}",
+        line: tuple[str, ...] = (str(i), (r.name or "<root>") + ("" if r.factored else " (no factors)") + (" (functions)" if r.captured else ""), r.kind, describe(r.a_shape), describe(r.g_shape), f"{r.params:,}",
                 format_bytes(r.factor_bytes), format_bytes(r.inverse_bytes))
         if show_async:
             line += (format_bytes(r.async_bytes),)

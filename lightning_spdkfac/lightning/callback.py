@@ -139,6 +139,10 @@ class KFACCallbackBody(_CallbackBase):
         step_size_damping: the quadratic model's damping; None (default): K-FAC's ``damping``.
         adapt_damping: Levenberg-Marquardt adaptation of ``damping`` from the quadratic model's reduction ratio at
             each measurement (default False); needs ``kfac_loss_parts`` like ``step_size``.
+        capture: layers whose weight is used through a function (``F.linear(x, self.qkv.weight)``, ``w @ x``, a
+            functional convolution or embedding): ``"auto"`` (default) follows those found on a factor step from the
+            next one on, ``True`` every layer from the start, ``False`` never (they are named). Expert stacks and
+            routers with a bare weight are always followed (docs/guide/functions-and-experts.md).
         summary: print the K-FAC summary (each block's factor layout and bytes; every trainable parameter left
             to the optimizer, with the reason) on rank 0 when the fit starts, and one line of what K-FAC added
             when training ends (its ms per step and share of the step, inverse steps, fallbacks: the line the
@@ -204,6 +208,7 @@ class KFACCallbackBody(_CallbackBase):
         step_size_clip: tuple[float, float] = _D.step_size_clip,
         step_size_damping: float | None = _D.step_size_damping,
         adapt_damping: bool = _D.adapt_damping,
+        capture: bool | str = _D.capture,
     ) -> None:
         super().__init__()
         # Every argument is checked here (TypeError: wrong type, ValueError: a value that is not
@@ -224,7 +229,7 @@ class KFACCallbackBody(_CallbackBase):
             factor_approx=factor_approx, inverse_method=inverse_method, async_inverses=async_inverses,
             grafting=grafting, max_factor_side=max_factor_side, memory_limit=memory_limit,
             step_size=step_size, step_size_every=step_size_every, step_size_clip=step_size_clip,
-            step_size_damping=step_size_damping, adapt_damping=adapt_damping,
+            step_size_damping=step_size_damping, adapt_damping=adapt_damping, capture=capture,
         )
         self.summary = val.check_bool("summary", summary)
         self.lr = lr
@@ -582,7 +587,7 @@ KFACCallbackBody.__init__.__qualname__ = "KFAC.__init__"  # "KFAC.__init__() got
 _CHECKED = ("damping", "factor_decay", "kl_clip", "lr", "factor_update_steps", "inv_update_steps", "skip_layers",
             "factor_dtype", "inv_dtype", "factor_approx", "inverse_method", "async_inverses", "grafting",
             "max_factor_side", "memory_limit", "summary", "log_step_time", "trace_step", "trace_dir", "step_size",
-            "step_size_every", "step_size_clip", "step_size_damping", "adapt_damping")
+            "step_size_every", "step_size_clip", "step_size_damping", "adapt_damping", "capture")
 
 
 def _folder(name: str, value: object) -> str:
