@@ -297,7 +297,9 @@ def measure(name: str, build, steps: int = 2, kfac_kw: dict | None = None) -> di
     if row["error"] is None and not isinstance(model, _optimized_module()):  # a probe forward would recompile it
         try:
             for lname, uses in functional_uses(pre, model, loss_fn, make(99)).items():
-                if uses and pre.layers[lname].A is not None and lname not in pre.unfactored:
+                # (a layer function capture follows has its functional uses collected: not partial)
+                followed = lname in getattr(getattr(pre, "capture", None), "layers", ())
+                if uses and pre.layers[lname].A is not None and lname not in pre.unfactored and not followed:
                     partial.append(lname)
         except Exception as e:
             row["partial_probe_error"] = f"{type(e).__name__}: {e}"

@@ -68,9 +68,12 @@ def _steps(model: nn.Module, pre: KFACPreconditioner, steps: int) -> list[str]:
     return [str(w.message) for w in record if "K-FAC" in str(w.message)]
 
 
-def test_functional_uses_get_the_factors_and_updates_of_module_calls() -> None:
+@pytest.mark.parametrize("capture", [True, "auto"])
+def test_functional_uses_get_the_factors_and_updates_of_module_calls(capture: bool | str) -> None:
+    """capture=True follows every layer; "auto" follows every layer during the first factor step and keeps those a
+    function used: the same factors and updates as the module twin from the first step, and no warning."""
     fun, mod = _pair()
-    pre_f = KFACPreconditioner(fun, capture=True, **KW)
+    pre_f = KFACPreconditioner(fun, capture=capture, **KW)
     pre_m = KFACPreconditioner(mod, **KW)
     assert _steps(fun, pre_f, 3) == [] and _steps(mod, pre_m, 3) == []
     for name in ("qkv", "proj", "dt", "head"):
@@ -81,27 +84,57 @@ def test_functional_uses_get_the_factors_and_updates_of_module_calls() -> None:
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
     assert pre_f.capture.calls == 3 * 3  # qkv, proj and dt in each of the three forwards
     assert not pre_f.unfactored
+    if capture == "auto":  # "head" is called as a module only: no longer followed after the first factor step
+        assert set(pre_f.capture.layers) == {"qkv", "proj", "dt"}
+        assert not pre_m.capture.layers and not pre_m.capture._handles  # the twin needs none: nothing left on it
 
 
-def test_auto_follows_from_the_step_after_it_found_the_layers() -> None:
-    fun, mod = _pair()
-    pre_f = KFACPreconditioner(fun, **KW)  # capture="auto"
-    msgs = _steps(fun, pre_f, 1)
-    assert len(msgs) == 1 and all(f"'{n}'" in msgs[0] for n in ("qkv", "proj", "dt"))
-    assert set(pre_f.capture.layers) == {"qkv", "proj", "dt"}  # "head" is called as a module: never watched
-    assert pre_f.layers["qkv"].A is None and set(pre_f.unfactored) == {"qkv", "proj", "dt"}
-    assert _steps(fun, pre_f, 1) == [] and not pre_f.unfactored
-    s = pre_f.summary()
-    assert s.preconditioned == s.trainable
+def test_a_use_that_starts_later_is_named_once_then_followed() -> None:
+    """A functional use the first factor step did not see (a branch taken later) is found by the coverage check:
+    named once, followed from the next factor step."""
+
+    class Later(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(6, 6)
+            self.head = nn.Linear(6, 2)
+            self.functional = False
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = F.linear(x, self.lin.weight, self.lin.bias) if self.functional else self.lin(x)
+            return self.head(torch.tanh(h))
+
+    model = Later()
+    pre = KFACPreconditioner(model, **KW)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    msgs = []
+    for step in range(4):
+        model.functional = step >= 1
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            opt.zero_grad()
+            F.cross_entropy(model(torch.randn(5, 6)), torch.randint(0, 2, (5,))).backward()
+            pre.step(opt)
+            opt.step()
+        msgs.append([str(w.message) for w in record if "'lin'" in str(w.message)])
+        if step == 1:
+            A1 = pre.layers["lin"].A.clone()
+    assert msgs[0] == [] and len(msgs[1]) == 1 and "from the next factor step" in msgs[1][0] and msgs[2:] == [[], []]
+    assert not torch.equal(pre.layers["lin"].A, A1)  # followed from step 2 on
+    assert not pre.unfactored and set(pre.capture.layers) == {"lin"}
 
 
-def test_a_model_that_needs_no_capture_runs_without_it() -> None:
+def test_a_model_that_needs_no_capture_runs_without_it_after_the_first_step() -> None:
     _, mod = _pair()
     pre = KFACPreconditioner(mod, **KW)
+    _steps(mod, pre, 1)  # the first factor step follows every layer (capture="auto")
+    assert not pre.capture.layers and not pre.capture._handles and not pre.capture._busy_handles
     entered = []
     pre.capture._enter = lambda *a: entered.append(1)  # type: ignore[method-assign]
     _steps(mod, pre, 2)
-    assert not pre.capture.layers and not pre.capture._handles and not entered and pre.capture.calls == 0
+    assert not entered and pre.capture.calls == 0
+    pre_off = KFACPreconditioner(Block(False), capture=False, **KW)
+    assert not pre_off.capture.layers and not pre_off.capture._handles  # capture=False: not even the first step
 
 
 def test_a_weight_used_by_a_module_call_and_a_function_counts_both_calls_once() -> None:
@@ -161,7 +194,7 @@ def test_a_transposed_use_is_refused_by_name_with_its_reason() -> None:
             pre.step(opt)
             opt.step()
     msgs = [str(w.message) for w in record if "'lin'" in str(w.message)]
-    assert len(msgs) == 2 and TRANSPOSED_USE in msgs[1], msgs  # found (step 0), then refused (step 1), once each
+    assert len(msgs) == 1 and TRANSPOSED_USE in msgs[0], msgs  # found by the first factor step, named once
     assert pre.layers["lin"].A is None and pre.unfactored["lin"] == TRANSPOSED_USE
     left = {x.name: x.reason for x in pre.summary().left_out}
     assert left["lin.weight"] == TRANSPOSED_USE

@@ -28,6 +28,7 @@ is not counted again.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -93,7 +94,14 @@ class FunctionCapture:
         self.suspended = False  # K-FAC's own computations inside a forward hook: not looked at
         self._mode: _Mode | None = None
         self._scoped: set[int] = set()  # ids of modules whose forward activates the capture
-        self._handles: list[Any] = []
+        self._handles: list[Any] = []  # the scopes' hooks
+        self._busy_handles: dict[str, list[Any]] = {}  # layer name -> the hooks that mark its module calls running
+        self.probing: set[str] = set()  # layers followed for the first factor step only unless a function uses them
+        self.function_calls: dict[str, int] = {}  # layer name -> calls collected from functions
+        self.blocked_by_compile = False  # a scope's forward ran inside a torch.compile'd region (not followed)
+        # A model holding torch.compile'd modules: a mode active around them would be traced into their graphs (dynamo
+        # cannot), so capture never runs on such a model; the layers that need it are named.
+        self._holds_compiled = any(isinstance(m, _optimized_module()) for m in model.modules())
         self._parents: dict[int, nn.Module] | None = None
 
     # -- which layers, and where -----------------------------------------------------------------------------
@@ -103,19 +111,47 @@ class FunctionCapture:
         if layer.name in self.layers:
             return
         self.layers[layer.name] = layer
-        weight = layer.helper.params()[0]
-        self.watched[id(weight)] = layer
+        self.watched[id(layer.helper.params()[0])] = layer
+        self._busy_handles[layer.name] = [
+            h for module in hooked
+            for h in (module.register_forward_pre_hook(eager(self._busy(layer, 1))),
+                      module.register_forward_hook(eager(self._busy(layer, -1)), always_call=True))]
+        self._scope(layer)
+
+    def _scope(self, layer: KFACLayer) -> None:
+        """Activate the capture around the forward of the modules that may use ``layer``'s weight. A block of
+        functions only is used inside its own module's forward; a layer found used through a function may be given
+        its weight anywhere above its module."""
         owner = layer.helper.owner()
-        for module in hooked:
-            self._handles.append(module.register_forward_pre_hook(eager(self._busy(layer, 1))))
-            self._handles.append(module.register_forward_hook(eager(self._busy(layer, -1)), always_call=True))
-        # A block of functions only is used inside its own module's forward; a layer found used through a function
-        # may be given its weight anywhere above its module.
         for module in [owner] if layer.helper.capture_only else self._chain(owner):
             if id(module) not in self._scoped:
                 self._scoped.add(id(module))
                 self._handles.append(module.register_forward_pre_hook(eager(self._enter)))
                 self._handles.append(module.register_forward_hook(eager(self._exit), always_call=True))
+
+    def probe(self, layers: list[KFACLayer], hooked: dict[str, list[nn.Module]]) -> None:
+        """``capture="auto"``: follow every layer during the first factor step, to find the weights also used through
+        a function (a weight shared between a module call and ``F.linear``); :meth:`end_probe` keeps only those."""
+        self.probing = {ly.name for ly in layers if ly.name not in self.layers}
+        for ly in layers:
+            self.watch(ly, hooked.get(ly.name, []))
+
+    def end_probe(self) -> None:
+        """Stop following the probed layers whose weight no function used (called between forwards)."""
+        if not self.probing:
+            return
+        for name in [n for n in self.probing if not self.function_calls.get(n)]:
+            layer = self.layers.pop(name)
+            self.watched.pop(id(layer.helper.params()[0]), None)
+            for h in self._busy_handles.pop(name, []):
+                h.remove()
+        self.probing = set()
+        for h in self._handles:  # the scopes of the layers still followed only
+            h.remove()
+        self._handles.clear()
+        self._scoped.clear()
+        for layer in self.layers.values():
+            self._scope(layer)
 
     def _chain(self, module: nn.Module) -> list[nn.Module]:
         """``module`` and its ancestors in the model (a module used through a function is given its weight by code
@@ -139,8 +175,13 @@ class FunctionCapture:
 
     def _enter(self, *_: Any) -> None:
         if self._depth == 0:
-            self._mode = _Mode(self)
-            self._mode.__enter__()  # type: ignore[no-untyped-call]
+            if self._holds_compiled or _under_compile():
+                # A forward inside a torch.compile'd region: a torch-function mode pushed from a graph break would be
+                # traced into the resumed graph (dynamo cannot). Not followed there; the layers are named.
+                self.blocked_by_compile = True
+            else:
+                self._mode = _Mode(self)
+                self._mode.__enter__()  # type: ignore[no-untyped-call]
         self._depth += 1
 
     def _exit(self, *_: Any) -> None:
@@ -150,9 +191,10 @@ class FunctionCapture:
             mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
 
     def remove(self) -> None:
-        for h in self._handles:
+        for h in [*self._handles, *(h for hs in self._busy_handles.values() for h in hs)]:
             h.remove()
         self._handles.clear()
+        self._busy_handles.clear()
         while self._depth > 0:
             self._exit()
 
@@ -192,6 +234,7 @@ class FunctionCapture:
         if self.busy.get(id(layer), 0) > 0 and helper is layer.helper:
             return out  # the layer's own module call: its forward hook collects it
         self.calls += 1
+        self.function_calls[layer.name] = self.function_calls.get(layer.name, 0) + 1
         self.on_call(layer, helper, layer.helper.owner().training, x, out, g_transform)
         return out
 
@@ -261,6 +304,26 @@ class FunctionCapture:
     def _refuse(self, layer: KFACLayer, why: str) -> None:
         self.refused.setdefault(layer.name, why)
         return None
+
+
+def _optimized_module() -> type:
+    """torch.compile's module wrapper (a type nothing is an instance of where torch has none)."""
+    eval_frame = getattr(getattr(torch, "_dynamo", None), "eval_frame", None)
+    return getattr(eval_frame, "OptimizedModule", type("NoOptimizedModule", (), {}))
+
+
+def _under_compile() -> bool:
+    """Whether the running forward was called from a torch.compile'd module or function (its wrapper is on the Python
+    stack: the hook itself runs eagerly, at a graph break). One walk of the stack per outermost scope entry."""
+    f = sys._getframe(1)
+    while f is not None:
+        code = f.f_code
+        if "_dynamo" in code.co_filename and code.co_name in ("compile_wrapper", "__call__") and (
+                "compile_wrapper" in getattr(code, "co_qualname", code.co_name)
+                or "OptimizedModule" in getattr(code, "co_qualname", "")):
+            return True
+        f = f.f_back  # type: ignore[assignment]
+    return False
 
 
 def _transpose_last(g: torch.Tensor) -> torch.Tensor:

@@ -36,6 +36,9 @@ CAPTURE_MISSED = ("used through an operation K-FAC's function capture cannot fol
                   "F.embedding or grouped_mm on the weight, its transpose or one expert's slice: e.g. a fused kernel, a "
                   "custom autograd Function, einsum): left to the optimizer unpreconditioned; call the module, or use "
                   "skip_layers to silence this")
+CAPTURE_COMPILED = ("used through a function inside a torch.compile'd region: function capture does not run under "
+                    "torch.compile (a mode pushed at a graph break cannot be traced), so its uses there are not followed; "
+                    "call the module there, or leave this block eager")
 SHARDED_HINT = ("FSDP and DeepSpeed ZeRO strategies that are not K-FAC-aware keep sharded or flattened gradients; use "
                 "SPDKFACDeepSpeedStrategy or the DDP strategy (SPDKFACStrategy)")
 
@@ -79,11 +82,14 @@ class Coverage:
                 continue
             has_grad = self._grads.get(layer.helper.params()[0]) is not None
             if layer.a_calls and layer.g_calls:
-                self.unfactored.pop(layer.name, None)
                 ran += 1
                 if not has_grad:
                     ran_without_grad.append(layer.name)
-                continue
+                if layer.a_calls == layer.g_calls:
+                    self.unfactored.pop(layer.name, None)
+                    continue
+                # (more forward than backward calls: one call's output got no gradient; named below if the weight got
+                # one, since the block makes no factors from such a step)
             # A gradient autograd gave the weight this step (not one left over, or zeros of zero_grad(set_to_none=False))
             has_grad = has_grad and layer.grad_seen
             if not has_grad or (layer.a_calls == 0 and not self._local and layer.A is not None):
@@ -93,8 +99,11 @@ class Coverage:
                     compiled = any(isinstance(m, _optimized_module()) for m in self.model.modules())
                 if compiled:
                     reason = COMPILED
-                elif layer.name in self.capture.layers:  # followed, and still no call K-FAC could read
-                    reason = self.capture.refused.get(layer.name, CAPTURE_MISSED)
+                elif layer.name in self.capture.layers and self.capture.blocked_by_compile:
+                    reason = CAPTURE_COMPILED
+                elif layer.name in self.capture.layers or layer.name in self.capture.refused:
+                    # followed (or found before), and still no call K-FAC could read: not followed again
+                    reason = self.capture.refused.setdefault(layer.name, CAPTURE_MISSED)
                 elif self.options.capture == "auto":
                     self.capture.watch(layer, self._hooked.get(layer.name, []))
                     reason = CAPTURING

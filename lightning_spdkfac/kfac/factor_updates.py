@@ -54,7 +54,7 @@ class FactorUpdates:
             if layer.a_calls == layer.g_calls and layer.rows == 0:
                 continue
             if layer.a_calls != layer.g_calls:
-                if layer.g_calls == 0 and self._grads.get(layer.helper.params()[0]) is not None:
+                if layer.a_calls > layer.g_calls and self._grads.get(layer.helper.params()[0]) is not None:
                     continue  # its weight got a gradient anyway: named by the coverage check, with its reason
                 self._warn_once(
                     layer.name,

@@ -194,6 +194,8 @@ class KFACPreconditioner(LayerRegistration, FactorUpdates, InverseSteps, Precond
         # no host: the gradient is kept where a flag is false, kfac/preconditioning.py).
         self._unsure: dict[int, torch.Tensor] = {}
         self._check_memory()
+        if o.capture == "auto":  # the first factor step follows every layer, to find weights functions also use
+            self.capture.probe([ly for ly in self.layers.values() if not ly.helper.capture_only], self._hooked)
         # step_size="quadratic"/"quadratic_momentum": the optimizer's update rescaled after its step (kfac/step_size.py).
         self.step_size: QuadraticStepSize | None = None
         if o.step_size is not None or o.adapt_damping:
@@ -498,6 +500,7 @@ class KFACPreconditioner(LayerRegistration, FactorUpdates, InverseSteps, Precond
             else:
                 self._update_factors_distributed(k)
             self._check_coverage()  # (after the update: distributed, a layer run on other ranks has factors then)
+            self.capture.end_probe()  # (capture="auto": the first factor step found the weights functions use)
             for layer in self.layers.values():
                 # Calls of one micro-batch: the count that makes a factor final when pipelining.
                 if layer.a_calls and layer.mb_a_calls == layer.mb_g_calls and not layer.helper.dynamic_calls:
