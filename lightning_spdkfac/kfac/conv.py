@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .forward_check import REFUSED, ForwardMismatch
 from .layer_base import LayerHelper
 
 
@@ -185,20 +186,17 @@ class ConvHelper(LayerHelper):
                 return
             self._pad_override = None
         if len(failures) == 2:
-            raise RuntimeError(
+            raise ForwardMismatch(
                 f"K-FAC layer {name!r} ({type(self.module).__name__}): its forward overrides the convolution's, and "
                 f"K-FAC could not check what it computes from its input of shape {tuple(x.shape)}: neither the "
                 f"padding its attributes describe nor dynamic 'same' padding gives a convolution that runs "
-                f"({failures[0]}; {failures[1]}). Leave it to the optimizer with "
-                f"skip_layers=[{type(self.module).__name__!r}] (or the layer's name), or register a helper for this "
-                "type with lightning_spdkfac.register_layer_type")
-        raise RuntimeError(
+                f"({failures[0]}; {failures[1]}). " + REFUSED.format(name=name, cls=type(self.module).__name__))
+        raise ForwardMismatch(
             f"K-FAC layer {name!r} ({type(self.module).__name__}): its forward does not compute the convolution its "
             f"attributes describe (padding={self.module.padding!r}, padding_mode={self.module.padding_mode!r}, "
             f"stride={self.module.stride}, dilation={self.module.dilation}; nor dynamic 'same' padding), so K-FAC "
-            "cannot tell which input patches it convolves and would build wrong factors. Leave it to the optimizer "
-            f"with skip_layers=[{type(self.module).__name__!r}] (or the layer's name), or register a helper for this "
-            "type with lightning_spdkfac.register_layer_type")
+            "cannot tell which input patches it convolves and would build wrong factors. "
+            + REFUSED.format(name=name, cls=type(self.module).__name__))
 
 
 def conv_helper(module: nn.Module) -> ConvHelper:

@@ -77,6 +77,9 @@ class Coverage:
         for layer in self.layers.values():
             if (self._stepping is not None and layer.index not in self._stepping) or not layer.trainable():
                 continue  # another optimizer's (or none's), or frozen: quiet
+            if layer.refused is not None:  # refused after setup (kfac/forward_check.py): named when it was
+                self.unfactored[layer.name] = layer.refused
+                continue
             if not layer.grad_watched:  # registered while frozen (distributed, a loaded state): watched from now on
                 watch_grad(layer)
                 continue

@@ -37,14 +37,24 @@ def overrides_forward(cls: type, base: type) -> bool:
     return any(getattr(cls, m, None) is not getattr(base, m, None) for m in FORWARD_METHODS)
 
 
-def refusal(name: str, helper: LayerHelper, why: str) -> RuntimeError:
-    """The error that stops the run at a layer whose forward its helper does not describe."""
+class ForwardMismatch(RuntimeError):
+    """A layer whose forward its helper does not describe: the preconditioner refuses that layer (it is left to the
+    optimizer, named in a warning and in the summary) and the run goes on."""
+
+
+# What the refusal says K-FAC does and how to change it (every forward-check refusal ends so).
+REFUSED = ("K-FAC leaves it to the optimizer unpreconditioned from now on (named in the summary). skip_layers=[{name!r}] "
+           "(or [{cls!r}] for every layer of the type) does so from the start without this warning; "
+           "lightning_spdkfac.register_layer_type({cls}, ...) with a helper that describes it preconditions it")
+
+
+def refusal(name: str, helper: LayerHelper, why: str) -> ForwardMismatch:
+    """The refusal of a layer whose forward its helper does not describe."""
     cls = type(helper.module).__name__
-    return RuntimeError(
+    return ForwardMismatch(
         f"K-FAC layer {name!r} ({cls}): its class overrides forward, and {why}, so K-FAC's "
-        f"{type(helper).__name__} does not describe what it computes and would build wrong factors. Leave it to "
-        f"the optimizer with skip_layers=[{name!r}] (or [{cls!r}] for every layer of the type), or register a helper "
-        f"that describes it with lightning_spdkfac.register_layer_type({cls}, ...)")
+        f"{type(helper).__name__} does not describe what it computes and would build wrong factors. "
+        + REFUSED.format(name=name, cls=cls))
 
 
 def _describe(x: torch.Tensor) -> str:

@@ -59,6 +59,9 @@ class KFACLayer:
     # gradient left over or set by hand does not count); the coverage check reads it (kfac/coverage.py).
     grad_seen: bool = False
     grad_watched: bool = False  # whether that hook is in place (on a weight that requires grad only)
+    # Why the layer is refused after setup (its forward is not what its helper describes: kfac/forward_check.py): no
+    # longer collected, left to the optimizer and named; None: collected.
+    refused: str | None = None
 
     def reset_accumulators(self) -> None:
         self.rows = self.examples = self.a_calls = self.g_calls = 0

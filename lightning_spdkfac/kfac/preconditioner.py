@@ -41,6 +41,7 @@ from .checkpoint import STATE_VERSION, CheckpointState
 from .coverage import Coverage
 from .distributor import Distributor
 from .factor_updates import FactorUpdates
+from .forward_check import ForwardMismatch
 from .gradients import GradAccess
 from .grafting import DEFAULT_BETA2, DEFAULT_EPS, AdamGraftState
 from .guard import NonFiniteGuard
@@ -300,7 +301,7 @@ class KFACPreconditioner(LayerRegistration, FactorUpdates, InverseSteps, Precond
         # frozen-BatchNorm backbone) does.
         if self.paused or not torch.is_grad_enabled() or not layer.trainable():  # frozen: not collected
             return
-        if not self.collecting or not output.requires_grad:
+        if not self.collecting or not output.requires_grad or layer.refused is not None:
             return
         # A forward during backward is activation checkpointing's recomputation. Non-reentrant
         # (use_reentrant=False): the first forward was counted and its output's gradient is the one backward
@@ -315,7 +316,13 @@ class KFACPreconditioner(LayerRegistration, FactorUpdates, InverseSteps, Precond
         # Before either path below: a module in eval mode (a frozen-BatchNorm backbone) or recomputed is
         # collected too, and must be checked like one in train mode.
         if helper.needs_check:  # a module whose forward may not be what its attributes say (kfac/conv.py)
-            helper.check_forward(layer.name, x, output)
+            try:
+                helper.check_forward(layer.name, x, output)
+            except ForwardMismatch as e:  # that layer is refused (named, left to the optimizer); the run goes on
+                layer.refused = str(e)
+                self.unfactored[layer.name] = layer.refused
+                warnings.warn(layer.refused, stacklevel=2)
+                return
         if recomputed or not training:
             # Counted when its output gets a gradient, and only then: that tells the two recomputations
             # apart, and an eval-mode forward with grad enabled that is not back-propagated (an
