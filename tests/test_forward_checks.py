@@ -208,7 +208,7 @@ def test_transformers_conv1d_subclass_is_checked() -> None:
         model = nn.Sequential(cls(3, 4))  # Conv1D(nf=out, nx=in)
         pre = KFACPreconditioner(model, **ONE_STEP)
         if refused:
-            assert_refused(pre, lambda: model(torch.randn(2, 5, 4)).square().sum().backward(), "0",
+            assert_refused(pre, lambda model=model: model(torch.randn(2, 5, 4)).square().sum().backward(), "0",
                            r"K-FAC layer '0' \(HalfConv1D\).*x @ weight \+ bias")
         else:
             model(torch.randn(2, 5, 4)).square().sum().backward()

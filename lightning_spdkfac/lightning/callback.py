@@ -16,6 +16,7 @@ was still about 5% of K-FAC's cost on the digits CNN (``benchmarks/telemetry_ove
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 import warnings
@@ -139,10 +140,7 @@ class KFACCallbackBody(_CallbackBase):
         step_size_damping: the quadratic model's damping; None (default): K-FAC's ``damping``.
         adapt_damping: Levenberg-Marquardt adaptation of ``damping`` from the quadratic model's reduction ratio at
             each measurement (default False); needs ``kfac_loss_parts`` like ``step_size``.
-        capture: layers whose weight is used through a function (``F.linear(x, self.qkv.weight)``, ``w @ x``, a
-            functional convolution or embedding): ``"auto"`` (default) follows those found on a factor step from the
-            next one on, ``True`` every layer from the start, ``False`` never (they are named). Expert stacks and
-            routers with a bare weight are always followed (docs/guide/functions-and-experts.md).
+        capture: following weights used through functions: ``"auto"`` (default), True, False (KFACOptions' docs).
         summary: print the K-FAC summary (each block's factor layout and bytes; every trainable parameter left
             to the optimizer, with the reason) on rank 0 when the fit starts, and one line of what K-FAC added
             when training ends (its ms per step and share of the step, inverse steps, fallbacks: the line the
@@ -583,11 +581,8 @@ class KFACCallbackBody(_CallbackBase):
 
 KFACCallbackBody.__init__.__qualname__ = "KFAC.__init__"  # "KFAC.__init__() got an unexpected keyword ..."
 
-# Arguments KFAC.__init__ checks itself; any other is held to its annotation (val.check_annotations).
-_CHECKED = ("damping", "factor_decay", "kl_clip", "lr", "factor_update_steps", "inv_update_steps", "skip_layers",
-            "factor_dtype", "inv_dtype", "factor_approx", "inverse_method", "async_inverses", "grafting",
-            "max_factor_side", "memory_limit", "summary", "log_step_time", "trace_step", "trace_dir", "step_size",
-            "step_size_every", "step_size_clip", "step_size_damping", "adapt_damping", "capture")
+# Arguments KFAC.__init__ checks itself (the K-FAC options by KFACOptions); others are held to their annotation.
+_CHECKED = (*(f.name for f in dataclasses.fields(KFACOptions)), "summary", "log_step_time", "trace_step", "trace_dir")
 
 
 def _folder(name: str, value: object) -> str:
