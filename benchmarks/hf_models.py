@@ -7,8 +7,8 @@ Three measurements (issue 26), each printed and written to a fresh folder (``res
     parameters in K-FAC blocks and the share named in the summary with a reason (together 100% by construction:
     the check is that nothing is unaccounted for), the blocks by layout, the K-FAC memory the summary predicts and
     the bytes held after a factor + inverse step (the prediction must be within 5%), and the process's peak RSS;
-    then the summary's peak of an inverse step beside the measured one (the bytes held before a second inverse step
-    plus the peak RSS growth across it) and their ratio (issue 35: within 10%).
+    then the summary's peak of an inverse step beside the measured one (the bytes held before an inverse step plus
+    the peak RSS growth across it, the median of three) and their ratio (issue 35: within 10%).
 ``gpt2-small``
     GPT-2 small (12 layers, n_embd 768, vocabulary 50257, tied head) from its config: the summary's K-FAC memory,
     then one factor + inverse step actually taken, with the bytes held and the process's peak RSS.
@@ -117,33 +117,37 @@ def _rss_now() -> tuple[int, int]:
     return fields["VmRSS"], fields["VmHWM"]
 
 
-def step_peak_rss(pre: KFACPreconditioner, opt: torch.optim.Optimizer, model: nn.Module, batch) -> dict:
+def step_peak_rss(pre: KFACPreconditioner, opt: torch.optim.Optimizer, model: nn.Module, batch,
+                  repeats: int = 3) -> dict:
     """``pre.step(opt)`` (the first factor + inverse step, which allocates the K-FAC state and the libraries' one-off
-    buffers), then one more forward, backward and inverse step with the process's peak RSS growth across that step:
-    freed heap memory is given back first (malloc_trim) and the high-water mark reset (/proc/self/clear_refs), so
-    that what the step allocates shows as RSS growth. ``measured_peak`` adds the K-FAC tensors held before the step
-    to that growth: K-FAC's peak as the process saw it, to set beside the summary's peak (``peak_ratio``)."""
+    buffers), then ``repeats`` more forward, backward and inverse steps, each with the process's peak RSS growth
+    across its ``pre.step``: freed heap memory is given back first (malloc_trim) and the high-water mark reset
+    (/proc/self/clear_refs), so that what the step allocates shows as RSS growth. ``measured_peak`` adds the K-FAC
+    tensors held before the step to that growth (the median over the repeats: the allocator adds a few MiB to one
+    step now and then): K-FAC's peak as the process saw it, beside the summary's peak (``peak_ratio``)."""
     import ctypes
 
     pre.step(opt)
-    opt.step()
-    opt.zero_grad()
-    model(**batch()).loss.backward()
-    held_before = held_bytes(pre)
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
-        rss0, _ = _rss_now()
-    except OSError:  # not Linux/glibc: no figure rather than a wrong one
+    growths, helds = [], []
+    for _ in range(repeats):
+        opt.step()
+        opt.zero_grad()
+        model(**batch()).loss.backward()
+        helds.append(held_bytes(pre))
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
+            rss0, _ = _rss_now()
+        except OSError:  # not Linux/glibc: no figure rather than a wrong one
+            pre.step(opt)
+            return {}
         pre.step(opt)
-        return {}
-    pre.step(opt)
-    growth = _rss_now()[1] - rss0
-    measured = held_before + growth
+        growths.append(_rss_now()[1] - rss0)
+    measured = statistics.median(h + g for h, g in zip(helds, growths))
     peak = pre.summary().peak_bytes
-    return dict(summary_peak_bytes=peak, rss_growth_bytes=growth, measured_peak_bytes=measured,
-                peak_ratio=peak / max(measured, 1))
+    return dict(summary_peak_bytes=peak, rss_growth_bytes=statistics.median(growths), rss_growths=growths,
+                measured_peak_bytes=measured, peak_ratio=peak / max(measured, 1))
 
 
 def layouts(pre: KFACPreconditioner) -> dict[str, int]:
@@ -193,8 +197,9 @@ def coverage(names: list[str]) -> list[dict]:
               f" (held {format_bytes(held)}, {100 * r['prediction_error']:+.1f}%)  left: {r['left_out_reasons']}")
         if peak:
             print(f"{'':13s} peak: summary {format_bytes(peak['summary_peak_bytes'])}, measured "
-                  f"{format_bytes(peak['measured_peak_bytes'])} (RSS growth across the inverse step "
-                  f"{format_bytes(peak['rss_growth_bytes'])}); summary / measured {peak['peak_ratio']:.2f}")
+                  f"{format_bytes(peak['measured_peak_bytes'])} (RSS growth across an inverse step, median of "
+                  f"{len(peak['rss_growths'])}: {format_bytes(peak['rss_growth_bytes'])}); summary / measured "
+                  f"{peak['peak_ratio']:.2f}")
     return rows
 
 

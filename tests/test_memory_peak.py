@@ -53,11 +53,18 @@ def one_big_factor() -> nn.Module:
     return nn.Linear(256, 4)
 
 
+def token_lm() -> nn.Module:
+    """An embedding (its A diagonal) and a head whose G is diagonal (max_factor_side=500): their P, vocabulary x
+    width, are larger than their factors."""
+    return nn.Sequential(nn.Embedding(1000, 32), nn.Linear(32, 1000))
+
+
 INPUTS: dict[Callable[..., nn.Module], Callable[[], torch.Tensor]] = {
     mlp: lambda: torch.randn(32, 64),
     conv: lambda: torch.randn(4, 3, 8, 8),
     equal_layers: lambda: torch.randn(32, 64),
     one_big_factor: lambda: torch.randn(32, 256),
+    token_lm: lambda: torch.randint(0, 1000, (4, 16)),
 }
 
 
@@ -137,7 +144,8 @@ def within(a: float, b: float, share: float = 0.10) -> bool:
 CASES = [(mlp, {}), (mlp, {"inverse_method": "eigen"}), (conv, {}), (conv, {"inverse_method": "eigen"}),
          (conv, {"max_factor_side": 100}), (equal_layers, {}), (equal_layers, {"inverse_method": "eigen"}),
          (one_big_factor, {"inverse_method": "eigen"}), (mlp, {"grafting": "sgd"}), (mlp, {"grafting": "adam"}),
-         (mlp, {"inv_dtype": "float64"})]
+         (mlp, {"inv_dtype": "float64"}), (token_lm, {"max_factor_side": 500}),
+         (token_lm, {"max_factor_side": 500, "inverse_method": "eigen"})]
 
 
 @pytest.mark.parametrize(("make", "options"), CASES, ids=lambda v: getattr(v, "__name__", None) or str(v))

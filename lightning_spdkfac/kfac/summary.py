@@ -191,9 +191,10 @@ def summarize(pre: KFACPreconditioner) -> KFACSummary:
                        _graft_bytes(pre))
 
 
-# The preconditioning's temporaries of one layer, in P's size: G^-1 g and P (kfac/factors.py apply_inverses); with
-# eigen payloads the damped eigenvalue products, the rotated gradient and its next rotation, one more per dense side
-# (kfac/inverse.py eigen_precondition, measured in tests/test_memory_peak.py).
+# The preconditioning's temporaries of one layer, in P's size: G^-1 g and P (kfac/factors.py apply_inverses; one
+# where A is diagonal: P is G^-1 g scaled in place); with eigen payloads the damped eigenvalue products, the rotated
+# gradient and its next rotation, one more per dense side (kfac/inverse.py eigen_precondition, measured in
+# tests/test_memory_peak.py).
 _APPLY_TEMPS = 2
 # grafting="adam": float64 temporaries of one layer's size at once while its moment is updated and its direction's
 # norm taken (kfac/grafting.py AdamGraftState.direction_norm, measured in tests/test_memory_peak.py).
@@ -221,9 +222,10 @@ def _workspace(pre: KFACPreconditioner, rows: list[LayerRow], rank: int | None, 
         # The gradient matrix: a copy where the bias is appended, another where it is converted to inv_dtype.
         gi = (p_numel * g_size if ly.helper.has_bias else 0) + (p_numel * i_size if weight.dtype != pre.inv_dtype
                                                                 else 0)
-        temps = _APPLY_TEMPS
         if pre.inverse_method == "eigen":
-            temps += sum(len(s) != 1 for s in (ly.a_shape, ly.g_shape))
+            temps = _APPLY_TEMPS + sum(len(s) != 1 for s in (ly.a_shape, ly.g_shape))
+        else:
+            temps = _APPLY_TEMPS - (len(ly.a_shape) == 1)
         most = max(most, held + gi + temps * p_numel * i_size)
         # Where P is not written to the gradient at once (kfac/preconditioning.py _write_through), it and the
         # gradient matrix are kept until the KL clip.
