@@ -251,20 +251,24 @@ def test_writing_into_the_held_inverses_is_bitwise_the_new_ones(method) -> None:
 
 @pytest.mark.parametrize("kl_clip", [None, 0.001])
 @pytest.mark.parametrize("method", ["cholesky", "eigen"])
-def test_p_written_through_is_bitwise_the_p_kept_to_the_end(monkeypatch, kl_clip, method) -> None:
+@pytest.mark.parametrize("make", [mlp, equal_layers, conv, token_lm], ids=lambda f: f.__name__)
+def test_p_written_through_is_bitwise_the_p_kept_to_the_end(monkeypatch, kl_clip, method, make) -> None:
     """A layer's P written to its gradient at once, then scaled in place by the KL clip: the same gradients, bitwise,
-    as P kept to the end of the step and written with its scale."""
+    as P kept to the end of the step and written with its scale (with and without a bias, a convolution in
+    channels_last, a diagonal A and G)."""
     def run(through: bool) -> list[torch.Tensor]:
         torch.manual_seed(0)
-        model = mlp()
+        model = make()
+        if make is conv:
+            model = model.to(memory_format=torch.channels_last)
         pre = KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=2, lr=0.1, kl_clip=kl_clip,
-                                 inverse_method=method)
+                                 inverse_method=method, max_factor_side=500)
         if not through:
             monkeypatch.setattr(pre, "_write_through", lambda g: False)
         grads = []
         for _ in range(3):
             model.zero_grad()
-            model(torch.randn(32, 64)).square().sum().backward()
+            model(INPUTS[make]()).square().sum().backward()
             pre.step()
             grads += [p.grad.clone() for p in model.parameters()]
         return grads
