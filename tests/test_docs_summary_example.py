@@ -33,5 +33,7 @@ def test_the_page_gets_the_printed_summaries_and_the_refusal():
     inverses = 4 * (65 * 65 + 256 * 256)
     assert f"{factors / 1024:.1f} KiB  {inverses / 1024:.1f} KiB" in text
     assert "diag 256" in text and "Async" in text  # the max_factor_side=128, async_inverses=True variant
-    assert "MemoryError: K-FAC would need 2.5 MiB on this rank, above memory_limit=1.0 MiB" in text
+    assert ("MemoryError: K-FAC would need 3.0 MiB on this rank at the peak of an inverse step (2.5 MiB held "
+            "between steps, plus 517.0 KiB of workspace" in text and "above memory_limit=1.0 MiB" in text)
+    assert "K-FAC memory: 2.5 MiB held between steps, 3.0 MiB at the peak of an inverse step" in text
     assert "pos [2,048]" in text and "norm.weight, norm.bias [128]" in text

@@ -87,4 +87,8 @@ def apply_inverses(g_inv: torch.Tensor, grad: torch.Tensor, a_inv: torch.Tensor)
     """``G^-1 grad A^-1`` with each inverse dense (a matrix product) or diagonal (a row or column scaling);
     ``grad`` is ``out x in``, or ``b x out x in`` with grouped inverses (batched products)."""
     left = g_inv.unsqueeze(-1) * grad if g_inv.dim() == 1 else g_inv @ grad
-    return left * a_inv if a_inv.dim() == 1 else left @ a_inv
+    if a_inv.dim() != 1:
+        return left @ a_inv
+    # A diagonal A scales the columns of a new tensor in place (the same products): an embedding's P, as large as its
+    # vocabulary, is then made once, not twice.
+    return left.mul_(a_inv) if left.dtype == torch.promote_types(left.dtype, a_inv.dtype) else left * a_inv

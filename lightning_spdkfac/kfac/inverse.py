@@ -41,7 +41,7 @@ The stored factor is never modified: damping is added to a copy.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -230,12 +230,26 @@ ALIGNMENT = 64
 # Bytes: the largest stack of one group (more factors of a shape are stacked in several groups), which bounds the
 # extra memory of a batch: at most two stacks of a group are alive at once (see _cholesky_group).
 MAX_STACK_BYTES = 1 << 28
+# The preconditioner bounds a stack further, to 1/STACK_SHARE of the inverses of the call (or one factor, where one
+# is larger; :func:`stack_budget`): the workspace of an inverse step is then a small share of what K-FAC holds,
+# whatever the number of equal-shaped layers, for at most STACK_SHARE batched calls per shape more.
+STACK_SHARE = 16
 
 
-def _shape_groups(factors: Sequence[torch.Tensor], dtype: torch.dtype) -> list[list[int]]:
+def stack_budget(sizes: Sequence[int]) -> int:
+    """The stack bound (bytes) of a call inverting factors of ``sizes`` bytes each (in the inversion dtype): a
+    1/:data:`STACK_SHARE` share of their total, at least the largest, at most :data:`MAX_STACK_BYTES`. Which
+    factors share a stack does not change their inverses (see :func:`_shape_groups`)."""
+    if not sizes:
+        return MAX_STACK_BYTES
+    return min(MAX_STACK_BYTES, max(max(sizes), -(-sum(sizes) // STACK_SHARE)))
+
+
+def _shape_groups(factors: Sequence[torch.Tensor], dtype: torch.dtype,
+                  stack_bytes: int | None = None) -> list[list[int]]:
     """The factors' indices grouped by shape and device, in order of first appearance: each group is stacked (in
     ``dtype``, whatever the factors' own dtypes) and handled by one batched call; a group stacks at most
-    :data:`MAX_STACK_BYTES` (or one factor).
+    ``stack_bytes`` (default :data:`MAX_STACK_BYTES`; or one factor).
 
     On CPUs a group of matrices is split into single factors where the factors' size in ``dtype`` is not a multiple
     of :data:`ALIGNMENT`: a batched LAPACK call runs the single-matrix routine on each factor in turn, but from the
@@ -247,6 +261,7 @@ def _shape_groups(factors: Sequence[torch.Tensor], dtype: torch.dtype) -> list[l
     groups: dict[tuple[tuple[int, ...], torch.device], list[int]] = {}
     out: list[list[int]] = []
     itemsize = torch.empty((), dtype=dtype).element_size()
+    bound = MAX_STACK_BYTES if stack_bytes is None else stack_bytes
     for i, f in enumerate(factors):
         size = f.numel() * itemsize
         if f.dim() >= 2 and f.device.type == "cpu" and size % ALIGNMENT:
@@ -254,7 +269,7 @@ def _shape_groups(factors: Sequence[torch.Tensor], dtype: torch.dtype) -> list[l
             continue
         key = (tuple(f.shape), f.device)
         group = groups.get(key)
-        if group is None or (len(group) + 1) * size > MAX_STACK_BYTES:
+        if group is None or (len(group) + 1) * size > bound:
             group = groups[key] = []
             out.append(group)
         group.append(i)
@@ -267,6 +282,101 @@ def _stack(factors: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     for row, f in zip(out, factors):
         row.copy_(f)
     return out
+
+
+Targets = Sequence["torch.Tensor | None"]
+
+
+def _usable(t: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether ``t`` (a held inverse) can take a new result of ``shape``, ``dtype`` on ``device`` in place."""
+    return (t is not None and tuple(t.shape) == shape and t.dtype == dtype and t.device == device
+            and t.is_contiguous())
+
+
+def _scatter(stack: torch.Tensor, targets: Targets) -> list[torch.Tensor]:
+    """Each row of ``stack`` as its own row-major tensor: copied into its target (a held inverse of its shape), or
+    a new tensor where it has none. Never a view: a view would keep the whole stack alive (and be saved whole)."""
+    out = []
+    for row, t in zip(stack, targets):
+        if t is not None and _usable(t, tuple(row.shape), row.dtype, row.device):
+            out.append(t.copy_(row))
+        else:
+            out.append(row.clone(memory_format=torch.contiguous_format))
+    return out
+
+
+def _place(result: torch.Tensor, target: torch.Tensor | None) -> torch.Tensor:
+    """``result`` written into ``target`` where it can take it (see :func:`_usable`), else ``result`` itself."""
+    if target is not None and _usable(target, tuple(result.shape), result.dtype, result.device):
+        return target.copy_(result)
+    return result
+
+
+def syevd_work_bytes(n: int, itemsize: int) -> int:
+    """Bytes of LAPACK's work arrays for the symmetric eigendecomposition (``?syevd``, with eigenvectors) of an
+    ``n x n`` matrix: its documented minimum, ``1 + 6n + 2n^2`` elements and ``3 + 5n`` 32-bit integers, which torch
+    allocates inside ``torch.linalg.eigh`` (once per call, batched or not; no tensor returns it)."""
+    return (1 + 6 * n + 2 * n * n) * itemsize + (3 + 5 * n) * 4
+
+
+def inversion_workspace(shapes: Sequence[tuple[int, ...]], method: str, dtype: torch.dtype, *, cpu: bool = True,
+                        in_place: bool = True, stack_bytes: int | None = None) -> int:
+    """The most bytes one call of :func:`robust_inverses` (``method="cholesky"``) or :func:`robust_eigens`
+    (``"eigen"``) on factors of ``shapes`` allocates at once beyond the factors and the inverses held, from the
+    shapes alone (the K-FAC summary's peak): the stacks of one group at a time (bounded as ``stack_bytes``, default
+    :func:`stack_budget`), LAPACK's eigendecomposition work arrays, and the inverse-sized temporary of the final
+    pass; with ``in_place=False`` (no held inverses to write into: asynchronous inverses, a layer's first) also the
+    new inverses made so far. Groups are formed as :func:`_shape_groups` forms them (``cpu``: unaligned dense
+    factors alone). The fallback levels, which run factor by factor on the few factors that need them, are not
+    counted."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    sizes = [math.prod(s) * itemsize for s in shapes]
+    bound = stack_budget(sizes) if stack_bytes is None else stack_bytes
+    groups: list[list[tuple[int, ...]]] = []
+    open_group: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
+    for shape, size in zip(shapes, sizes):
+        if len(shape) >= 2 and cpu and size % ALIGNMENT:
+            groups.append([shape])
+            continue
+        group = open_group.get(shape)
+        if group is None or (len(group) + 1) * size > bound:
+            group = open_group[shape] = []
+            groups.append(group)
+        group.append(shape)
+
+    def inv_numel(shape: tuple[int, ...]) -> int:
+        if method == "eigen" and len(shape) >= 2:
+            return math.prod(shape[:-2]) * (shape[-1] + 1) * shape[-1]
+        return math.prod(shape)
+
+    made = peak = 0
+    for group in groups:
+        shape, k = group[0], len(group)
+        n = shape[-1]
+        stack = k * math.prod(shape) * itemsize
+        out_stack = k * inv_numel(shape) * itemsize
+        # torch.isfinite(x) makes |x| and three boolean masks of x's size at once.
+        finite = k * math.prod(shape) * (itemsize + 3)
+        if len(shape) == 1:
+            # The stack and its finiteness test (eigen); the stack, the floored copy, its reciprocal, the ones, the
+            # result and their masks (cholesky's diagonal inverse, _floored_reciprocal).
+            work = stack + finite if method == "eigen" else 5 * stack + 2 * k * n
+        elif method == "eigen":
+            evals = k * math.prod(shape[:-1]) * itemsize
+            work = max(stack + finite,  # the stack and its finiteness test
+                       2 * stack + evals + syevd_work_bytes(n, itemsize),  # the symmetrized copy, eigenvectors, work
+                       stack + 2 * evals + out_stack,  # eigenvectors, eigenvalues and their clamped copy, payloads
+                       out_stack + k * inv_numel(shape) * (itemsize + 3))  # the payloads and their finiteness test
+        else:
+            work = 2 * stack + k * math.prod(shape[:-1]) * itemsize  # two stacks and the damped diagonals
+        if not in_place:
+            work = max(work, 2 * out_stack)  # the inverses' stack and the new inverses copied out of it
+        peak = max(peak, made + work)
+        if not in_place:
+            made += out_stack
+    # The last pass over the inverses (subnormal entries set to zero): |inverse| and its mask, one at a time.
+    last = max((inv_numel(s) * (itemsize + 1) for s in shapes), default=0)
+    return max(peak, made + last)
 
 
 def _stacked_dampings(dampings: Sequence[float | torch.Tensor], shape: tuple[int, ...],
@@ -284,20 +394,29 @@ def _stacked_dampings(dampings: Sequence[float | torch.Tensor], shape: tuple[int
     return torch.stack(ts) if all(t.dim() == 0 for t in ts) else None
 
 
-def _cholesky_group(factors: Sequence[torch.Tensor], dampings: Sequence[float | torch.Tensor], dtype: torch.dtype,
-                    limit: float) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Cholesky inverses of same-shape dense or grouped factors by one batched factorization and one batched
-    inversion: (the inverses, each its own tensor; their codes as a ``k`` tensor, see :func:`robust_inverses`).
+def _add_each(stack: torch.Tensor, dampings: Sequence[float | torch.Tensor],
+              add: Callable[[torch.Tensor, float | torch.Tensor], object]) -> None:
+    """``add(row, damping)`` for each row of ``stack``; in a function of its own so that no loop variable (a view
+    of the stack) keeps the stack alive after its caller is done with it."""
+    for row, d in zip(stack, dampings):
+        add(row, d)
 
-    Besides the factors and the returned inverses, at most two stacks of the group are alive at once (the damped
-    copy and its Cholesky factor, that factor and the inverses), each freed as soon as it is used."""
+
+def _cholesky_group(factors: Sequence[torch.Tensor], dampings: Sequence[float | torch.Tensor], dtype: torch.dtype,
+                    limit: float, targets: Targets) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Cholesky inverses of same-shape dense or grouped factors by one batched factorization and one batched
+    inversion: (the inverses, each its own tensor, written into its target where it has one; their codes as a
+    ``k`` tensor, see :func:`robust_inverses`).
+
+    Besides the factors and the inverses, at most two stacks of the group are alive at once (the damped copy and
+    its Cholesky factor, that factor and the inverses), each freed as soon as it is used, and the last when this
+    returns."""
     m = _stack(factors, dtype)
     stacked = _stacked_dampings(dampings, tuple(factors[0].shape), m.device)
     if stacked is not None:
         fx.diagonal(m).add_(stacked.to(dtype).unsqueeze(-1))
     else:
-        for row, d in zip(m, dampings):
-            fx.add_damping(row, d)
+        _add_each(m, dampings, fx.add_damping)
     diag_m = fx.diagonal(m).clone()  # all that the condition check needs of the damped copy
     L, info = torch.linalg.cholesky_ex(m)  # info without a host sync
     del m
@@ -314,32 +433,39 @@ def _cholesky_group(factors: Sequence[torch.Tensor], dampings: Sequence[float | 
     ill = (diag_m * fx.diagonal(inv)).amax(dim=dims[:-1]) > limit
     codes = torch.where(failed.reshape(len(factors), -1).any(1), 1,
                         torch.where(~torch.isfinite(inv.sum(dim=dims)), 2, torch.where(ill, 3, 0)))
-    # Each inverse its own row-major tensor: a view would keep the whole stack alive (and be saved whole).
-    return [row.clone(memory_format=torch.contiguous_format) for row in inv], codes
+    return _scatter(inv, targets), codes
 
 
 def _diagonal_group(factors: Sequence[torch.Tensor], dampings: Sequence[float | torch.Tensor],
-                    dtype: torch.dtype) -> tuple[list[torch.Tensor], torch.Tensor]:
+                    dtype: torch.dtype, targets: Targets) -> tuple[list[torch.Tensor], torch.Tensor]:
     """:func:`diagonal_inverse` of same-length diagonal factors in one pass: (the inverses, their codes)."""
     vals = _stack(factors, dtype).clamp_(min=0.0)
     stacked = _stacked_dampings(dampings, tuple(factors[0].shape), vals.device)
     if stacked is not None:
         vals.add_(stacked.to(dtype).unsqueeze(-1))
     else:
-        for row, d in zip(vals, dampings):
-            row.add_(d.to(dtype) if isinstance(d, torch.Tensor) else d)
+        _add_each(vals, dampings, lambda row, d: row.add_(d.to(dtype) if isinstance(d, torch.Tensor) else d))
     inv = _floored_reciprocal(vals)
     del vals
     # Each factor's sum in its own dtype, as the per-factor check reads it (k short reductions).
     src_finite = torch.stack([torch.isfinite(f.sum()) for f in factors])
     codes = torch.where(src_finite & torch.isfinite(inv.sum(-1)), 0, 2)
-    return [row.clone() for row in inv], codes
+    return _scatter(inv, targets), codes
 
 
 def robust_inverses(
-    factors: list[torch.Tensor], damping: float | Sequence[float | torch.Tensor], dtype: torch.dtype
+    factors: list[torch.Tensor], damping: float | Sequence[float | torch.Tensor], dtype: torch.dtype,
+    out: Targets | None = None, stack_bytes: int | None = None,
 ) -> tuple[list[torch.Tensor], list[Fallback]]:
     """Damped inverses of several factors, and a :class:`Fallback` for each one Cholesky did not invert.
+
+    ``out``: None, or one tensor (or None) per factor: the inverse held now, which the new one is written into as
+    soon as its group is done (where it has the inverse's shape, dtype and device and is contiguous; the returned
+    inverse is then that tensor). An inverse step then never holds two sets of inverses at once: besides what is
+    held, it allocates one group's stacks at a time (bounded by ``stack_bytes``, see :func:`_shape_groups` and
+    :func:`stack_budget`) and one inverse-sized temporary. The targets are overwritten before the step's checks
+    are read: a caller that still needs the old inverses (asynchronous inverses, used while the new are made)
+    passes None. The results are the same either way, bitwise.
 
     ``damping``: one value for every factor, or one per factor (numbers or 0-d tensors: the
     pi-balanced split of :func:`pi_split`; for a grouped factor also one per block). The factors are inverted
@@ -353,12 +479,16 @@ def robust_inverses(
     if len(dampings) != len(factors):
         raise ValueError(f"damping: got {len(dampings)} values for {len(factors)} factors; give one per factor")
     limit = COND_LIMIT / torch.finfo(dtype).eps
+    targets: Targets = [None] * len(factors) if out is None else out
+    if len(targets) != len(factors):
+        raise ValueError(f"out: got {len(targets)} tensors for {len(factors)} factors; give one (or None) per factor")
     inverses: list[torch.Tensor] = list(factors)  # each replaced below
     order: list[int] = []
     parts: list[torch.Tensor] = []
-    for idx in _shape_groups(factors, dtype):
-        fs, ds = [factors[i] for i in idx], [dampings[i] for i in idx]
-        invs, codes = _diagonal_group(fs, ds, dtype) if fs[0].dim() == 1 else _cholesky_group(fs, ds, dtype, limit)
+    for idx in _shape_groups(factors, dtype, stack_bytes):
+        fs, ds, ts = [factors[i] for i in idx], [dampings[i] for i in idx], [targets[i] for i in idx]
+        invs, codes = (_diagonal_group(fs, ds, dtype, ts) if fs[0].dim() == 1
+                       else _cholesky_group(fs, ds, dtype, limit, ts))
         for i, inv in zip(idx, invs):
             inverses[i] = inv
         order.extend(idx)
@@ -370,7 +500,8 @@ def robust_inverses(
     fallbacks = []
     for i, f in enumerate(factors):
         if code_of[i]:
-            inverses[i], level, used, reason = _robust_any(f, dampings[i], dtype, why[code_of[i]])
+            inv, level, used, reason = _robust_any(f, dampings[i], dtype, why[code_of[i]])
+            inverses[i] = _place(inv, targets[i])
             fallbacks.append(Fallback(i, level, used, reason))
     for inv in inverses:
         # Entries below the smallest normal float: zero to the inverse's precision, and subnormal
@@ -458,7 +589,8 @@ def _eigen_ladder(i: int, f: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Te
     return identity_payload(f, dtype), Fallback(i, "identity", 0.0, reason)
 
 
-def _eigen_group(factors: Sequence[torch.Tensor], dtype: torch.dtype) -> tuple[list[torch.Tensor], torch.Tensor] | None:
+def _eigen_group(factors: Sequence[torch.Tensor], dtype: torch.dtype,
+                 targets: Targets) -> tuple[list[torch.Tensor], torch.Tensor] | None:
     """Payloads of same-shape factors by one batched eigh in ``dtype``: (the payloads, each its own tensor; a ``k``
     tensor, nonzero where a factor is not finite in ``dtype`` or its payload is not finite: those go down the
     ladder), or None where the batched eigh raised (every factor of the group then goes down the ladder)."""
@@ -483,25 +615,36 @@ def _eigen_group(factors: Sequence[torch.Tensor], dtype: torch.dtype) -> tuple[l
         payload = eigen_payload(evecs, evals.clamp(min=0.0))
         del evals, evecs
     codes = (bad | ~torch.isfinite(payload).reshape(k, -1).all(1)).to(torch.int8)
-    return [row.clone() for row in payload], codes
+    return _scatter(payload, targets), codes
 
 
-def robust_eigens(factors: list[torch.Tensor], dtype: torch.dtype) -> tuple[list[torch.Tensor], list[Fallback]]:
+def robust_eigens(factors: list[torch.Tensor], dtype: torch.dtype, out: Targets | None = None,
+                  stack_bytes: int | None = None) -> tuple[list[torch.Tensor], list[Fallback]]:
     """Eigen payloads (see above) of several factors, and a :class:`Fallback` for each one that needed
     a level below the eigh in ``dtype`` (its ``damping`` is 0: eigen applies the damping later).
+
+    ``out`` and ``stack_bytes``: as :func:`robust_inverses` (the payloads held now, written in place).
 
     The factors are decomposed batched by shape (one stacked eigh per shape) and one host sync reads the checks
     of the whole batch; when every factor is finite and its eigh succeeds that is the only one. The levels below
     run factor by factor and sync freely."""
+    targets: Targets = [None] * len(factors) if out is None else out
+    if len(targets) != len(factors):
+        raise ValueError(f"out: got {len(targets)} tensors for {len(factors)} factors; give one (or None) per factor")
     payloads: list[torch.Tensor] = list(factors)  # each replaced below
     found: dict[int, Fallback | None] = {}
     order: list[int] = []
     parts: list[torch.Tensor] = []
-    for idx in _shape_groups(factors, dtype):
-        res = _eigen_group([factors[i] for i in idx], dtype)
+
+    def ladder(i: int) -> None:
+        p, found[i] = _eigen_ladder(i, factors[i], dtype)
+        payloads[i] = _place(p, targets[i])
+
+    for idx in _shape_groups(factors, dtype, stack_bytes):
+        res = _eigen_group([factors[i] for i in idx], dtype, [targets[i] for i in idx])
         if res is None:
             for i in idx:
-                payloads[i], found[i] = _eigen_ladder(i, factors[i], dtype)
+                ladder(i)
             continue
         for i, p in zip(idx, res[0]):
             payloads[i] = p
@@ -510,7 +653,7 @@ def robust_eigens(factors: list[torch.Tensor], dtype: torch.dtype) -> tuple[list
     if parts:
         for i, code in zip(order, torch.cat(parts).tolist()):  # the one sync
             if code:
-                payloads[i], found[i] = _eigen_ladder(i, factors[i], dtype)
+                ladder(i)
     fallbacks = [fb for _, fb in sorted(found.items()) if fb is not None]
     for p in payloads:  # as robust_inverses: subnormal entries are zero to the payload's precision, and slow
         p.masked_fill_(p.abs() < torch.finfo(p.dtype).tiny, 0.0)

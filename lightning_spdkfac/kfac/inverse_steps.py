@@ -26,6 +26,7 @@ from .inverse import (
     pi_split,
     robust_eigens,
     robust_inverses,
+    stack_budget,
 )
 from .layer_state import KFACLayer
 
@@ -156,6 +157,21 @@ class InverseSteps:
         for layer in flight.layers.values():
             layer.inv_damping = flight.damping
 
+    def _targets(self, tasks: list[Task], by_index: dict[int, KFACLayer],
+                 flight: _InFlight | None) -> tuple[list[torch.Tensor | None] | None, int]:
+        """Where the new inverses of ``tasks`` go, and the bound on one stack (kfac/inverse.py stack_budget).
+
+        On this thread the held inverses are overwritten in place, group by group: nothing reads them until the
+        step's inverses are all in (each layer is preconditioned once both of its have arrived), and an inverse
+        step then holds one set of inverses, not the old and the new side by side (the summary's peak). The
+        asynchronous worker makes new ones instead: the held ones precondition this step meanwhile (the summary's
+        "async" set)."""
+        size = torch.empty((), dtype=self.inv_dtype).element_size()
+        budget = stack_budget([t[2].numel() * size for t in tasks])
+        if flight is not None:
+            return None, budget
+        return [getattr(by_index[index], f"{which}_inv") for index, which, _ in tasks], budget
+
     def _cholesky_fn(self, k: int, damping: float, todo: list[KFACLayer], by_index: dict[int, KFACLayer],
                      report: Callable[[Callable[[], None]], None],
                      flight: _InFlight | None = None) -> Callable[[list[Task]], list[torch.Tensor]]:
@@ -165,8 +181,9 @@ class InverseSteps:
 
         def invert(tasks: list[Task]) -> list[torch.Tensor]:
             dampings = [split[(index, which)] for index, which, _ in tasks]
+            out, budget = self._targets(tasks, by_index, flight)
             with self._inverse_timing(flight):
-                inverses, fallbacks = robust_inverses([t[2] for t in tasks], dampings, self.inv_dtype)
+                inverses, fallbacks = robust_inverses([t[2] for t in tasks], dampings, self.inv_dtype, out, budget)
             if fallbacks:
                 report(lambda: self._report_fallbacks(fallbacks, tasks, by_index, "inverse", lambda fb, which: (
                     f"Cholesky of the damped {which} factor failed at step {k} (damping {damping:g}, "
@@ -181,8 +198,9 @@ class InverseSteps:
         """The distributor's ``invert_fn`` for inverse_method="eigen": eigen payloads (kfac/inverse.py)."""
 
         def invert(tasks: list[Task]) -> list[torch.Tensor]:
+            out, budget = self._targets(tasks, by_index, flight)
             with self._inverse_timing(flight):
-                payloads, fallbacks = robust_eigens([t[2] for t in tasks], self.inv_dtype)
+                payloads, fallbacks = robust_eigens([t[2] for t in tasks], self.inv_dtype, out, budget)
             if fallbacks:
                 report(lambda: self._report_fallbacks(fallbacks, tasks, by_index, "eigen", lambda fb, which: (
                     f"the eigendecomposition of the {which} factor failed at step {k} (inv_dtype "

@@ -88,10 +88,12 @@ class KFACOptions:
             inverts in 1.9 s on one CPU thread (8192: 768 MiB and 9.5 s). It keeps every 3x3 convolution of up to
             512 channels (ResNet, VGG), BERT-large's and GPT-2 medium's 4096 dense, while GPT-2 large's 5120,
             Llama-7B's 11008 and every vocabulary are diagonal (docs/math.md, "Diagonal and grouped factors").
-        memory_limit: None, or the most bytes K-FAC may hold (factors, inverses, the async copy; per rank
-            under dpkfac), as an int or a string with a unit ("2GB", "512MiB"): a model whose estimate (the
-            K-FAC summary) is above it stops at setup with the summary and this option named, before anything
-            is allocated.
+        memory_limit: None, or the most bytes K-FAC may hold at once (per rank under dpkfac), as an int or a
+            string with a unit ("2GB", "512MiB"). It bounds the peak of an inverse step, not only what is held
+            between steps: the factors, accumulators, inverses and async copy (the summary's steady state) plus
+            the step's workspace (the inversions' stacks and eigendecomposition work arrays, the preconditioned
+            gradients); both are in the K-FAC summary, computed from the layouts. A model whose peak is above it
+            stops at setup with both numbers, the summary and the fixes named, before anything is allocated.
         step_size: None (the default: the KL clip alone bounds the step), or rescale the optimizer's whole update
             after each ``optimizer.step()`` by the minimizer of the exact damped quadratic model of the loss along
             it (Martens & Grosse 2015): ``"quadratic"`` (``alpha u``) or ``"quadratic_momentum"`` (``alpha u + mu

@@ -132,7 +132,7 @@ class KFACPreconditioner(LayerRegistration, FactorUpdates, InverseSteps, Precond
         # backward): the hooks collect nothing.
         self.paused = False
         # layer index -> (layer, P, grad matrix) of this step
-        self._preconditioned: dict[int, tuple[KFACLayer, torch.Tensor, torch.Tensor]] = {}
+        self._preconditioned: dict[int, tuple[KFACLayer, torch.Tensor | None, torch.Tensor]] = {}
         # The layers the optimizer given to step() steps (layer index -> its param group's lr), or None:
         # every layer, at ``lr``. ``_step_groups`` caches, per optimizer (by id; each entry holds its optimizer),
         # which group holds each layer: several optimizers stepping in turn do not rebuild it every step.

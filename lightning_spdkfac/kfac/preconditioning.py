@@ -38,7 +38,9 @@ class Preconditioning:
     _owners: tuple[int, ...] | None
     _grads: dict[nn.Parameter, torch.Tensor | None]
     _grads_finite: bool
-    _preconditioned: dict[int, tuple[KFACLayer, torch.Tensor, torch.Tensor]]
+    # index -> (layer, P, its gradient matrix), kept until the KL clip of the step is known; or, for a layer whose P
+    # was written through to its gradient at once (see _write_through), (layer, None, its p.g for the KL clip).
+    _preconditioned: dict[int, tuple[KFACLayer, torch.Tensor | None, torch.Tensor]]
     _shared_grads: dict[int, tuple[KFACLayer, torch.Tensor]]
     _unsure: dict[int, torch.Tensor]
     _stepping: dict[int, float] | None
@@ -70,9 +72,24 @@ class Preconditioning:
             p = eigen_precondition(gi, layer.A_inv, layer.G_inv, layer.inv_damping)
         else:
             p = factors.apply_inverses(layer.G_inv, gi, layer.A_inv)
+        if self._write_through(g):
+            # P goes to the gradient now and the step keeps p.g only: P of every layer at once, as many bytes as the
+            # layers' weights, is not held until the end of the step (the summary's peak). The KL clip's scale, known
+            # at the end, multiplies the gradient in place then: the same one rounding of P * scale as before.
+            dot = torch.vdot(p.flatten(), gi.flatten()) if self.kl_clip is not None else p.new_zeros(())
+            layer.helper.write_grad(p, None, self._grads)
+            self._preconditioned[layer.index] = (layer, None, dot)
+            return
         self._preconditioned[layer.index] = (layer, p, gi)
         if self._owners is not None:  # its broadcast starts now, while the next layer is worked on
             self.distributor.offer(layer.index, p)  # type: ignore[attr-defined]
+
+    def _write_through(self, g: torch.Tensor) -> bool:
+        """Whether a layer's P is written to its gradient as soon as it is computed: on one process (distributed
+        preconditioning sends P), without grafting (which needs every P and gradient at the end), and where the
+        gradient has the inversion dtype (P is then written exactly, and scaled in place later with the rounding
+        it had before; another dtype would round P twice)."""
+        return self._owners is None and self.options.grafting is None and g.dtype == self.inv_dtype
 
     def _step_grad(self, layer: KFACLayer) -> torch.Tensor | None:
         """The layer's gradient matrix if this step may precondition it, else None; decided on what every rank
@@ -121,7 +138,7 @@ class Preconditioning:
         # Layer order, not arrival order: the KL sum must add up in the same order on every rank
         # (arrival order depends on which inverses a rank owns), or the replicas drift apart.
         todo, precs, grads = zip(*(done[i] for i in sorted(done)))
-        if self.options.grafting is not None:
+        if self.options.grafting is not None:  # (no P is written through with grafting: every one is here)
             states = ([self._graft_states.setdefault(ly.index, AdamGraftState()) for ly in todo]
                       if self.options.grafting == "adam" else None)
             beta2, eps = self._graft_hparams
@@ -131,13 +148,19 @@ class Preconditioning:
             precs = tuple(p if f is None else torch.where(f, p, g) for p, g, f in zip(precs, grads, flags))
         scale = None
         if self.kl_clip is not None:
-            scale = self._kl_scale(k, todo, precs, grads, flags if unsure else None)
+            # (a P written through left its p.g in place of its gradient matrix)
+            dots = [g if p is None else torch.vdot(p.flatten(), g.flatten()) for p, g in zip(precs, grads)]
+            scale = self._kl_scale(k, todo, dots, flags if unsure else None)
         for layer, p, f in zip(todo, precs, flags):
+            if p is None:  # already in the gradient: scaled in place (its matrix is a view of it, or one copy)
+                if scale is not None:
+                    layer.helper.write_grad(layer.helper.grad_matrix(self._grads), scale, self._grads)
+                continue
             layer.helper.write_grad(p, scale if f is None or scale is None else torch.where(f, scale, 1.0),
                                     self._grads)
 
-    def _kl_scale(self, k: int, layers: tuple[KFACLayer, ...], precs: tuple[torch.Tensor, ...],
-                  grads: tuple[torch.Tensor, ...], flags: list[torch.Tensor | None] | None = None) -> torch.Tensor:
+    def _kl_scale(self, k: int, layers: tuple[KFACLayer, ...], dots_of: list[torch.Tensor],
+                  flags: list[torch.Tensor | None] | None = None) -> torch.Tensor:
         """nu = min(1, sqrt(kl_clip / sum_l lr_l^2 p_l.g_l)), each layer at its own learning rate; no host sync.
 
         In float64: an extreme learning rate (1e20) squared overflows float32 to inf, which would
@@ -145,7 +168,7 @@ class Preconditioning:
         """
         assert self.kl_clip is not None  # (called only with the clip on)
         kl_clip = val.resolve("kl_clip", self.kl_clip, k, val.POSITIVE)
-        dots = torch.stack([torch.vdot(p.flatten(), g.flatten()) for p, g in zip(precs, grads)]).double()
+        dots = torch.stack(dots_of).double()  # p_l.g_l of each layer
         if flags is not None:  # layers whose owner sent nothing (dpkfac) are out of the sum (where, not a product:
             # an inf gradient's dot times 0 would be NaN)
             keep = torch.stack([torch.ones((), dtype=torch.bool, device=dots.device) if f is None
@@ -160,7 +183,7 @@ class Preconditioning:
         else:
             vg = (dots * _lr_weights(self._stepping, layers, unscale, dots)).sum().abs()
         # vg == 0 (lr 0, zero gradients) gives inf -> 1.
-        return torch.sqrt(kl_clip / vg).clamp(max=1.0).to(precs[0].dtype)
+        return torch.sqrt(kl_clip / vg).clamp(max=1.0).to(self.inv_dtype)
 
     def _select(self, optimizer: torch.optim.Optimizer | None) -> None:
         """Which layers this step preconditions, at which learning rates (``_stepping``)."""

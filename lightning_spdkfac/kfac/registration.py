@@ -190,17 +190,22 @@ class LayerRegistration:
         self._check_memory()
 
     def _check_memory(self) -> None:
-        """Stop at setup, before any factor is allocated, when the K-FAC memory would exceed ``memory_limit``."""
+        """Stop at setup, before any factor is allocated, when the peak K-FAC memory of an inverse step (the
+        steady state and the step's workspace, kfac/summary.py) would exceed ``memory_limit``."""
         limit = self.options.memory_limit
         if limit is None:
             return
         s = self.summary()
-        if s.total_bytes > int(limit):
+        if s.peak_bytes > int(limit):
+            w = s.workspace
             raise MemoryError(
-                f"K-FAC would need {format_bytes(s.total_bytes)} on this rank, above memory_limit="
-                f"{format_bytes(int(limit))}; nothing was allocated. Raise memory_limit, lower max_factor_side "
-                "(larger sides are then kept diagonal), skip the largest layers with skip_layers, or use "
-                "schedule='dpkfac' (each rank holds its own layers only). The K-FAC summary:\n" + str(s))
+                f"K-FAC would need {format_bytes(s.peak_bytes)} on this rank at the peak of an inverse step "
+                f"({format_bytes(s.steady_bytes)} held between steps, plus {format_bytes(s.peak_bytes - s.steady_bytes)}"
+                f" of workspace: inversions {format_bytes(w.inverses)}, preconditioning "
+                f"{format_bytes(w.precondition)}), above memory_limit={format_bytes(int(limit))}; nothing was "
+                "allocated. Raise memory_limit, lower max_factor_side (larger sides are then kept diagonal, and "
+                "the largest factor sets the inversion's workspace), skip the largest layers with skip_layers, or "
+                "use schedule='dpkfac' (each rank holds its own layers only). The K-FAC summary:\n" + str(s))
 
     def _skip(self, name: str, module: nn.Module, reason: str) -> None:
         self.skipped[name] = reason

@@ -11,6 +11,24 @@ The bytes are those the preconditioner allocates (tests/test_summary.py checks t
 * async: with ``async_inverses``, the inverses being computed while the held ones are used (one more set);
 * under ``schedule="dpkfac"`` a rank holds the running factors and inverses of the layers it owns only (the
   accumulators of every layer: each rank collects its own statistics); the totals are this rank's.
+
+Those are the steady state (:attr:`KFACSummary.steady_bytes`): what is held between steps. A step allocates more
+for a while (:attr:`KFACSummary.peak_bytes`, the most an inverse step holds at once), from the same layouts:
+
+* the inversion's workspace (:func:`~lightning_spdkfac.kfac.inverse.inversion_workspace`): the stacks of one group
+  of equal-shaped factors at a time, LAPACK's eigendecomposition work arrays and one inverse-sized temporary. The
+  new inverses are written into the held ones (no second set), except with ``async_inverses``, whose second set is
+  the ``Async`` column already;
+* the preconditioning's: each layer's gradient matrix (a copy when it has a bias or another dtype) and the
+  matrix products' temporaries, one layer at a time where P is written to the gradient at once (one process, no
+  grafting, gradients in ``inv_dtype``), else every layer's P and gradient matrix until the step's KL clip;
+* the factor update's: one factor-sized temporary (the subnormal flush).
+
+On one process with inverses on the caller's thread these come one after the other (the peak is the largest); with
+``async_inverses`` or a distributed schedule the inversions overlap the preconditioning (the peak is their sum).
+Not counted: the fallback levels (factor by factor, where Cholesky fails), the communication buffers of the
+distributed schedules (one fusion group of factors or inverses), and everything outside K-FAC (model, optimizer,
+activations).
 """
 
 from __future__ import annotations
@@ -21,7 +39,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from ..factor_shapes import FactorShape, describe, inverse_shape, numel
+from ..factor_shapes import FactorShape, describe, inverse_shape, numel, preconditioned_shape
+from .inverse import inversion_workspace
 
 # Why the trainable rest of a partly frozen layer is left to the optimizer (summary and setup warning).
 FROZEN_PART = ("some of its parameters are frozen: K-FAC preconditions a layer's weight and bias together, so the "
@@ -78,11 +97,29 @@ class LeftOut:
 
 
 @dataclass(frozen=True)
+class Workspace:
+    """Bytes a step allocates on top of the steady state, per phase (see the module docstring)."""
+
+    factors: int = 0  # the factor update
+    inverses: int = 0  # an inverse step's inversions
+    precondition: int = 0  # the preconditioning (every step)
+    overlapped: bool = False  # the inversions run while layers are preconditioned (async, distributed)
+
+    @property
+    def peak(self) -> int:
+        if self.overlapped:
+            return max(self.factors, self.inverses + self.precondition)
+        return max(self.factors, self.inverses, self.precondition)
+
+
+@dataclass(frozen=True)
 class KFACSummary:
     rows: tuple[LayerRow, ...]
     left_out: tuple[LeftOut, ...]
     trainable: int  # trainable parameters of the model (each once)
     rank: int | None  # the rank the totals are for (dpkfac), None: every rank holds everything
+    workspace: Workspace = Workspace()
+    graft_bytes: int = 0  # grafting="adam": the gradient moments held between steps (every layer)
 
     @property
     def preconditioned(self) -> int:
@@ -90,8 +127,19 @@ class KFACSummary:
 
     @property
     def total_bytes(self) -> int:
-        """K-FAC memory of this rank: every block it holds, as allocated."""
-        return sum(r.held_bytes(self.rank) for r in self.rows)
+        """K-FAC memory of this rank: every block it holds, as allocated (the steady state)."""
+        return sum(r.held_bytes(self.rank) for r in self.rows) + self.graft_bytes
+
+    @property
+    def steady_bytes(self) -> int:
+        """What this rank holds between steps: factors, accumulators, inverses and the async set."""
+        return self.total_bytes
+
+    @property
+    def peak_bytes(self) -> int:
+        """The most this rank holds at once during an inverse step: the steady state and the step's workspace
+        (what ``memory_limit`` bounds)."""
+        return self.total_bytes + self.workspace.peak
 
     def __str__(self) -> str:
         return format_summary(self)
@@ -141,7 +189,69 @@ def summarize(pre: KFACPreconditioner) -> KFACSummary:
                              ly.name in pre.capture.layers))
     left = _left_out(pre, counted, unfactored)
     trainable = sum(p.numel() for p in {id(p): p for p in pre.model.parameters() if p.requires_grad}.values())
-    return KFACSummary(tuple(rows), tuple(left), trainable, None if owners is None else pre.distributor.rank)
+    rank = None if owners is None else pre.distributor.rank
+    return KFACSummary(tuple(rows), tuple(left), trainable, rank, _workspace(pre, rows, rank, async_inverses),
+                       _graft_bytes(pre))
+
+
+# The preconditioning's temporaries of one layer, in P's size: G^-1 g and P (kfac/factors.py apply_inverses; one
+# where A is diagonal: P is G^-1 g scaled in place); with eigen payloads the damped eigenvalue products, the rotated
+# gradient and its next rotation, one more per dense side (kfac/inverse.py eigen_precondition, measured in
+# tests/test_memory_peak.py).
+_APPLY_TEMPS = 2
+# grafting="adam": float64 temporaries of one layer's size at once while its moment is updated and its direction's
+# norm taken (kfac/grafting.py AdamGraftState.direction_norm, measured in tests/test_memory_peak.py).
+_ADAM_GRAFT_TEMPS = 5
+
+
+def _workspace(pre: KFACPreconditioner, rows: list[LayerRow], rank: int | None, async_inverses: bool) -> Workspace:
+    """What a step allocates beyond the steady state, from the layouts (see the module docstring)."""
+    layers = [ly for ly in pre.layers.values() if ly.trainable()]
+    if not layers:
+        return Workspace()
+    f_size = torch.empty(0, dtype=pre.factor_dtype).element_size()
+    i_size = torch.empty(0, dtype=pre.inv_dtype).element_size()
+    mine = [ly for ly, r in zip(layers, rows) if r.owner is None or rank is None or r.owner == rank]
+    # The factor update: |F| and its mask (the subnormal flush), one factor at a time.
+    factors = max((numel(s) * (f_size + 1) for ly in mine for s in (ly.a_shape, ly.g_shape)), default=0)
+    cpu = all(ly.helper.params()[0].device.type == "cpu" for ly in mine)
+    inverses = inversion_workspace([s for ly in mine for s in (ly.a_shape, ly.g_shape)], pre.inverse_method,
+                                   pre.inv_dtype, cpu=cpu)
+    held = most = 0
+    for ly in layers:  # every layer: under dpkfac each rank receives every P
+        weight = ly.helper.params()[0]
+        p_numel = numel(preconditioned_shape(ly.a_shape, ly.g_shape))
+        g_size = weight.element_size()
+        # The gradient matrix: a copy where the bias is appended, another where it is converted to inv_dtype.
+        gi = (p_numel * g_size if ly.helper.has_bias else 0) + (p_numel * i_size if weight.dtype != pre.inv_dtype
+                                                                else 0)
+        if pre.inverse_method == "eigen":
+            temps = _APPLY_TEMPS + sum(len(s) != 1 for s in (ly.a_shape, ly.g_shape))
+        else:
+            temps = _APPLY_TEMPS - (len(ly.a_shape) == 1)
+        most = max(most, held + gi + temps * p_numel * i_size)
+        # Where P is not written to the gradient at once (kfac/preconditioning.py _write_through), it and the
+        # gradient matrix are kept until the KL clip.
+        if not (pre.distributor.layer_owners is None and pre.options.grafting is None
+                and weight.dtype == pre.inv_dtype):
+            held += gi + p_numel * i_size
+    precondition = max(most, held)
+    if pre.options.grafting is not None:  # kfac/grafting.py: the grafted P of every layer, beside the P kept
+        grafted = sum(numel(preconditioned_shape(ly.a_shape, ly.g_shape)) for ly in layers)
+        biggest = max(numel(preconditioned_shape(ly.a_shape, ly.g_shape)) for ly in layers)
+        # float64 copies of one layer's P or gradient at a time (sgd: a norm of each; adam: the moment's update)
+        temps = biggest * 8 * (1 if pre.options.grafting == "sgd" else _ADAM_GRAFT_TEMPS)
+        precondition = max(precondition, held + grafted * i_size + temps)
+    overlapped = async_inverses or not pre.distributor.is_local
+    return Workspace(factors, inverses, precondition, overlapped)
+
+
+def _graft_bytes(pre: KFACPreconditioner) -> int:
+    """grafting="adam": the second moment of each layer's gradient matrix, in float64, held between steps."""
+    if pre.options.grafting != "adam":
+        return 0
+    return sum(numel(preconditioned_shape(ly.a_shape, ly.g_shape)) * 8 for ly in pre.layers.values()
+               if ly.trainable())
 
 
 def _left_out(pre: KFACPreconditioner, preconditioned: set[int], unfactored: dict[int, str]) -> list[LeftOut]:
@@ -197,7 +307,12 @@ def format_summary(s: KFACSummary) -> str:
     lines.append(f"K-FAC blocks: {len(s.rows)}, preconditioning {s.preconditioned:,} parameters "
                  f"({100 * s.preconditioned / total:.1f}% of {s.trainable:,} trainable)")
     who = f" on rank {s.rank} (dpkfac: its own layers)" if s.rank is not None else ""
-    lines.append(f"K-FAC memory{who}: {format_bytes(s.total_bytes)}")
+    w = s.workspace
+    lines.append(f"K-FAC memory{who}: {format_bytes(s.total_bytes)} held between steps, "
+                 f"{format_bytes(s.peak_bytes)} at the peak of an inverse step "
+                 f"({100 * s.peak_bytes / max(s.total_bytes, 1):.0f}%; workspace: inversions "
+                 f"{format_bytes(w.inverses)}, preconditioning {format_bytes(w.precondition)}, factor update "
+                 f"{format_bytes(w.factors)}{', the first two at once' if w.overlapped else ''})")
     if s.left_out:
         left = sum(x.params for x in s.left_out)
         lines.append(f"Left to the optimizer: {left:,} parameters ({100 * left / total:.1f}%)")
