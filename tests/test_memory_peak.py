@@ -24,7 +24,8 @@ from torch import nn
 
 from lightning_spdkfac.factor_shapes import inverse_shape
 from lightning_spdkfac.kfac import distributor as dist
-from lightning_spdkfac.kfac.inverse import inversion_workspace, robust_eigens, robust_inverses
+from lightning_spdkfac.kfac.inverse import robust_eigens, robust_inverses
+from lightning_spdkfac.kfac.inverse_memory import inversion_workspace
 from lightning_spdkfac.kfac.preconditioner import KFACPreconditioner
 from lightning_spdkfac.kfac.summary import format_bytes
 from tests.helpers.alloc_tracker import AllocTracker
@@ -220,7 +221,7 @@ def _spd(shape: tuple[int, ...], seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("shapes", [[(64, 64)] * 8 + [(33, 33)] * 2, [(128, 128), (10, 10)], [(4, 16, 16)] * 3,
                                     [(300,)] * 4 + [(8, 8)], [(256, 256)]], ids=str)
 def test_inversion_workspace_is_what_an_inversion_allocates(method, in_place, shapes) -> None:
-    from lightning_spdkfac.kfac.inverse import stack_budget
+    from lightning_spdkfac.kfac.inverse_memory import stack_budget
 
     factors = [_spd(s, i) for i, s in enumerate(shapes)]
     held = [torch.zeros(inverse_shape(s, method)) for s in shapes] if in_place else None

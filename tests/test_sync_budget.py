@@ -38,7 +38,7 @@ RANKS_TIMEOUT = 150  # seconds: bounds the 2-rank job (every rank is killed and 
 DEFAULT_CADENCE = ("defaults", "defaults_mlp")
 SCHEDULES_AT_DEFAULTS = ("spd", "mpd", "dkfac", "dpkfac")  # 2 ranks, the defaults' factor/inverse cadence
 # One process, every step a factor step and an inverse step (or every other step): no plan to measure.
-ONE_ROUND_PER_STEP = ("every_step", "eigen", "async", "grad_scaler")
+ONE_ROUND_PER_STEP = ("every_step", "eigen", "async", "grad_scaler", "functional_every_step", "moe_every_step")
 
 
 def _ranks(rank, world):

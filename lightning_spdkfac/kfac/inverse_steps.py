@@ -26,8 +26,8 @@ from .inverse import (
     pi_split,
     robust_eigens,
     robust_inverses,
-    stack_budget,
 )
+from .inverse_memory import stack_budget
 from .layer_state import KFACLayer
 
 
@@ -159,7 +159,7 @@ class InverseSteps:
 
     def _targets(self, tasks: list[Task], by_index: dict[int, KFACLayer],
                  flight: _InFlight | None) -> tuple[list[torch.Tensor | None] | None, int]:
-        """Where the new inverses of ``tasks`` go, and the bound on one stack (kfac/inverse.py stack_budget).
+        """Where the new inverses of ``tasks`` go, and the bound on one stack (kfac/inverse_memory.py stack_budget).
 
         On this thread the held inverses are overwritten in place, group by group: nothing reads them until the
         step's inverses are all in (each layer is preconditioned once both of its have arrived), and an inverse

@@ -15,7 +15,7 @@ The bytes are those the preconditioner allocates (tests/test_summary.py checks t
 Those are the steady state (:attr:`KFACSummary.steady_bytes`): what is held between steps. A step allocates more
 for a while (:attr:`KFACSummary.peak_bytes`, the most an inverse step holds at once), from the same layouts:
 
-* the inversion's workspace (:func:`~lightning_spdkfac.kfac.inverse.inversion_workspace`): the stacks of one group
+* the inversion's workspace (:func:`~lightning_spdkfac.kfac.inverse_memory.inversion_workspace`): the stacks of one group
   of equal-shaped factors at a time, LAPACK's eigendecomposition work arrays and one inverse-sized temporary. The
   new inverses are written into the held ones (no second set), except with ``async_inverses``, whose second set is
   the ``Async`` column already;
@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from ..factor_shapes import FactorShape, describe, inverse_shape, numel, preconditioned_shape
-from .inverse import inversion_workspace
+from .inverse_memory import inversion_workspace
 
 # Why the trainable rest of a partly frozen layer is left to the optimizer (summary and setup warning).
 FROZEN_PART = ("some of its parameters are frozen: K-FAC preconditions a layer's weight and bias together, so the "

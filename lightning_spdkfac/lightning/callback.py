@@ -128,9 +128,8 @@ class KFACCallbackBody(_CallbackBase):
             optimizer run at an Adam lr (see :mod:`lightning_spdkfac.kfac.grafting`).
         max_factor_side: the largest factor side kept dense; larger sides (an LM head's vocabulary) are kept
             diagonal. Default 4608 (see :class:`~lightning_spdkfac.kfac.options.KFACOptions`).
-        memory_limit: None, or the most K-FAC memory a rank may take at once (bytes, or a string such as "4GB"):
-            the peak of an inverse step (the summary's steady state plus the step's workspace); a model above it
-            stops at setup with the K-FAC summary, before anything is allocated.
+        memory_limit: None, or the most K-FAC memory a rank may take at once ("4GB"), the peak of an inverse step:
+            a model above it stops at setup with the K-FAC summary, before anything is allocated.
         step_size: None (default), ``"quadratic"`` or ``"quadratic_momentum"``: rescale the optimizer's update
             after each step by the minimizer of the exact damped quadratic model of the loss along it (Martens &
             Grosse 2015). Needs ``kfac_loss_parts(batch)`` on the LightningModule (forward() recomputing the

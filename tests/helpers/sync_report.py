@@ -50,7 +50,46 @@ def mlp() -> nn.Module:
     return nn.Sequential(nn.Flatten(), nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 5))
 
 
-MODELS = {"cnn": (cnn, (2, 8, 8)), "mlp": (mlp, (16,))}
+class _Functional(nn.Module):
+    """An MLP whose middle layer's weight goes through F.linear, not a module call (function capture)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.mid, self.out = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x.flatten(1)))
+        return self.out(torch.relu(F.linear(h, self.mid.weight, self.mid.bias)))
+
+
+def functional() -> nn.Module:
+    torch.manual_seed(0)
+    return _Functional()
+
+
+class _MoE(nn.Module):
+    """transformers' Mixtral sparse block (4 experts, top 2, grouped_mm) between two Linears, on 16 features."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import MixtralConfig
+        from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+        cfg = MixtralConfig(hidden_size=16, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2)
+        cfg._experts_implementation = "grouped_mm"
+        self.inp, self.moe, self.out = nn.Linear(16, 16), MixtralSparseMoeBlock(cfg), nn.Linear(16, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x.flatten(1))).unsqueeze(1)
+        return self.out(self.moe(h).squeeze(1))
+
+
+def moe() -> nn.Module:
+    torch.manual_seed(0)
+    return _MoE()
+
+
+MODELS = {"cnn": (cnn, (2, 8, 8)), "mlp": (mlp, (16,)), "functional": (functional, (16,)), "moe": (moe, (16,))}
 
 _PROFILE = dict(profile_steps=(1, 3))  # SPD's plan measured on factor steps 1-2 and used from step 3
 
@@ -65,6 +104,9 @@ LOCAL: dict[str, tuple[str, dict[str, Any], int, dict[str, Any] | None]] = {
     "spd_1rank_every_step": ("cnn", EVERY_STEP, SHORT, dict(schedule="spd", **_PROFILE)),
     # fp16-style loss scaling (torch.amp.GradScaler on the CPU): the scale must stay on the device
     "grad_scaler": ("cnn", dict(grad_scaler=True, factor_update_steps=1, inv_update_steps=2), SHORT, None),
+    # a weight used through F.linear (function capture) and a mixture-of-experts block (expert stacks, grouped_mm)
+    "functional_every_step": ("functional", EVERY_STEP, SHORT, None),
+    "moe_every_step": ("moe", EVERY_STEP, SHORT, None),
 }
 
 # 2 gloo ranks: name -> (SPDOptions.from_schedule keywords, KFACPreconditioner keywords, steps).
