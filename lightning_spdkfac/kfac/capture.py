@@ -284,7 +284,7 @@ class FunctionCapture:
             if kind == _GROUPED:
                 if e is not None or (t != call_t) != helper.transposed:
                     return self._refuse(layer, TRANSPOSED_USE)
-                offs = kwargs.get("offs")
+                offs = args[2] if len(args) > 2 else kwargs.get("offs")
                 if offs is None:
                     return self._refuse(layer, "grouped_mm without offs (one group per expert) is not followed")
                 return layer, helper.grouped_call(offs), x, None
