@@ -10,13 +10,13 @@ from __future__ import annotations
 import numbers
 import warnings
 from collections.abc import Mapping
-from typing import Any, TypeGuard
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 
 from ..factor_shapes import FactorShape, inverse_shape, preconditioned_shape
 from ..vocabulary import FACTOR_APPROXES, INVERSE_METHODS
-from .distributor import Distributor
+from .distributor import Distributor, OwnerHeld
 from .grafting import AdamGraftState
 from .layer_state import KFACLayer
 from .options import KFACOptions
@@ -71,6 +71,10 @@ class CheckpointState:
     step_size: QuadraticStepSize | None
     model: torch.nn.Module
 
+    if TYPE_CHECKING:  # the preconditioner's
+
+        def _sharing(self) -> OwnerHeld: ...
+
     def _drop_collected(self) -> None:
         """Forget the statistics collected since the last step (the preconditioner's)."""
         raise NotImplementedError
@@ -89,17 +93,18 @@ class CheckpointState:
         (a collective: every rank calls :meth:`state_dict` at the same point; received tensors are on the host),
         so the state is complete on every rank and independent of the world size."""
         own = {ly.index: (ly.A, ly.G, ly.A_inv, ly.G_inv, ly.inv_damping) for ly in self.layers.values()}
-        if self.distributor.layer_owners is None:
+        owners = self.distributor.layer_owners
+        if owners is None:
             return own
+        sharing = self._sharing()
         rank = self.distributor.rank
-        held = {i: v for i, v in own.items() if self.distributor.layer_owners[i] == rank}
+        held = {i: v for i, v in own.items() if owners[i] == rank}
         shapes = []
         method = self.options.inverse_method
         for ly in sorted(self.layers.values(), key=lambda ly: ly.index):
             a, g = layer_shapes(ly)
             shapes.append((a, g, inverse_shape(a, method), inverse_shape(g, method)))
-        states = self.distributor.gather_layers(held, shapes,  # type: ignore[attr-defined]
-                                                (self.factor_dtype, self.inv_dtype))
+        states = sharing.gather_layers(held, shapes, (self.factor_dtype, self.inv_dtype))
         return {i: states.get(i, (None, None, None, None, None)) for i in own}
 
     def state_dict(self) -> dict[str, Any]:

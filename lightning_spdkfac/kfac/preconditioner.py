@@ -39,7 +39,7 @@ from . import factors
 from .capture import FunctionCapture
 from .checkpoint import STATE_VERSION, CheckpointState
 from .coverage import Coverage
-from .distributor import Distributor
+from .distributor import Distributor, DistributorContext, OwnerHeld, owner_held
 from .factor_updates import FactorUpdates
 from .forward_check import ForwardMismatch
 from .gradients import GradAccess
@@ -141,7 +141,6 @@ class KFACPreconditioner(LayerRegistration, FactorUpdates, InverseSteps, Precond
         self._g_scale_value: float | torch.Tensor | None = None
         # Per-phase seconds of the last step in ``timer.last`` (see lightning_spdkfac.telemetry).
         self.timer = StepTimer()
-        self.distributor.timer = self.timer
 
         self.steps = 0  # optimizer steps taken (calls of step())
         self.skipped_factor_steps = 0  # factor updates skipped for non-finite values
@@ -175,19 +174,19 @@ class KFACPreconditioner(LayerRegistration, FactorUpdates, InverseSteps, Precond
         self._grad_params = list(dict.fromkeys(p for ly in self.layers.values() for p in ly.helper.params()))
         kfac_ids = {id(p) for p in self._grad_params}
         self._other_params = [p for p in model.parameters() if id(p) not in kfac_ids]
-        self.distributor.inv_dtype = self.inv_dtype
-        self.distributor.inverse_method = self.inverse_method
-        self.distributor.async_inverses = o.async_inverses
-        self.distributor.inv_update_steps = self.inv_update_steps
         # Inversions running asynchronously (async_inverses), launched by an inverse step and swapped in at the
         # start of the next step(); None when nothing is in flight.
         self._in_flight: _InFlight | None = None
         # grafting="adam": each layer's second moment (by layer index); (beta2, eps) of the stepping optimizer.
         self._graft_states: dict[int, AdamGraftState] = {}
         self._graft_hparams = (DEFAULT_BETA2, DEFAULT_EPS)
-        self.distributor.kfac_settings = self.settings_text()
-        self.distributor.setup([(ly.a_shape, ly.g_shape) for ly in self.layers.values()])
-        # Distributed preconditioning (schedule="dpkfac"): the owner rank of each layer; None: every rank holds all.
+        context = DistributorContext(inv_dtype=self.inv_dtype, inverse_method=self.inverse_method,
+                                     async_inverses=o.async_inverses, inv_update_steps=self.inv_update_steps,
+                                     settings=self.settings_text(), timer=self.timer)
+        self.distributor.setup([(ly.a_shape, ly.g_shape) for ly in self.layers.values()], context)
+        # Distributed preconditioning (schedule="dpkfac"): the distributor holding each layer on its owner, and the
+        # owner rank of each layer; None: every rank holds all.
+        self._owner_held: OwnerHeld | None = owner_held(self.distributor)
         self._owners: tuple[int, ...] | None = self.distributor.layer_owners
         # ... and, while a step exchanges the preconditioned gradients, each exchanged layer and its gradient.
         self._shared_grads: dict[int, tuple[KFACLayer, torch.Tensor]] = {}
@@ -437,8 +436,14 @@ class KFACPreconditioner(LayerRegistration, FactorUpdates, InverseSteps, Precond
     # ------------------------------------------------------------------ the step
     def _begin_step(self) -> None:
         """Tell the distributor that optimizer step ``steps`` begins (before its first forward)."""
-        self.distributor.kfac_step = self.steps
-        self.distributor.begin_step()
+        self.distributor.begin_step(self.steps)
+
+    def _sharing(self) -> OwnerHeld:
+        """The distributor as it holds layers on their owners (called where ``layer_owners`` is set)."""
+        if self._owner_held is None:
+            raise TypeError(f"{type(self.distributor).__name__} sets layer_owners but does not implement OwnerHeld "
+                            "(lightning_spdkfac.kfac.distributor): distributed preconditioning needs its methods")
+        return self._owner_held
 
     def _drop_collected(self) -> None:
         """Forget the factor statistics collected since the last step (each step's end, a loaded state)."""
