@@ -71,21 +71,20 @@ class CheckpointState:
     step_size: QuadraticStepSize | None
     model: torch.nn.Module
 
-    if TYPE_CHECKING:  # the preconditioner's
+    # The preconditioner's (declared for the type checker only: at run time they are the other parts', whatever the
+    # order of the bases; a stub here would shadow any that comes after this class in the MRO).
+    if TYPE_CHECKING:
 
         def _sharing(self) -> OwnerHeld: ...
 
-    def _drop_collected(self) -> None:
-        """Forget the statistics collected since the last step (the preconditioner's)."""
-        raise NotImplementedError
+        def _drop_collected(self) -> None:
+            """Forget the statistics collected since the last step."""
 
-    def _register_frozen(self, names: set[str]) -> None:
-        """Register these layers frozen at setup now (the preconditioner's, kfac/registration.py)."""
-        raise NotImplementedError
+        def _register_frozen(self, names: set[str]) -> None:
+            """Register these layers frozen at setup now (kfac/registration.py)."""
 
-    def _settle_inverses(self, keep: bool = True) -> None:
-        """Swap in (``keep``) or drop the asynchronous inversions in flight (the preconditioner's)."""
-        raise NotImplementedError
+        def _settle_inverses(self, keep: bool = True) -> None:
+            """Swap in (``keep``) or drop the asynchronous inversions in flight (kfac/inverse_steps.py)."""
 
     def _layer_states(self) -> dict[int, tuple[Any, ...]]:
         """Every layer's (A, G, A_inv, G_inv, inverse damping) by index. Under distributed preconditioning
