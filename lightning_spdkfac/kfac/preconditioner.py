@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import re
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Generic, TypeVar, cast, overload
 
 import torch
 from torch import nn
@@ -44,7 +44,7 @@ from .factor_updates import FactorUpdates
 from .forward_check import ForwardMismatch
 from .gradients import GradAccess
 from .grafting import DEFAULT_BETA2, DEFAULT_EPS, AdamGraftState
-from .guard import NonFiniteGuard
+from .guard import NonFiniteGuard, StepGrads
 from .hook_tools import autocast_off, eager, in_backward
 from .inverse_steps import InverseSteps, _InFlight
 from .layer_state import KFACLayer
@@ -58,9 +58,32 @@ from .summary import KFACSummary, summarize
 
 __all__ = ["STATE_VERSION", "KFACLayer", "KFACPreconditioner"]
 
+T = TypeVar("T")
 
-class KFACPreconditioner(LayerRegistration, FactorUpdates, InverseSteps, Preconditioning, NonFiniteGuard,
-                         CheckpointState, Coverage):
+
+class _Part(Generic[T]):
+    """An attribute of the preconditioner that is a part's own (``guard.skipped_factor_steps``): read and set there."""
+
+    def __init__(self, part: str) -> None:
+        self.part = part
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, obj: None, objtype: type | None = None) -> _Part[T]: ...
+
+    @overload
+    def __get__(self, obj: object, objtype: type | None = None) -> T: ...
+
+    def __get__(self, obj: object, objtype: type | None = None) -> _Part[T] | T:
+        return self if obj is None else cast(T, getattr(getattr(obj, self.part), self.name))
+
+    def __set__(self, obj: object, value: T) -> None:
+        setattr(getattr(obj, self.part), self.name, value)
+
+
+class KFACPreconditioner(LayerRegistration, FactorUpdates, InverseSteps, Preconditioning, CheckpointState, Coverage):
     """K-FAC for the ``nn.Linear``, ``nn.Conv1d/2d/3d``, ``nn.Embedding`` and ``nn.MultiheadAttention`` layers of a
     model (docs/math.md, "Layers and rows"), usable with any optimizer.
 
@@ -103,7 +126,9 @@ class KFACPreconditioner(LayerRegistration, FactorUpdates, InverseSteps, Precond
             raise TypeError(f"model must be a torch.nn.Module, got {val.show(model)}")
         self.options = KFACOptions.build(options, **overrides)
         o = self.options
-        self.max_bad_steps = o.max_bad_steps
+        # The non-finite guard, a part owning its counters (max_bad_steps, skipped_factor_steps, consecutive_bad_steps,
+        # last_bad_step: the attributes of the same names here are its).
+        self.guard = NonFiniteGuard(model, o.max_bad_steps)
         self.factor_update_steps = o.factor_update_steps
         self.inv_update_steps = o.inv_update_steps
         self.skip_layers = tuple(re.compile(p) for p in o.skip_layers)
@@ -143,11 +168,7 @@ class KFACPreconditioner(LayerRegistration, FactorUpdates, InverseSteps, Precond
         self.timer = StepTimer()
 
         self.steps = 0  # optimizer steps taken (calls of step())
-        self.skipped_factor_steps = 0  # factor updates skipped for non-finite values
         self.skipped_precondition_steps = 0  # steps left unpreconditioned: non-finite gradients
-        self.consecutive_bad_steps = 0  # factor steps skipped in a row (max_bad_steps bounds it)
-        # {"step": k, "bad": {where: [what, ...]}} of the last one
-        self.last_bad_step: dict[str, Any] | None = None
         self.inverse_fallbacks = 0  # factor inversions Cholesky could not do (see kfac.inverse)
         # Did the last step() recompute inverses (every inv_update_steps, or a layer's first)? Telemetry.
         self.last_step_inverted = False
@@ -444,6 +465,28 @@ class KFACPreconditioner(LayerRegistration, FactorUpdates, InverseSteps, Precond
             raise TypeError(f"{type(self.distributor).__name__} sets layer_owners but does not implement OwnerHeld "
                             "(lightning_spdkfac.kfac.distributor): distributed preconditioning needs its methods")
         return self._owner_held
+
+    max_bad_steps = _Part[int | None]("guard")
+    skipped_factor_steps = _Part[int]("guard")
+    consecutive_bad_steps = _Part[int]("guard")
+    last_bad_step = _Part[dict[str, Any] | None]("guard")
+
+    def _check_finite_flags(self, extra: list[torch.Tensor], labels: list[tuple[KFACLayer, str, bool]],
+                            agree: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                            flags: Sequence[torch.Tensor] = ()) -> tuple[bool, list[bool]]:
+        """Whether this step may update the factors, and the device ``flags`` read along (the guard's
+        :meth:`~lightning_spdkfac.kfac.guard.NonFiniteGuard.check`); non-finite gradients leave the step
+        unpreconditioned."""
+        grads_ok, fine, read = self.guard.check(StepGrads(self.steps, self.layers, self._grads, self._other_params),
+                                                extra, labels, agree, flags)
+        if not grads_ok:
+            self._grads_finite = False
+        return fine, read
+
+    def _check_finite(self, extra: list[torch.Tensor], labels: list[tuple[KFACLayer, str, bool]],
+                      agree: Callable[[torch.Tensor], torch.Tensor] | None = None) -> bool:
+        """Whether this step may update the factors (:meth:`_check_finite_flags` without flags)."""
+        return self._check_finite_flags(extra, labels, agree)[0]
 
     def _drop_collected(self) -> None:
         """Forget the factor statistics collected since the last step (each step's end, a loaded state)."""
