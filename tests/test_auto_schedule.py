@@ -35,8 +35,8 @@ def _train(rank, world, options_kw, auto):
     active = []
     original = distributor.begin_step
 
-    def spy():
-        original()
+    def spy(step):
+        original(step)
         active.append(distributor.active if auto else -1)
 
     distributor.begin_step = spy

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_spdkfac import KFACPreconditioner
-from lightning_spdkfac.kfac.distributor import Distributor
+from lightning_spdkfac.kfac.distributor import Distributor, DistributorContext
 
 
 class Echo(Distributor):
@@ -20,10 +20,11 @@ class Echo(Distributor):
         self.events: list[tuple] = []
         self.held: dict = {}
 
-    def setup(self, sides):
+    def setup(self, sides, context):
+        super().setup(sides, context)
         self.sides = list(sides)
 
-    def begin_step(self):
+    def begin_step(self, step):
         self.events.append(("begin",))
         self.held = {}
 
@@ -105,7 +106,7 @@ def test_fuse_g_false_reduces_every_g_factor_alone():
 
     def groups(fuse_g: bool):
         d = SPDDistributor(SPDOptions.from_schedule("spd", fusion="all", fuse_g=fuse_g))
-        d.setup([(4, 3), (5, 2)])  # canonical order: A0, A1, G1, G0
+        d.setup([(4, 3), (5, 2)], DistributorContext())  # canonical order: A0, A1, G1, G0
         return d._plan_groups(d.keys, [0.0] * len(d.keys))
 
     assert groups(False) == [(0, 1), (2,), (3,)]

@@ -375,7 +375,7 @@ class Echo(Distributor):
         self.held: dict = {}
         self.finals = 0
 
-    def begin_step(self):
+    def begin_step(self, step):
         self.held = {}
 
     def factor_final(self, index, which, matrix):

@@ -22,6 +22,7 @@ from lightning_spdkfac.factor_shapes import (
     packed_numel,
     preconditioned_shape,
 )
+from lightning_spdkfac.kfac.distributor import DistributorContext
 from lightning_spdkfac.multiprocess import run_distributed
 from lightning_spdkfac.schedule import (
     AlphaBeta,
@@ -368,11 +369,10 @@ def _distributor_worker(rank: int, world: int, schedule: str, method: str) -> di
         SPDOptions.from_schedule(schedule)
     cls = DPKFACDistributor if schedule == "dpkfac" else SPDDistributor
     d = cls(opts, process_group=dist.new_group())
-    d.inverse_method = method
-    d.setup(LAYERS)  # checks the plan (fingerprint of the shapes included) across ranks
+    d.setup(LAYERS, DistributorContext(inverse_method=method))  # checks the plan (fingerprint of the shapes included) across ranks
     results = {}
     for step in range(3):
-        d.begin_step()
+        d.begin_step(step)
         local = {k: _layer_factor(step, rank, k) for k in _layer_keys()}
         reduced = d.reduce_factors(local)
         for k in _layer_keys():

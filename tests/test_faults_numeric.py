@@ -205,7 +205,7 @@ class CorruptingDistributor(Distributor):
     def __init__(self, index: int, bad_steps: set[int]):
         self.index, self.bad_steps, self.step = index, bad_steps, -1
 
-    def begin_step(self):
+    def begin_step(self, step):
         self.step += 1
 
     def reduce_factors(self, local):

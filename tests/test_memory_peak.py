@@ -308,7 +308,7 @@ class _Owners(dist.Distributor):
     rank = 0
     world_size = 2
 
-    def setup(self, sides) -> None:  # type: ignore[no-untyped-def]
+    def setup(self, sides, context) -> None:  # type: ignore[no-untyped-def]
         self.layer_owners = tuple(i % 2 for i in range(len(sides)))
 
 

@@ -13,7 +13,7 @@ import pytorch_lightning as pl
 from helpers.lightning_models import Tiny, trainer
 
 from lightning_spdkfac import KFAC
-from lightning_spdkfac.kfac.distributor import Distributor
+from lightning_spdkfac.kfac.distributor import Distributor, DistributorContext
 from lightning_spdkfac.lightning.run_report import KFACRunRecord, kfac_line, possible_phases
 from lightning_spdkfac.telemetry import PHASES
 
@@ -120,7 +120,7 @@ def test_possible_phases_follow_the_distributor():
     assert set(possible_phases(_Remote())) == set(PHASES) - asynchronous - {"precondition_comm_wait"}
     assert set(possible_phases(_Owned())) == set(PHASES) - asynchronous
     on = Distributor()
-    on.async_inverses = True
+    on.setup([], DistributorContext(async_inverses=True))
     assert set(possible_phases(on)) == local | asynchronous
     assert set(possible_phases(_Deciding())) == local | asynchronous
     assert list(possible_phases(_Owned())) == [p for p in PHASES if p not in asynchronous]  # PHASES' order

@@ -30,7 +30,9 @@ simulator says the opposite), so instead of asking the user to guess, :class:`Au
   inverse step), and decides again.
 
 The candidates share the cost models (measured once, by ``spd``) and one process group for asynchronous
-broadcasts. Nothing of this is checkpointed: a resumed run times again.
+broadcasts (one :class:`~lightning_spdkfac.comm.scheduler.SharedPlanning` given to each at construction); each
+candidate is driven through the distributor contract alone (setup with the preconditioner's context, then the
+per-step calls). Nothing of this is checkpointed: a resumed run times again.
 """
 
 from __future__ import annotations
@@ -45,11 +47,11 @@ import torch
 import torch.distributed as dist
 
 from ..factor_shapes import ShapeLike
-from ..kfac.distributor import Distributor, FactorKey, PendingInverses, Task
-from ._common import default_device
+from ..kfac.distributor import Distributor, DistributorContext, FactorKey, PendingInverses, Task
+from ._common import default_device, distributed_ready
 from .clock import CudaClock, HostClock, clock_for
 from .faults import Work, stream_ordered, wait_work
-from .scheduler import SPDDistributor, SPDOptions
+from .scheduler import SharedPlanning, SPDDistributor, SPDOptions
 
 __all__ = ["AUTO_SCHEDULES", "AutoDistributor", "candidates"]
 
@@ -99,11 +101,13 @@ class AutoDistributor(Distributor):
                              f"schedule={options.schedule!r}, async_inverses={options.async_inverses!r}")
         self.options = options
         self.process_group = process_group
+        self._dist = distributed_ready(process_group)
         self.labels: list[str] = []
         self.candidates: list[SPDDistributor] = []
+        shared = SharedPlanning()  # the first candidate to set up measures the models; all plan from them
         for label, o in candidates(options):
             self.labels.append(label)
-            self.candidates.append(SPDDistributor(o, process_group=process_group, device=device))
+            self.candidates.append(SPDDistributor(o, process_group=process_group, device=device, shared=shared))
         first = self.candidates[0]
         self.world_size, self.rank, self.device = first.world_size, first.rank, first.device
         self.active = 0  # index of the candidate running the coming step
@@ -119,16 +123,6 @@ class AutoDistributor(Distributor):
         self._slot_start: object = None
         self._decided_at = 0
 
-    # The preconditioner sets these before setup(); every candidate gets them.
-    @property
-    def timer(self) -> Any:
-        return self.candidates[0].timer
-
-    @timer.setter
-    def timer(self, value: Any) -> None:
-        for c in getattr(self, "candidates", ()):
-            c.timer = value
-
     @property
     def pipelined(self) -> bool:  # type: ignore[override]
         return self.candidates[self.active].pipelined
@@ -138,29 +132,24 @@ class AutoDistributor(Distributor):
         """Steps in which factors were reduced, by whichever candidate."""
         return sum(c.factor_steps for c in self.candidates)
 
-    def setup(self, sides: Sequence[tuple[ShapeLike, ShapeLike]]) -> None:
-        self._slot_periods = -(-MIN_SLOT_STEPS // self.inv_update_steps)
+    def setup(self, sides: Sequence[tuple[ShapeLike, ShapeLike]], context: DistributorContext) -> None:
+        super().setup(sides, context)
+        self._slot_periods = -(-MIN_SLOT_STEPS // context.inv_update_steps)
+        # The first measures the cost models; the others plan from the same ones (their SharedPlanning). The first
+        # candidate that inverts asynchronously creates the one asynchronous group, at the start of its setup (the
+        # first or the second candidate, whose setup begins with it: the same point on every rank); every
+        # candidate's broadcasts go there, one round at a time.
         for c in self.candidates:
-            c.inv_dtype, c.inverse_method, c.kfac_settings = self.inv_dtype, self.inverse_method, self.kfac_settings
-            c.async_inverses = self.async_inverses
-        lead = self.candidates[0]
-        lead.setup(sides)  # measures the cost models; the others plan from the same ones
-        if any(c.use_async_inverses() for c in self.candidates):
-            lead._new_async_group()  # (a no-op when lead's setup made it)
-        for c in self.candidates[1:]:
-            c.models = lead.models
-            c._async_group = lead._async_group  # created once; every candidate's broadcasts go there, one round at a time
-            c.setup(sides)
+            c.setup(sides, context)
 
     # ------------------------------------------------------------------ which candidate runs
     def _warming_up(self) -> bool:
-        return self.candidates[0]._measuring
+        return self.candidates[0].measuring
 
-    def begin_step(self) -> None:
-        step = self.kfac_step
-        if step % self.inv_update_steps == 0:  # a period boundary
+    def begin_step(self, step: int) -> None:
+        if step % self.context.inv_update_steps == 0:  # a period boundary
             self._at_period_boundary(step)
-        self.candidates[self.active].begin_step()
+        self.candidates[self.active].begin_step(step)
 
     def _at_period_boundary(self, step: int) -> None:
         if self._slot is not None:  # a timed period ended
@@ -191,9 +180,10 @@ class AutoDistributor(Distributor):
         table = dict(zip(self.labels, fastest))
         self.decisions.append({"step": step, "seconds_per_period": table, "choice": self.labels[best],
                                "median_seconds_per_period": dict(zip(self.labels, medians)),
-                               "steps_per_period": self.inv_update_steps, "periods_per_slot": self._slot_periods})
+                               "steps_per_period": self.context.inv_update_steps,
+                               "periods_per_slot": self._slot_periods})
         if self.rank == 0:
-            per_step = 1e3 / self.inv_update_steps
+            per_step = 1e3 / self.context.inv_update_steps
             rows = "; ".join(f"{label} {t * per_step:.2f} ms/step (median {m * per_step:.2f})"
                              for label, t, m in zip(self.labels, fastest, medians))
             log.info("K-FAC schedule=auto at step %d (fastest of %d slot(s) of %d inverse period(s) each, slowest "
@@ -204,8 +194,7 @@ class AutoDistributor(Distributor):
 
     def _rank_max(self, values: list[float]) -> list[float]:
         """Each value's maximum over the ranks (one all-reduce, bounded by comm_timeout_s)."""
-        first = self.candidates[0]
-        if not first._dist or self.world_size == 1:
+        if not self._dist or self.world_size == 1:
             return values
         t = torch.tensor(values, dtype=torch.float64, device=default_device(self.process_group))
         work: Work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.process_group, async_op=True)
@@ -236,9 +225,8 @@ class AutoDistributor(Distributor):
         return self.candidates[self.active].average_scalars(values)
 
     def close(self) -> None:
-        self.candidates[0].close()  # the shared asynchronous group
-        for c in self.candidates[1:]:
-            c._async_group = None
+        for c in self.candidates:  # the first destroys the shared asynchronous group; the others find it gone
+            c.close()
 
     def describe(self) -> dict[str, Any]:
         """The active candidate's plan, with what auto timed and decided."""

@@ -37,7 +37,16 @@ import torch
 import torch.distributed as dist
 
 from ..factor_shapes import FactorShape, ShapeLike, numel, packed_numel, preconditioned_shape
-from ..kfac.distributor import Distributor, FactorKey, PendingInverses, ReducedFactors, Task
+from ..kfac.distributor import (
+    Distributor,
+    DistributorContext,
+    FactorKey,
+    LayerTensors,
+    OwnerHeld,
+    PendingInverses,
+    ReducedFactors,
+    Task,
+)
 from ..schedule import plan_fusion, plan_layer_placement, preconditioned_order
 from ..schedule.layer_placement import LayerPlacement
 from ._common import NAN, default_device, global_rank
@@ -46,9 +55,6 @@ from .faults import FINITE_AGREEMENT, PRECONDITIONED_BROADCAST, STATE_GATHER, Wo
 from .scheduler import SPDDistributor, SPDOptions
 
 __all__ = ["DPKFACDistributor", "GradientBroadcaster"]
-
-LayerTensors = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, float | None]
-"""A layer's (A, G, A_inv, G_inv, inverse damping) as :meth:`DPKFACDistributor.gather_layers` moves them."""
 
 
 def _gradient_shape(name: str, shape: object) -> FactorShape:
@@ -210,7 +216,7 @@ class GradientBroadcaster(CollectiveExecutor):
         return out
 
 
-class DPKFACDistributor(SPDDistributor):
+class DPKFACDistributor(SPDDistributor, OwnerHeld):
     """``schedule="dpkfac"``: every layer's K-FAC state and work on its owner only (module docstring)."""
 
     def __init__(self, options: SPDOptions, process_group: dist.ProcessGroup | None = None,
@@ -221,14 +227,14 @@ class DPKFACDistributor(SPDDistributor):
         self._owner: tuple[int, ...] = ()  # = layer_owners, typed as set (setup)
 
     # ------------------------------------------------------------------ planning
-    def setup(self, sides: Sequence[tuple[ShapeLike, ShapeLike]]) -> None:
-        super().setup(sides)
+    def setup(self, sides: Sequence[tuple[ShapeLike, ShapeLike]], context: DistributorContext) -> None:
+        super().setup(sides, context)
         shapes = [preconditioned_shape(a, g) for a, g in self.sides]
         assert self.models is not None  # measured by super().setup()
         self._grads = GradientBroadcaster(self._owner, shapes, process_group=self.process_group,
                                           device=self.device, timeout=self.options.comm_timeout_s,
                                           names=[f"layer {i}" for i in range(len(self.sides))],
-                                          dtype=self.inv_dtype,
+                                          dtype=self.context.inv_dtype,
                                           order=preconditioned_order(self.sides, self._owner,
                                                                      self.models.inverse))
 
@@ -236,7 +242,7 @@ class DPKFACDistributor(SPDDistributor):
         """The layer placement, and each factor's owner (that of its layer) in canonical factor order."""
         assert self.models is not None  # measured in setup()
         self.layer_placement = plan_layer_placement(self.sides, self.world_size, self.models.inverse,
-                                                    inverse_method=self.inverse_method)
+                                                    inverse_method=self.context.inverse_method)
         self.layer_owners = self._owner = self.layer_placement.owners
         return tuple(self._owner[i] for i, _ in self.keys)
 
@@ -310,7 +316,7 @@ class DPKFACDistributor(SPDDistributor):
         assert self._grads is not None  # set up
         t0 = time.perf_counter()
         out = self._grads.finish(defer_flags=True)  # no host read per step: the flags stay on the device
-        self.timer.add("precondition_comm_wait", time.perf_counter() - t0)
+        self.context.timer.add("precondition_comm_wait", time.perf_counter() - t0)
         return out
 
     def share_flags(self) -> dict[int, torch.Tensor]:

@@ -9,7 +9,7 @@ This is where the planners (:mod:`lightning_spdkfac.schedule`) meet the executor
   runs under the rest of forward/backward; otherwise everything is submitted in ``step()``.
 * inversion: every factor is inverted by its owner under a placement, which broadcasts the
   inverse (or, with ``inverse_method="eigen"``, the eigen payload) asynchronously, or by every rank
-  (replicated). The preconditioner sets ``inverse_method`` before ``setup()``; the cost models and
+  (replicated). The preconditioner's ``inverse_method`` comes with ``setup()``'s context; the cost models and
   the broadcaster follow it.
 
 Planning (SPD): at start-up the all-reduce and broadcast alpha-beta models are measured on the
@@ -35,7 +35,15 @@ from torch.profiler import record_function
 
 from .. import validation as val
 from ..factor_shapes import FactorShape, ShapeLike, check_shapes, is_diagonal, packed_numel, side
-from ..kfac.distributor import Distributor, FactorKey, Inverse, PendingInverses, ReducedFactors, Task
+from ..kfac.distributor import (
+    Distributor,
+    DistributorContext,
+    FactorKey,
+    Inverse,
+    PendingInverses,
+    ReducedFactors,
+    Task,
+)
 from ..schedule import (
     AlphaBeta,
     InverseCost,
@@ -46,7 +54,6 @@ from ..schedule import (
     plan_placement,
 )
 from ..schedule.placement import message_bytes
-from ..telemetry import StepTimer
 from ..vocabulary import LOAD_BALANCED_PLACEMENTS
 from ._common import default_device, distributed_ready
 from .broadcast import InverseBroadcaster
@@ -83,11 +90,21 @@ class Models:
     inverse: InverseCost
 
 
+@dataclass
+class SharedPlanning:
+    """What distributors that run one job in turn share (``schedule="auto"``'s candidates, comm/auto.py): the cost
+    models, measured by the first to set up and planned from by every one, and the process group of asynchronous
+    inverse broadcasts, created once (by the first that needs it) and destroyed once (by the first to close)."""
+
+    models: Models | None = None
+    async_group: dist.ProcessGroup | None = None
+
+
 class SPDDistributor(Distributor):
     """K-FAC's cross-rank work under one of the schedules of :class:`SPDOptions`."""
 
     def __init__(self, options: SPDOptions, process_group: dist.ProcessGroup | None = None,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, *, shared: SharedPlanning | None = None) -> None:
         val.check_instance("options", options, SPDOptions)
         self.options = options
         self.process_group = process_group
@@ -98,8 +115,8 @@ class SPDDistributor(Distributor):
         # strategies pass their root device.
         self.device = torch.device(device) if device is not None else default_device(process_group)
         self.pipelined = False
-        self.timer: StepTimer = StepTimer()  # replaced by the preconditioner's
-        self.models: Models | None = None
+        # The cost models and the asynchronous group (own, or shared with the other candidates of schedule="auto").
+        self.shared = SharedPlanning() if shared is None else shared
         self.factor_steps = 0  # steps in which factors were reduced
         self._measuring = False
         self._profile_window = options.profile_steps
@@ -113,13 +130,35 @@ class SPDDistributor(Distributor):
         self.plan_groups: tuple[tuple[int, ...], ...] = ()
         self.placement_owners: tuple[int, ...] = ()
         self.last_broadcast_order: list[FactorKey] = []  # the owned factors, as the last inversion issued them
-        # The process group of asynchronous inverse broadcasts (async_inverses): a group of its own, so that the
-        # worker's broadcasts never interleave with what the caller's thread issues on process_group meanwhile
-        # (pipelined factor all-reduces, plan checks), whose order would then differ from rank to rank.
-        self._async_group: dist.ProcessGroup | None = None
+
+    @property
+    def models(self) -> Models | None:
+        """The measured cost models (None before setup)."""
+        return self.shared.models
+
+    @models.setter
+    def models(self, value: Models | None) -> None:
+        self.shared.models = value
+
+    @property
+    def _async_group(self) -> dist.ProcessGroup | None:
+        """The process group of asynchronous inverse broadcasts (async_inverses): a group of its own, so that the
+        worker's broadcasts never interleave with what the caller's thread issues on process_group meanwhile
+        (pipelined factor all-reduces, plan checks), whose order would then differ from rank to rank."""
+        return self.shared.async_group
+
+    @_async_group.setter
+    def _async_group(self, group: dist.ProcessGroup | None) -> None:
+        self.shared.async_group = group
+
+    @property
+    def measuring(self) -> bool:
+        """Whether the factors' ready times are being measured (the profile steps, before a pipelined plan)."""
+        return self._measuring
 
     # ------------------------------------------------------------------ setup and planning
-    def setup(self, sides: Sequence[tuple[ShapeLike, ShapeLike]]) -> None:
+    def setup(self, sides: Sequence[tuple[ShapeLike, ShapeLike]], context: DistributorContext) -> None:
+        super().setup(sides, context)
         self.sides = _layer_shapes(sides)
         if self.use_async_inverses():
             self._new_async_group()
@@ -152,7 +191,7 @@ class SPDDistributor(Distributor):
 
     def use_async_inverses(self) -> bool:
         own = self.options.async_inverses
-        return self.async_inverses if own is None or own == "auto" else own
+        return self.context.async_inverses if own is None or own == "auto" else own
 
     def average_scalars(self, values: torch.Tensor) -> torch.Tensor:
         """One all-reduce on the factor process group, from the caller's thread between steps (its factor
@@ -190,7 +229,7 @@ class SPDDistributor(Distributor):
         zero = AlphaBeta(0.0, 0.0)
         # Probe up to the largest message: a packed factor (all-reduce) or its inverse (broadcast).
         tri_bytes = [packed_numel(self._shape(k)) * opts.bytes_per_element for k in self.keys]
-        inv_bytes = [message_bytes(self._shape(k), opts.bytes_per_element, self.inverse_method) for k in self.keys]
+        inv_bytes = [message_bytes(self._shape(k), opts.bytes_per_element, self.context.inverse_method) for k in self.keys]
         allreduce = broadcast = zero
         inverse = InverseCost()
         if self._dist and tri_bytes and (need_allreduce or need_placement):
@@ -205,7 +244,7 @@ class SPDDistributor(Distributor):
         if need_inverse and ns:
             probe = sorted({ns[0], ns[len(ns) // 2], ns[-1], max(8, ns[-1] // 2)})
             inverse = broadcast_object(
-                measure_inverse_cost(probe, device=self.device, method=self.inverse_method) if self.rank == 0 else None,
+                measure_inverse_cost(probe, device=self.device, method=self.context.inverse_method) if self.rank == 0 else None,
                 src=0, group=self.process_group,
             )
         self.models = Models(allreduce=allreduce, broadcast=broadcast, inverse=inverse)
@@ -229,7 +268,7 @@ class SPDDistributor(Distributor):
         assert self.models is not None  # measured in setup()
         placement = plan_placement(ns, self.world_size, self.models.inverse, self.models.broadcast,
                                    policy=opts.placement, bytes_per_element=opts.bytes_per_element,
-                                   small_threshold=opts.small_factor, inverse_method=self.inverse_method)
+                                   small_threshold=opts.small_factor, inverse_method=self.context.inverse_method)
         return tuple(placement.owners)
 
     def _set_plan(self, order: list[FactorKey], groups: Sequence[Sequence[int]], pipelined: bool) -> None:
@@ -244,7 +283,7 @@ class SPDDistributor(Distributor):
             destinations=self._destinations(self.order, self.plan_groups),
         )
         check_plan_consistency(self.order, self.plan_groups, self.placement_owners, self._fused.shapes,
-                               self.process_group, self.options.comm_timeout_s, settings=self.kfac_settings,
+                               self.process_group, self.options.comm_timeout_s, settings=self.context.settings,
                                broadcast=self._planned_broadcast_order())
 
     def _destinations(self, order: Sequence[FactorKey], groups: Sequence[Sequence[int]]) -> list[int] | None:
@@ -269,7 +308,7 @@ class SPDDistributor(Distributor):
         self._set_plan(order, self._plan_groups(order, ready), pipelined=self.options.pipelining)
 
     # ------------------------------------------------------------------ per step
-    def begin_step(self) -> None:
+    def begin_step(self, step: int) -> None:
         opts = self.options
         if opts.needs_profile:
             if self._measuring and self.factor_steps >= self._profile_window[1]:
@@ -317,14 +356,14 @@ class SPDDistributor(Distributor):
         if t is None:
             return
         done = [g for g in range(len(t.launch)) if t.work_end[g] == t.work_end[g]]  # not NaN
-        self.timer.add("factor_comm_wait", sum(t.work_end[g] - t.wait_start[g] for g in done))
-        self.timer.add("factor_pack", pack_seconds + sum(t.wait_end[g] - t.work_end[g] for g in done))
+        self.context.timer.add("factor_comm_wait", sum(t.work_end[g] - t.wait_start[g] for g in done))
+        self.context.timer.add("factor_pack", pack_seconds + sum(t.wait_end[g] - t.work_end[g] for g in done))
         inflight, end = 0.0, float("-inf")
         for start, stop in sorted((t.launch[g], t.work_end[g]) for g in done):
             if stop > end:
                 inflight += stop - max(start, end)
                 end = stop
-        self.timer.add("factor_comm_inflight", inflight)
+        self.context.timer.add("factor_comm_inflight", inflight)
 
     def _owners(self, tasks: Sequence[Task]) -> list[int]:
         return [self.placement_owners[self._canonical[(t[0], t[1])]] if self.world_size > 1 else -1 for t in tasks]
@@ -336,9 +375,9 @@ class SPDDistributor(Distributor):
         order = self._broadcast_order(tasks, owners, shapes)
         self.last_broadcast_order = [(tasks[i][0], tasks[i][1]) for i in order]
         bc = InverseBroadcaster(owners, shapes, process_group=group,
-                                dtype=self.options.torch_comm_dtype, result_dtype=self.inv_dtype,
+                                dtype=self.options.torch_comm_dtype, result_dtype=self.context.inv_dtype,
                                 device=self.device, order=order, timeout=self.options.comm_timeout_s,
-                                names=[f"layer {t[0]} {t[1]}" for t in tasks], inverse_method=self.inverse_method)
+                                names=[f"layer {t[0]} {t[1]}" for t in tasks], inverse_method=self.context.inverse_method)
         return bc, order
 
     def invert(
@@ -381,9 +420,9 @@ class SPDDistributor(Distributor):
         for i in arrival:
             t0 = time.perf_counter()
             inverse = bc.wait(i)
-            self.timer.add("inverse_comm_wait", time.perf_counter() - t0)
+            self.context.timer.add("inverse_comm_wait", time.perf_counter() - t0)
             on_ready(tasks[i][0], tasks[i][1], inverse)
-        with self.timer.phase("inverse_comm_wait"):
+        with self.context.timer.phase("inverse_comm_wait"):
             bc.wait_all()  # this rank's own broadcasts
 
     def invert_async(self, tasks: Sequence[Task],

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -214,7 +214,7 @@ class FunctionCapture:
                 return None
             name = type(fn).__name__
             if name == "AccumulateGrad":
-                leaf: torch.Tensor = fn.variable  # type: ignore[attr-defined]
+                leaf: torch.Tensor = cast(Any, fn).variable  # (AccumulateGrad.variable: not in torch's stubs)
                 layer = self.watched.get(id(leaf))
                 return None if layer is None else _resolve(layer, leaf.dim(), ops)
             ops.append(fn)

@@ -10,13 +10,13 @@ from __future__ import annotations
 import numbers
 import warnings
 from collections.abc import Mapping
-from typing import Any, TypeGuard
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 
 from ..factor_shapes import FactorShape, inverse_shape, preconditioned_shape
 from ..vocabulary import FACTOR_APPROXES, INVERSE_METHODS
-from .distributor import Distributor
+from .distributor import Distributor, OwnerHeld
 from .grafting import AdamGraftState
 from .layer_state import KFACLayer
 from .options import KFACOptions
@@ -71,17 +71,20 @@ class CheckpointState:
     step_size: QuadraticStepSize | None
     model: torch.nn.Module
 
-    def _drop_collected(self) -> None:
-        """Forget the statistics collected since the last step (the preconditioner's)."""
-        raise NotImplementedError
+    # The preconditioner's (declared for the type checker only: at run time they are the other parts', whatever the
+    # order of the bases; a stub here would shadow any that comes after this class in the MRO).
+    if TYPE_CHECKING:
 
-    def _register_frozen(self, names: set[str]) -> None:
-        """Register these layers frozen at setup now (the preconditioner's, kfac/registration.py)."""
-        raise NotImplementedError
+        def _sharing(self) -> OwnerHeld: ...
 
-    def _settle_inverses(self, keep: bool = True) -> None:
-        """Swap in (``keep``) or drop the asynchronous inversions in flight (the preconditioner's)."""
-        raise NotImplementedError
+        def _drop_collected(self) -> None:
+            """Forget the statistics collected since the last step."""
+
+        def _register_frozen(self, names: set[str]) -> None:
+            """Register these layers frozen at setup now (kfac/registration.py)."""
+
+        def _settle_inverses(self, keep: bool = True) -> None:
+            """Swap in (``keep``) or drop the asynchronous inversions in flight (kfac/inverse_steps.py)."""
 
     def _layer_states(self) -> dict[int, tuple[Any, ...]]:
         """Every layer's (A, G, A_inv, G_inv, inverse damping) by index. Under distributed preconditioning
@@ -89,17 +92,18 @@ class CheckpointState:
         (a collective: every rank calls :meth:`state_dict` at the same point; received tensors are on the host),
         so the state is complete on every rank and independent of the world size."""
         own = {ly.index: (ly.A, ly.G, ly.A_inv, ly.G_inv, ly.inv_damping) for ly in self.layers.values()}
-        if self.distributor.layer_owners is None:
+        owners = self.distributor.layer_owners
+        if owners is None:
             return own
+        sharing = self._sharing()
         rank = self.distributor.rank
-        held = {i: v for i, v in own.items() if self.distributor.layer_owners[i] == rank}
+        held = {i: v for i, v in own.items() if owners[i] == rank}
         shapes = []
         method = self.options.inverse_method
         for ly in sorted(self.layers.values(), key=lambda ly: ly.index):
             a, g = layer_shapes(ly)
             shapes.append((a, g, inverse_shape(a, method), inverse_shape(g, method)))
-        states = self.distributor.gather_layers(held, shapes,  # type: ignore[attr-defined]
-                                                (self.factor_dtype, self.inv_dtype))
+        states = sharing.gather_layers(held, shapes, (self.factor_dtype, self.inv_dtype))
         return {i: states.get(i, (None, None, None, None, None)) for i in own}
 
     def state_dict(self) -> dict[str, Any]:

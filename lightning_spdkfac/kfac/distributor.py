@@ -8,7 +8,10 @@ package never touches torch.distributed.
 
 Contract, per optimizer step (every rank calls the same methods in the same order):
 
-0. ``setup(sides)`` once, before the first step: per layer, in index order, ``(A shape, G shape)``. Each is an
+0. ``setup(sides, context)`` once, before the first step: ``context`` is the :class:`DistributorContext` (inversion
+   dtype, inverse method, asynchronous-inverses option, inverse cadence, settings text, phase timer), the only way
+   the preconditioner configures a distributor (nothing is assigned on it from outside); an override calls
+   ``super().setup(sides, context)``, which keeps it as ``self.context``. ``sides``: per layer, in index order, ``(A shape, G shape)``. Each is an
    ``int`` n (legacy: an n x n dense factor) or a :data:`~lightning_spdkfac.factor_shapes.FactorShape`:
    ``(n, n)`` dense, ``(n,)`` diagonal (only the diagonal is kept), ``(b, n, n)`` grouped (b dense blocks).
    Every factor handed to ``factor_final`` / ``reduce_factors`` and returned by them has its layer's shape
@@ -16,7 +19,8 @@ Contract, per optimizer step (every rank calls the same methods in the same orde
    per dense block; a diagonal factor's inverse is the (n,) vector of reciprocals); with ``"eigen"`` an
    inverse has :func:`~lightning_spdkfac.factor_shapes.inverse_shape`: (n+1, n) for a dense factor,
    (b, n+1, n) for a grouped one, (n,) (the eigenvalues alone) for a diagonal one.
-1. ``begin_step()`` before the first forward of the step (called by the preconditioner).
+1. ``begin_step(step)`` before the first forward of the step (called by the preconditioner): ``step`` is the
+   optimizer step about to begin (0, 1, ...); inverse steps are those with ``step % context.inv_update_steps == 0``.
 2. With ``pipelined`` true, the preconditioner calls ``factor_final(index, which, matrix)``
    from its hooks as soon as a layer's A (forward) or G (backward) of this step is final,
    on the micro-batch that ends the step (None: this rank has no data for it, e.g. an empty input).
@@ -40,7 +44,7 @@ Contract, per optimizer step (every rank calls the same methods in the same orde
    ``invert_async``. The worker thread only computes: every collective is issued from the caller's
    thread (inside ``wait()``, which every rank reaches at the same point of its step), never from the
    worker, because NCCL does not allow several threads to issue on the communicators of one device.
-6. With ``layer_owners`` set (distributed preconditioning), ``reduce_factors`` returns a layer's factors on
+6. Capability :class:`OwnerHeld` (distributed preconditioning, ``schedule="dpkfac"``): with ``layer_owners`` set, ``reduce_factors`` returns a layer's factors on
    its owner only (None elsewhere), ``invert`` is given owned layers only, and the preconditioned gradients
    are exchanged every step: ``begin_share(layers)`` (the layers to exchange, identical on every rank) before
    the inversions, ``offer(index, P or None)`` on the owner as soon as a layer is preconditioned, and
@@ -53,6 +57,11 @@ Contract, per optimizer step (every rank calls the same methods in the same orde
    ``agree_tensor(ok)`` (every factor step, on every rank) is the AND over ranks of the 0-dim boolean ``ok``, left
    on the device, and
    ``gather_layers(...)`` gives every rank every layer's state (for checkpoints).
+
+Capabilities beyond the base class are declared, never probed by name: pipelined factors are the base's
+``pipelined`` flag with ``factor_final`` (which the base refuses); owner-held state is the :class:`OwnerHeld`
+protocol, which a distributor claims by naming it among its bases and the preconditioner finds with
+:func:`owner_held`. mypy checks every call against these declarations.
 """
 
 from __future__ import annotations
@@ -60,17 +69,44 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
-from ..factor_shapes import ShapeLike
+from ..factor_shapes import FactorShape, ShapeLike
 from ..telemetry import StepTimer
 from ..vocabulary import InverseMethodName
 
 FactorKey = tuple[int, str]  # (layer index, "A" or "G")
 Task = tuple[int, str, torch.Tensor]
 Inverse = tuple[int, str, torch.Tensor]  # (layer index, "A" or "G", its inverse)
+# A layer's checkpointed state: (A, G, A_inv, G_inv, damping of the inverses)
+LayerTensors = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, float | None]
+
+
+@dataclass(frozen=True, eq=False)
+class DistributorContext:
+    """What the preconditioner tells its distributor, once, at :meth:`Distributor.setup` (contract item 0).
+
+    Attributes:
+        inv_dtype: the dtype of inversions and preconditioning (that of the inverses a distributor moves).
+        inverse_method: ``"cholesky"`` inverses are n x n symmetric matrices, ``"eigen"`` ones (n+1) x n eigen
+            payloads (kfac/inverse.py); a distributor that moves them needs to know which.
+        async_inverses: the preconditioner's ``async_inverses`` option (:meth:`Distributor.use_async_inverses`
+            decides).
+        inv_update_steps: inverses are recomputed on steps ``step % inv_update_steps == 0`` (``begin_step(step)``).
+        settings: the preconditioner's K-FAC settings as text (``KFACPreconditioner.settings_text``): distributors
+            that check the plan across ranks check these too.
+        timer: the preconditioner's phase timer (a distributor adds its communication waits there).
+    """
+
+    inv_dtype: torch.dtype = torch.float32
+    inverse_method: InverseMethodName = "cholesky"
+    async_inverses: bool = False
+    inv_update_steps: int = 1
+    settings: str = ""
+    timer: StepTimer = field(default_factory=StepTimer)
 
 
 _SIDE_STREAMS: dict[torch.device, Any] = {}
@@ -191,20 +227,8 @@ class Distributor:
     world_size: int = 1
     rank: int = 0
     pipelined: bool = False
-    inv_dtype: torch.dtype = torch.float32  # set by the preconditioner before setup()
-    # Set by the preconditioner before setup(): "cholesky" inverses are n x n symmetric matrices, "eigen"
-    # ones (n+1) x n eigen payloads (kfac/inverse.py); a distributor that moves them needs to know which.
-    inverse_method: InverseMethodName = "cholesky"
-    # The preconditioner's K-FAC settings as text (``KFACPreconditioner.settings_text``), set before setup():
-    # distributors that check the plan across ranks check these too.
-    kfac_settings: str = ""
-    timer: StepTimer | None = None  # the preconditioner's phase timer, set before setup()
-    # The preconditioner's ``async_inverses`` option, set before setup(); :meth:`use_async_inverses` decides.
-    async_inverses: bool = False
-    # Set by the preconditioner: its ``inv_update_steps`` (before setup()), and the optimizer step about to begin
-    # (before each begin_step()); inverse steps are those with ``kfac_step % inv_update_steps == 0``.
-    inv_update_steps: int = 1
-    kfac_step: int = 0
+    # What setup() was given (a default one until then).
+    context: DistributorContext = DistributorContext()
     # Distributed preconditioning (schedule="dpkfac"): the rank that owns each layer (its running factors,
     # inverses and preconditioning live there only; see the contract's last item). None: every rank holds every
     # layer. Set by setup().
@@ -215,12 +239,13 @@ class Distributor:
         if "is_local" not in cls.__dict__:
             cls.is_local = False
 
-    def setup(self, sides: Sequence[tuple[ShapeLike, ShapeLike]]) -> None:
+    def setup(self, sides: Sequence[tuple[ShapeLike, ShapeLike]], context: DistributorContext) -> None:
         """Called once with the (A shape, G shape) of every layer, in layer-index order (contract item 0: an
-        int n is an n x n factor)."""
+        int n is an n x n factor), and the preconditioner's :class:`DistributorContext`, kept as ``context``."""
+        self.context = context
 
-    def begin_step(self) -> None:
-        """A new optimizer step starts (before its first forward)."""
+    def begin_step(self, step: int) -> None:
+        """Optimizer step ``step`` starts (before its first forward)."""
 
     def factor_final(self, index: int, which: str, matrix: torch.Tensor | None) -> None:
         raise RuntimeError("factor_final is only called on pipelined distributors")
@@ -241,7 +266,7 @@ class Distributor:
         """Whether this inverse step's inversions run asynchronously (:meth:`invert_async`); asked by the
         preconditioner on every inverse step, identical on every rank. A distributed schedule may decide
         otherwise than the preconditioner's option (the strategies' ``async_inverses``, ``schedule="auto"``)."""
-        return self.async_inverses
+        return self.context.async_inverses
 
     def invert_async(self, tasks: Sequence[Task],
                      invert_fn: Callable[[list[Task]], list[torch.Tensor]]) -> PendingInverses:
@@ -260,3 +285,46 @@ class Distributor:
 
     def close(self) -> None:
         """The preconditioner is done with this distributor (its hooks are removed): release what it holds."""
+
+
+@runtime_checkable
+class OwnerHeld(Protocol):
+    """Capability: distributed preconditioning (contract item 6). Each layer's running factors, inverses and
+    preconditioning live on its owner (``layer_owners``, set by setup); the preconditioned gradients are exchanged
+    every step and the ranks agree on what only owners see. A distributor claims it by naming this class among its
+    bases; :func:`owner_held` is how the preconditioner finds it."""
+
+    layer_owners: tuple[int, ...] | None
+
+    def agree_tensor(self, ok: torch.Tensor) -> torch.Tensor:
+        """The AND over ranks of the 0-dim boolean ``ok`` (every factor step, every rank), left on the device."""
+        ...
+
+    def begin_share(self, layers: Sequence[int]) -> None:
+        """The layers whose preconditioned gradient this step exchanges (identical on every rank)."""
+        ...
+
+    def offer(self, index: int, value: torch.Tensor | None) -> None:
+        """On the owner: layer ``index``'s preconditioned gradient (None: it has none), as soon as it is computed."""
+        ...
+
+    def finish_share(self) -> dict[int, torch.Tensor | None]:
+        """Every exchanged layer's preconditioned gradient (None: left as it is), identical on every rank."""
+        ...
+
+    def share_flags(self) -> dict[int, torch.Tensor]:
+        """Of the last :meth:`finish_share`: per received layer, a 0-dim boolean device tensor, false where its
+        owner sent nothing (the gradient is then left as it is)."""
+        ...
+
+    def gather_layers(self, held: dict[int, LayerTensors], shapes: Sequence[tuple[FactorShape, ...]],
+                      dtypes: tuple[torch.dtype, torch.dtype]) -> dict[int, LayerTensors]:
+        """Every layer's state on every rank, from its owner (checkpoints)."""
+        ...
+
+
+def owner_held(distributor: Distributor) -> OwnerHeld | None:
+    """``distributor`` as an :class:`OwnerHeld` when it holds layers on their owners (after setup), else None."""
+    if isinstance(distributor, OwnerHeld) and distributor.layer_owners is not None:
+        return distributor
+    return None

@@ -14,7 +14,7 @@ import torch
 from .. import validation as val
 from ..telemetry import StepTimer
 from . import factors
-from .distributor import Distributor, FactorKey, ReducedFactors
+from .distributor import Distributor, FactorKey, OwnerHeld, ReducedFactors
 from .layer_state import KFACLayer
 
 
@@ -32,6 +32,8 @@ class FactorUpdates:
     if TYPE_CHECKING:  # the preconditioner's (declared for the type checker only: nothing here at run time)
 
         def _warn_once(self, layer: str, key: str, message: str) -> None: ...
+
+        def _sharing(self) -> OwnerHeld: ...
 
         def _g_scale(self) -> float | torch.Tensor: ...
 
@@ -115,7 +117,7 @@ class FactorUpdates:
         # (every rank, every factor step, even one that received nothing), so every rank skips together.
         diagonals = [factors.trace_sum(m) for _, A, G in ready for m in (A, G)]
         labels = [(layer, which, True) for layer, _, _ in ready for which in ("A", "G")]
-        agree = self.distributor.agree_tensor if self._owners is not None else None  # type: ignore[attr-defined]
+        agree = self._sharing().agree_tensor if self._owners is not None else None
         # Whether any rank had data for each factor (a reduction that left it on the device) is read with the
         # finiteness verdict: one host read for the whole factor step.
         present = reduced.present if isinstance(reduced, ReducedFactors) else None

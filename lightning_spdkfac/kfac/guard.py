@@ -3,14 +3,15 @@
 A step whose activations, output gradients, received factors or gradients hold inf or NaN updates no
 factor (and, for non-finite gradients, is not preconditioned); :class:`NonFiniteGuard` decides that with
 one host sync, names the culprits only on bad steps, logs, counts, and raises after ``max_bad_steps``
-such steps in a row. It is a part of :class:`~lightning_spdkfac.kfac.KFACPreconditioner`.
+such steps in a row. It is a part of :class:`~lightning_spdkfac.kfac.KFACPreconditioner` that owns its state (the
+counters and the last bad step), given what it checks as arguments.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -20,32 +21,41 @@ from .layer_state import KFACLayer, _sum32
 log = logging.getLogger(__name__)
 
 
-class NonFiniteGuard:
-    """A mixin: the attributes below are the preconditioner's."""
+class StepGrads(NamedTuple):
+    """What a check looks at: the optimizer step, the layers, the step's gradients of K-FAC's parameters and the
+    parameters K-FAC leaves to the optimizer."""
 
+    step: int
     layers: dict[str, KFACLayer]
-    model: nn.Module
-    steps: int
-    max_bad_steps: int | None
-    skipped_factor_steps: int
-    skipped_precondition_steps: int
-    consecutive_bad_steps: int
-    last_bad_step: dict[str, Any] | None
-    _grads: dict[nn.Parameter, torch.Tensor | None]
-    _grads_finite: bool
-    _other_params: list[nn.Parameter]
+    grads: dict[nn.Parameter, torch.Tensor | None]
+    other_params: list[nn.Parameter]
 
-    def _grad_sums(self) -> list[torch.Tensor]:
+
+class NonFiniteGuard:
+    """A part of the preconditioner that owns the bad-step bookkeeping: the counters, the last bad step's blame and
+    the bound on a bad streak. What a check looks at (the step, its gradients, the layers) comes as arguments."""
+
+    def __init__(self, model: nn.Module, max_bad_steps: int | None) -> None:
+        self.model = model  # (its parameter names, for the blame)
+        self.max_bad_steps = max_bad_steps
+        self.skipped_factor_steps = 0  # factor updates skipped for non-finite values
+        self.consecutive_bad_steps = 0  # factor steps skipped in a row (max_bad_steps bounds it)
+        # {"step": k, "bad": {where: [what, ...]}} of the last one
+        self.last_bad_step: dict[str, Any] | None = None
+
+    @staticmethod
+    def _grad_sums(grads: StepGrads) -> list[torch.Tensor]:
         """One scalar per gradient, non-finite exactly where the gradient holds an inf or NaN."""
-        sums = [_sum32(g) for g in self._grads.values() if g is not None]
-        sums += [_sum32(p.grad) for p in self._other_params if p.grad is not None]
+        sums = [_sum32(g) for g in grads.grads.values() if g is not None]
+        sums += [_sum32(p.grad) for p in grads.other_params if p.grad is not None]
         return sums
 
-    def _finite(self, extra: list[torch.Tensor], agree: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    def _finite(self, grads: StepGrads, extra: list[torch.Tensor],
+                agree: Callable[[torch.Tensor], torch.Tensor] | None = None,
                 flags: Sequence[torch.Tensor] = ()) -> tuple[bool, bool, bool, list[bool]]:
         """One host read: (are all gradients finite, are all the ``extra`` scalars finite here, and over every
         rank with ``agree``, and the boolean device ``flags`` read along)."""
-        sums = self._grad_sums()
+        sums = self._grad_sums(grads)
         n = len(sums)
         if not sums and not extra and agree is None and not flags:
             return True, True, True, []
@@ -58,35 +68,28 @@ class NonFiniteGuard:
         values = read.tolist()  # the one host read of a factor step
         return bool(values[0]), bool(values[1]), bool(values[2]), [bool(v) for v in values[3:]]
 
-    def _check_finite(self, extra: list[torch.Tensor], labels: list[tuple[KFACLayer, str, bool]],
-                      agree: Callable[[torch.Tensor], torch.Tensor] | None = None) -> bool:
-        """Whether this step may update the factors (:meth:`_check_finite_flags` without flags)."""
-        return self._check_finite_flags(extra, labels, agree)[0]
-
-    def _check_finite_flags(self, extra: list[torch.Tensor], labels: list[tuple[KFACLayer, str, bool]],
-                            agree: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                            flags: Sequence[torch.Tensor] = ()) -> tuple[bool, list[bool]]:
-        """Whether this step may update the factors, and the device ``flags`` read in the same host read; notes
-        non-finite gradients for the step.
+    def check(self, grads: StepGrads, extra: list[torch.Tensor], labels: list[tuple[KFACLayer, str, bool]],
+              agree: Callable[[torch.Tensor], torch.Tensor] | None = None,
+              flags: Sequence[torch.Tensor] = ()) -> tuple[bool, bool, list[bool]]:
+        """(are the step's gradients finite, may this step update the factors, the device ``flags`` read in the same
+        host read).
 
         ``labels[i]`` is ``(layer, "A" or "G", received)`` for ``extra[i]``, used only on a bad step
         to say where the non-finite values are. Raises after ``max_bad_steps`` bad steps in a row.
         ``agree`` (distributed preconditioning, where each rank sees its own layers' factors only) makes the
         verdict on ``extra`` that of every rank (on the device: the AND over ranks of a boolean), so that every rank
-        skips the step together.
+        skips the step together. Non-finite gradients leave the step unpreconditioned (the caller's part): the
+        optimizer's own overflow handling (GradScaler, DeepSpeed) sees the gradients as they are, while
+        preconditioning would only spread the inf/NaN over every entry.
         """
-        grads_ok, local_ok, extra_ok, read = self._finite(extra, agree, flags)
-        if not grads_ok:
-            # The optimizer's own overflow handling (GradScaler, DeepSpeed) sees the gradients as
-            # they are: preconditioning would only spread the inf/NaN over every entry.
-            self._grads_finite = False
+        grads_ok, local_ok, extra_ok, read = self._finite(grads, extra, agree, flags)
         if grads_ok and extra_ok:
             self.consecutive_bad_steps = 0
-            return True, read
+            return grads_ok, True, read
         self.skipped_factor_steps += 1
         self.consecutive_bad_steps += 1
-        bad = self._blame(extra, labels)  # off the healthy path: one more host sync
-        self.last_bad_step = {"step": self.steps, "bad": bad}
+        bad = self._blame(grads, extra, labels)  # off the healthy path: one more host sync
+        self.last_bad_step = {"step": grads.step, "bad": bad}
         where = _describe_bad(bad)
         if local_ok and not bad:
             where = "the factors of layers other ranks own (their logs name them)"
@@ -95,20 +98,21 @@ class NonFiniteGuard:
         log.log(
             logging.INFO if only_grads else logging.WARNING,
             "K-FAC step %d: non-finite values (%s); factor update skipped%s (%d in a row, %d in all)",
-            self.steps, where, "" if grads_ok else " and gradients left unpreconditioned",
+            grads.step, where, "" if grads_ok else " and gradients left unpreconditioned",
             self.consecutive_bad_steps, self.skipped_factor_steps,
         )
         if self.max_bad_steps is not None and self.consecutive_bad_steps >= self.max_bad_steps:
             raise RuntimeError(
                 f"K-FAC: {self.consecutive_bad_steps} consecutive factor steps had non-finite values "
                 f"(max_bad_steps={self.max_bad_steps}), so their factor updates were skipped; at step "
-                f"{self.steps}: {where}. Training has diverged or the data holds NaN/Inf: lower the "
+                f"{grads.step}: {where}. Training has diverged or the data holds NaN/Inf: lower the "
                 "learning rate, raise damping, use loss scaling (a GradScaler / fp16 loss scale) or bf16, "
                 "and check the input data; max_bad_steps=None disables this error"
             )
-        return False, read
+        return grads_ok, False, read
 
-    def _blame(self, extra: list[torch.Tensor], labels: list[tuple[KFACLayer, str, bool]]) -> dict[str, list[str]]:
+    def _blame(self, grads: StepGrads, extra: list[torch.Tensor],
+               labels: list[tuple[KFACLayer, str, bool]]) -> dict[str, list[str]]:
         """Where the non-finite values of a bad step are: {layer or parameter: [what, ...]}.
 
         Layers in registration order (their factors, then their gradient), then other parameters.
@@ -117,14 +121,14 @@ class NonFiniteGuard:
         places: list[tuple[str, str | tuple[str, bool, KFACLayer]]] = [
             (layer.name, (which, received, layer)) for layer, which, received in labels]
         scalars: list[torch.Tensor] = list(extra)
-        for layer in self.layers.values():
+        for layer in grads.layers.values():
             for p in layer.helper.params():
-                g = self._grads.get(p)
+                g = grads.grads.get(p)
                 if g is not None:
                     places.append((layer.name, "gradient"))
                     scalars.append(_sum32(g))
         names = {id(p): n for n, p in self.model.named_parameters()}
-        for p in self._other_params:
+        for p in grads.other_params:
             if p.grad is not None:
                 places.append((f"parameter {names.get(id(p), '?')!r}", "gradient"))
                 scalars.append(_sum32(p.grad))
@@ -137,7 +141,7 @@ class NonFiniteGuard:
                 what = self._factor_blame(*what)
             if what not in found.setdefault(name, []):
                 found[name].append(what)
-        order = {name: i for i, name in enumerate(self.layers)}
+        order = {name: i for i, name in enumerate(grads.layers)}
         return dict(sorted(found.items(), key=lambda kv: order.get(kv[0], len(order))))
 
     @staticmethod

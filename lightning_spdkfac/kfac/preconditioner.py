@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import re
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Generic, TypeVar, cast, overload
 
 import torch
 from torch import nn
@@ -39,12 +39,12 @@ from . import factors
 from .capture import FunctionCapture
 from .checkpoint import STATE_VERSION, CheckpointState
 from .coverage import Coverage
-from .distributor import Distributor
+from .distributor import Distributor, DistributorContext, OwnerHeld, owner_held
 from .factor_updates import FactorUpdates
 from .forward_check import ForwardMismatch
 from .gradients import GradAccess
 from .grafting import DEFAULT_BETA2, DEFAULT_EPS, AdamGraftState
-from .guard import NonFiniteGuard
+from .guard import NonFiniteGuard, StepGrads
 from .hook_tools import autocast_off, eager, in_backward
 from .inverse_steps import InverseSteps, _InFlight
 from .layer_state import KFACLayer
@@ -58,9 +58,32 @@ from .summary import KFACSummary, summarize
 
 __all__ = ["STATE_VERSION", "KFACLayer", "KFACPreconditioner"]
 
+T = TypeVar("T")
 
-class KFACPreconditioner(LayerRegistration, FactorUpdates, InverseSteps, Preconditioning, NonFiniteGuard,
-                         CheckpointState, Coverage):
+
+class _Part(Generic[T]):
+    """An attribute of the preconditioner that is a part's own (``guard.skipped_factor_steps``): read and set there."""
+
+    def __init__(self, part: str) -> None:
+        self.part = part
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, obj: None, objtype: type | None = None) -> _Part[T]: ...
+
+    @overload
+    def __get__(self, obj: object, objtype: type | None = None) -> T: ...
+
+    def __get__(self, obj: object, objtype: type | None = None) -> _Part[T] | T:
+        return self if obj is None else cast(T, getattr(getattr(obj, self.part), self.name))
+
+    def __set__(self, obj: object, value: T) -> None:
+        setattr(getattr(obj, self.part), self.name, value)
+
+
+class KFACPreconditioner(LayerRegistration, FactorUpdates, InverseSteps, Preconditioning, CheckpointState, Coverage):
     """K-FAC for the ``nn.Linear``, ``nn.Conv1d/2d/3d``, ``nn.Embedding`` and ``nn.MultiheadAttention`` layers of a
     model (docs/math.md, "Layers and rows"), usable with any optimizer.
 
@@ -103,7 +126,9 @@ class KFACPreconditioner(LayerRegistration, FactorUpdates, InverseSteps, Precond
             raise TypeError(f"model must be a torch.nn.Module, got {val.show(model)}")
         self.options = KFACOptions.build(options, **overrides)
         o = self.options
-        self.max_bad_steps = o.max_bad_steps
+        # The non-finite guard, a part owning its counters (max_bad_steps, skipped_factor_steps, consecutive_bad_steps,
+        # last_bad_step: the attributes of the same names here are its).
+        self.guard = NonFiniteGuard(model, o.max_bad_steps)
         self.factor_update_steps = o.factor_update_steps
         self.inv_update_steps = o.inv_update_steps
         self.skip_layers = tuple(re.compile(p) for p in o.skip_layers)
@@ -141,14 +166,9 @@ class KFACPreconditioner(LayerRegistration, FactorUpdates, InverseSteps, Precond
         self._g_scale_value: float | torch.Tensor | None = None
         # Per-phase seconds of the last step in ``timer.last`` (see lightning_spdkfac.telemetry).
         self.timer = StepTimer()
-        self.distributor.timer = self.timer
 
         self.steps = 0  # optimizer steps taken (calls of step())
-        self.skipped_factor_steps = 0  # factor updates skipped for non-finite values
         self.skipped_precondition_steps = 0  # steps left unpreconditioned: non-finite gradients
-        self.consecutive_bad_steps = 0  # factor steps skipped in a row (max_bad_steps bounds it)
-        # {"step": k, "bad": {where: [what, ...]}} of the last one
-        self.last_bad_step: dict[str, Any] | None = None
         self.inverse_fallbacks = 0  # factor inversions Cholesky could not do (see kfac.inverse)
         # Did the last step() recompute inverses (every inv_update_steps, or a layer's first)? Telemetry.
         self.last_step_inverted = False
@@ -175,19 +195,19 @@ class KFACPreconditioner(LayerRegistration, FactorUpdates, InverseSteps, Precond
         self._grad_params = list(dict.fromkeys(p for ly in self.layers.values() for p in ly.helper.params()))
         kfac_ids = {id(p) for p in self._grad_params}
         self._other_params = [p for p in model.parameters() if id(p) not in kfac_ids]
-        self.distributor.inv_dtype = self.inv_dtype
-        self.distributor.inverse_method = self.inverse_method
-        self.distributor.async_inverses = o.async_inverses
-        self.distributor.inv_update_steps = self.inv_update_steps
         # Inversions running asynchronously (async_inverses), launched by an inverse step and swapped in at the
         # start of the next step(); None when nothing is in flight.
         self._in_flight: _InFlight | None = None
         # grafting="adam": each layer's second moment (by layer index); (beta2, eps) of the stepping optimizer.
         self._graft_states: dict[int, AdamGraftState] = {}
         self._graft_hparams = (DEFAULT_BETA2, DEFAULT_EPS)
-        self.distributor.kfac_settings = self.settings_text()
-        self.distributor.setup([(ly.a_shape, ly.g_shape) for ly in self.layers.values()])
-        # Distributed preconditioning (schedule="dpkfac"): the owner rank of each layer; None: every rank holds all.
+        context = DistributorContext(inv_dtype=self.inv_dtype, inverse_method=self.inverse_method,
+                                     async_inverses=o.async_inverses, inv_update_steps=self.inv_update_steps,
+                                     settings=self.settings_text(), timer=self.timer)
+        self.distributor.setup([(ly.a_shape, ly.g_shape) for ly in self.layers.values()], context)
+        # Distributed preconditioning (schedule="dpkfac"): the distributor holding each layer on its owner, and the
+        # owner rank of each layer; None: every rank holds all.
+        self._owner_held: OwnerHeld | None = owner_held(self.distributor)
         self._owners: tuple[int, ...] | None = self.distributor.layer_owners
         # ... and, while a step exchanges the preconditioned gradients, each exchanged layer and its gradient.
         self._shared_grads: dict[int, tuple[KFACLayer, torch.Tensor]] = {}
@@ -437,8 +457,36 @@ class KFACPreconditioner(LayerRegistration, FactorUpdates, InverseSteps, Precond
     # ------------------------------------------------------------------ the step
     def _begin_step(self) -> None:
         """Tell the distributor that optimizer step ``steps`` begins (before its first forward)."""
-        self.distributor.kfac_step = self.steps
-        self.distributor.begin_step()
+        self.distributor.begin_step(self.steps)
+
+    def _sharing(self) -> OwnerHeld:
+        """The distributor as it holds layers on their owners (called where ``layer_owners`` is set)."""
+        if self._owner_held is None:
+            raise TypeError(f"{type(self.distributor).__name__} sets layer_owners but does not implement OwnerHeld "
+                            "(lightning_spdkfac.kfac.distributor): distributed preconditioning needs its methods")
+        return self._owner_held
+
+    max_bad_steps = _Part[int | None]("guard")
+    skipped_factor_steps = _Part[int]("guard")
+    consecutive_bad_steps = _Part[int]("guard")
+    last_bad_step = _Part[dict[str, Any] | None]("guard")
+
+    def _check_finite_flags(self, extra: list[torch.Tensor], labels: list[tuple[KFACLayer, str, bool]],
+                            agree: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                            flags: Sequence[torch.Tensor] = ()) -> tuple[bool, list[bool]]:
+        """Whether this step may update the factors, and the device ``flags`` read along (the guard's
+        :meth:`~lightning_spdkfac.kfac.guard.NonFiniteGuard.check`); non-finite gradients leave the step
+        unpreconditioned."""
+        grads_ok, fine, read = self.guard.check(StepGrads(self.steps, self.layers, self._grads, self._other_params),
+                                                extra, labels, agree, flags)
+        if not grads_ok:
+            self._grads_finite = False
+        return fine, read
+
+    def _check_finite(self, extra: list[torch.Tensor], labels: list[tuple[KFACLayer, str, bool]],
+                      agree: Callable[[torch.Tensor], torch.Tensor] | None = None) -> bool:
+        """Whether this step may update the factors (:meth:`_check_finite_flags` without flags)."""
+        return self._check_finite_flags(extra, labels, agree)[0]
 
     def _drop_collected(self) -> None:
         """Forget the factor statistics collected since the last step (each step's end, a loaded state)."""

@@ -15,7 +15,7 @@ from torch import nn
 
 from .. import validation as val
 from . import factors
-from .distributor import Distributor
+from .distributor import Distributor, OwnerHeld
 from .gradients import GradAccess
 from .grafting import DEFAULT_BETA2, DEFAULT_EPS, AdamGraftState, graft
 from .inverse import eigen_precondition
@@ -53,6 +53,8 @@ class Preconditioning:
         def _check_grad_shape(self, layer: KFACLayer, what: str, got: tuple[int, ...],
                               want: tuple[int, ...]) -> None: ...
 
+        def _sharing(self) -> OwnerHeld: ...
+
     def _precondition_layer(self, layer: KFACLayer) -> None:
         """P = G_inv [dW, db] A_inv (or its eigen form) for one layer, kept until the KL clip of the step is known."""
         # Not whether this rank ran the layer, which is local (data-dependent control flow): the gradient,
@@ -82,7 +84,7 @@ class Preconditioning:
             return
         self._preconditioned[layer.index] = (layer, p, gi)
         if self._owners is not None:  # its broadcast starts now, while the next layer is worked on
-            self.distributor.offer(layer.index, p)  # type: ignore[attr-defined]
+            self._sharing().offer(layer.index, p)
 
     def _write_through(self, g: torch.Tensor) -> bool:
         """Whether a layer's P is written to its gradient as soon as it is computed: on one process (distributed
@@ -112,12 +114,13 @@ class Preconditioning:
             g = self._step_grad(layer)
             if g is not None:
                 self._shared_grads[layer.index] = (layer, g)
-        self.distributor.begin_share(list(self._shared_grads))  # type: ignore[attr-defined]
+        self._sharing().begin_share(list(self._shared_grads))
 
     def _gather_preconditioned(self) -> None:
         """Distributed preconditioning: every exchanged layer's P from its owner (the owner's own tensor here)."""
-        shared = self.distributor.finish_share()  # type: ignore[attr-defined]
-        flags = self.distributor.share_flags()  # type: ignore[attr-defined]
+        sharing = self._sharing()
+        shared = sharing.finish_share()
+        flags = sharing.share_flags()
         for index, p in shared.items():
             if p is not None and index not in self._preconditioned:
                 layer, g = self._shared_grads[index]

@@ -38,7 +38,7 @@ def possible_phases(distributor: Distributor) -> tuple[str, ...]:
         impossible.update(DPKFAC_PHASES)
     # A distributor that decides for itself (the strategies' async_inverses, schedule="auto") may go async.
     decides = type(distributor).use_async_inverses is not Distributor.use_async_inverses
-    if not distributor.async_inverses and not decides:
+    if not distributor.context.async_inverses and not decides:
         impossible.update(ASYNC_PHASES)
     return tuple(p for p in PHASES if p not in impossible)
 
