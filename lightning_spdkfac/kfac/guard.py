@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from .layer_state import KFACLayer, _sum32
+from .sharded import grad_sums
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +39,8 @@ class NonFiniteGuard:
     def _grad_sums(self) -> list[torch.Tensor]:
         """One scalar per gradient, non-finite exactly where the gradient holds an inf or NaN."""
         sums = [_sum32(g) for g in self._grads.values() if g is not None]
-        sums += [_sum32(p.grad) for p in self._other_params if p.grad is not None]
+        # FSDP2 hook: the other parameters' gradients may be DTensor shards (summed over the mesh, kfac/sharded.py)
+        sums += grad_sums([p.grad for p in self._other_params if p.grad is not None], _sum32)
         return sums
 
     def _finite(self, extra: list[torch.Tensor], agree: Callable[[torch.Tensor], torch.Tensor] | None = None,
@@ -124,10 +126,9 @@ class NonFiniteGuard:
                     places.append((layer.name, "gradient"))
                     scalars.append(_sum32(g))
         names = {id(p): n for n, p in self.model.named_parameters()}
-        for p in self._other_params:
-            if p.grad is not None:
-                places.append((f"parameter {names.get(id(p), '?')!r}", "gradient"))
-                scalars.append(_sum32(p.grad))
+        others = [p for p in self._other_params if p.grad is not None]
+        places += [(f"parameter {names.get(id(p), '?')!r}", "gradient") for p in others]
+        scalars += grad_sums([p.grad for p in others if p.grad is not None], _sum32)  # FSDP2 hook (kfac/sharded.py)
         ok = torch.isfinite(torch.stack([s.float() for s in scalars])).tolist() if scalars else []
         found: dict[str, list[str]] = {}
         for (name, what), fine in zip(places, ok):

@@ -53,6 +53,7 @@ from .options import KFACOptions
 from .param_groups import StepGroups
 from .preconditioning import Preconditioning
 from .registration import LayerRegistration
+from .sharded import fsdp2_setup
 from .step_size import LossParts, QuadraticStepSize
 from .summary import KFACSummary, summarize
 
@@ -121,6 +122,8 @@ class KFACPreconditioner(LayerRegistration, FactorUpdates, InverseSteps, Precond
         self.inverse_method = o.inverse_method
         self._eigen = o.inverse_method == "eigen"
         self.grad_scaler = grad_scaler
+        # FSDP2 hook: a fully_shard model gets FSDP2GradAccess and the owner-based schedule (kfac/sharded.py)
+        distributor, grad_access = fsdp2_setup(model, distributor, grad_access)
         self.distributor = Distributor() if distributor is None else distributor
         self.grad_access = GradAccess() if grad_access is None else grad_access
         # One process with the base distributor keeps the in-place fast path.
