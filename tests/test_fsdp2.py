@@ -112,12 +112,14 @@ def _equal_ranked(rank: int, world: int) -> dict[str, Any]:
         pre = KFACPreconditioner(model, **_options(case))
         sharded_log.removeHandler(handler)
         _train(case, model, model, pre, rank, world)
+        summary = str(pre.summary())
         pre.remove_hooks()
         out[case] = {
             "ddp": [p.detach().clone() for p in ddp_model.parameters()],
             "fsdp": [p.full_tensor().detach().clone() for p in model.parameters()],  # type: ignore[operator]
             "local_rows": [tuple(p.to_local().shape) for p in model.parameters()],  # type: ignore[operator]
             "log": handler.messages,
+            "summary": summary,
             "layers": len(pre.layers),
             "owned": sum(ly.A_inv is not None for ly in pre.layers.values()),  # dpkfac: inverses on the owner only
         }
@@ -140,6 +142,7 @@ def test_fsdp2_equals_ddp(case: str) -> None:
     for rank in (0, 1):
         got = results[rank][case]
         assert any("FSDP2: exact sharded preconditioning, owner-based" in m for m in got["log"]), got["log"]
+        assert "FSDP2: exact sharded preconditioning, owner-based" in got["summary"], got["summary"]
         for a, b in zip(got["fsdp"], got["ddp"]):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     layers = results[0][case]["layers"]

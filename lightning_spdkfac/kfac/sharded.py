@@ -41,6 +41,22 @@ log = logging.getLogger(__name__)
 __all__ = ["FSDP2GradAccess", "refuse_late_sharding", "fsdp2_setup", "grad_sums", "is_dtensor"]
 
 SETUP_MESSAGE = "FSDP2: exact sharded preconditioning, owner-based"
+
+
+def summary_line(grad_access: GradAccess) -> str | None:
+    """The summary's line on sharding (None: the model is not FSDP2-sharded)."""
+    if not isinstance(grad_access, FSDP2GradAccess):
+        return None
+    return (f"{SETUP_MESSAGE} (factors and inverses on each layer's owner; each step assembles the K-FAC layers' "
+            "full gradients from their dim-0 shards on every rank, "
+            + (f"{_bytes(grad_access.gathered_bytes)} at the last step, " if grad_access.gathered_bytes else "")
+            + "and writes back each rank's rows)")
+
+
+def _bytes(n: int) -> str:
+    from .summary import format_bytes
+
+    return format_bytes(n)
 FIX = ("build the model with FSDP2 (torch.distributed.fsdp.fully_shard, or Lightning's ModelParallelStrategy with "
        "tensor_parallel_size=1) on a 1-D data-parallel mesh, then build KFACPreconditioner after fully_shard; or use "
        "DDP (SPDKFACStrategy)")
@@ -132,12 +148,14 @@ def refuse_late_sharding(tensors: Iterable[torch.Tensor | None]) -> None:
 class FSDP2GradAccess(GradAccess):
     """Full gradients of FSDP2 layers, assembled from their dim-0 shards; each rank's rows written back on close.
 
-    ``open`` is collective (one all-gather per sharded gradient over its mesh): every rank calls it with the same
-    parameters in the same order.
+    ``open`` is collective (one all-gather per gradient dtype over the mesh, every shard padded to the largest
+    one): every rank calls it with the same parameters in the same order. Between ``open`` and ``close`` every rank
+    holds the full gradients of the K-FAC layers (``gathered_bytes``, shown by the summary).
     """
 
     def __init__(self) -> None:
         self._shards: dict[nn.Parameter, torch.Tensor] = {}
+        self.gathered_bytes = 0  # the full gradients held during the last step
 
     def open(self, params: Sequence[torch.nn.Parameter]) -> dict[torch.nn.Parameter, torch.Tensor | None]:
         out: dict[torch.nn.Parameter, torch.Tensor | None] = {}
@@ -145,12 +163,19 @@ class FSDP2GradAccess(GradAccess):
         for p in params:
             g = p.grad
             if is_dtensor(g):
-                out[p] = g.full_tensor()  # type: ignore[union-attr]
                 self._shards[p] = g  # type: ignore[assignment]
+                out[p] = None  # filled below
             elif g is not None and is_dtensor(p):
                 raise RuntimeError("K-FAC: a DTensor parameter with a plain gradient; " + FIX)
             else:
                 out[p] = g
+        by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+        for p, g in self._shards.items():
+            by_dtype.setdefault(g.dtype, []).append(p)
+        for ps in by_dtype.values():
+            out.update(_gather_rows([self._shards[p] for p in ps], ps))
+        self.gathered_bytes = sum(t.numel() * t.element_size() for p, t in out.items()
+                                  if t is not None and p in self._shards)
         return out
 
     def close(self, grads: dict[torch.nn.Parameter, torch.Tensor | None]) -> None:
@@ -159,14 +184,54 @@ class FSDP2GradAccess(GradAccess):
             assert full is not None
             mesh = shard.device_mesh  # type: ignore[attr-defined]
             local = shard.to_local()  # type: ignore[attr-defined]
-            rows = full.chunk(mesh.size(), dim=0)
-            coord = mesh.get_local_rank()
-            mine = rows[coord] if coord < len(rows) else full[:0]
+            start, stop = _rows(full.shape[0], mesh.size(), mesh.get_local_rank())
+            mine = full[start:stop]
             if mine.shape != local.shape:
                 raise RuntimeError(f"K-FAC: a gradient shard of shape {tuple(local.shape)} is not the torch.chunk rows "
                                    f"{tuple(mine.shape)} of its {tuple(full.shape)} gradient; {FIX}")
             local.copy_(mine)
         self._shards = {}
+
+
+def _rows(n: int, world: int, rank: int) -> tuple[int, int]:
+    """The rows [start, stop) of an n-row tensor that ``rank`` holds under Shard(0) (torch.chunk's split: ceil(n/P)
+    rows each, the last ranks fewer or none)."""
+    c = -(-n // world)
+    return min(n, rank * c), min(n, (rank + 1) * c)
+
+
+def _gather_rows(shards: list[torch.Tensor], params: list[nn.Parameter]) -> dict[nn.Parameter, torch.Tensor | None]:
+    """The full tensors of Shard(0) DTensors of one dtype on one mesh, with one all-gather of padded shards."""
+    mesh = shards[0].device_mesh  # type: ignore[attr-defined]
+    world = mesh.size()
+    shapes = [tuple(g.shape) for g in shards]  # global shapes
+    row = [numel_of(s[1:]) for s in shapes]
+    pad = [-(-s[0] // world) * r for s, r in zip(shapes, row)]  # the largest shard of each, in elements
+    buf = torch.zeros(sum(pad), dtype=shards[0].dtype, device=shards[0].to_local().device)  # type: ignore[attr-defined]
+    offset = 0
+    for g, size in zip(shards, pad):
+        local = g.to_local().reshape(-1)  # type: ignore[attr-defined]
+        buf[offset:offset + local.numel()].copy_(local)
+        offset += size
+    parts = [torch.empty_like(buf) for _ in range(world)]
+    dist.all_gather(parts, buf, group=mesh.get_group())
+    out: dict[nn.Parameter, torch.Tensor | None] = {}
+    offset = 0
+    for p, shape, size, r in zip(params, shapes, pad, row):
+        pieces = []
+        for k in range(world):
+            start, stop = _rows(shape[0], world, k)
+            pieces.append(parts[k][offset:offset + (stop - start) * r])
+        out[p] = torch.cat(pieces).reshape(shape)
+        offset += size
+    return out
+
+
+def numel_of(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def grad_sums(grads: Sequence[torch.Tensor], sum32: Any) -> list[torch.Tensor]:
