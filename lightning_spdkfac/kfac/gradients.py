@@ -27,12 +27,7 @@ class GradAccess:
     """``param.grad``, read and written in place (DDP, one process)."""
 
     def open(self, params: Sequence[torch.nn.Parameter]) -> dict[torch.nn.Parameter, torch.Tensor | None]:
-        grads = {p: p.grad for p in params}
-        if any(type(g) is not torch.Tensor and g is not None for g in grads.values()):  # FSDP2 hook: a DTensor here
-            from .sharded import refuse_late_sharding
-
-            refuse_late_sharding(grads.values())
-        return grads
+        return {p: p.grad for p in params}
 
     def close(self, grads: dict[torch.nn.Parameter, torch.Tensor | None]) -> None:
         """The tensors are the gradients themselves: nothing to commit."""

@@ -24,7 +24,7 @@ after the preconditioner was built.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -41,25 +41,19 @@ log = logging.getLogger(__name__)
 __all__ = ["FSDP2GradAccess", "refuse_late_sharding", "fsdp2_setup", "grad_sums", "is_dtensor"]
 
 SETUP_MESSAGE = "FSDP2: exact sharded preconditioning, owner-based"
-
-
-def summary_line(grad_access: GradAccess) -> str | None:
-    """The summary's line on sharding (None: the model is not FSDP2-sharded)."""
-    if not isinstance(grad_access, FSDP2GradAccess):
-        return None
-    return (f"{SETUP_MESSAGE} (factors and inverses on each layer's owner; each step assembles the K-FAC layers' "
-            "full gradients from their dim-0 shards on every rank, "
-            + (f"{_bytes(grad_access.gathered_bytes)} at the last step, " if grad_access.gathered_bytes else "")
-            + "and writes back each rank's rows)")
-
-
-def _bytes(n: int) -> str:
-    from .summary import format_bytes
-
-    return format_bytes(n)
 FIX = ("build the model with FSDP2 (torch.distributed.fsdp.fully_shard, or Lightning's ModelParallelStrategy with "
        "tensor_parallel_size=1) on a 1-D data-parallel mesh, then build KFACPreconditioner after fully_shard; or use "
        "DDP (SPDKFACStrategy)")
+
+
+def summary_line(grad_access: GradAccess, format_bytes: Callable[[int], str]) -> str | None:
+    """The summary's line on sharding (None: the model is not FSDP2-sharded)."""
+    if not isinstance(grad_access, FSDP2GradAccess):
+        return None
+    held = grad_access.gathered_bytes
+    return (f"{SETUP_MESSAGE} (factors and inverses on each layer's owner; each step assembles the K-FAC layers' "
+            "full gradients from their dim-0 shards on every rank, "
+            + (f"{format_bytes(held)} at the last step, " if held else "") + "and writes back each rank's rows)")
 
 
 def is_dtensor(t: object) -> bool:

@@ -193,7 +193,7 @@ def summarize(pre: KFACPreconditioner) -> KFACSummary:
     trainable = sum(p.numel() for p in {id(p): p for p in pre.model.parameters() if p.requires_grad}.values())
     rank = None if owners is None else pre.distributor.rank
     return KFACSummary(tuple(rows), tuple(left), trainable, rank, _workspace(pre, rows, rank, async_inverses),
-                       _graft_bytes(pre), summary_line(pre.grad_access))  # (FSDP2 hook: kfac/sharded.py)
+                       _graft_bytes(pre), summary_line(pre.grad_access, format_bytes))  # (FSDP2 hook: kfac/sharded.py)
 
 
 # The preconditioning's temporaries of one layer, in P's size: G^-1 g and P (kfac/factors.py apply_inverses; one
