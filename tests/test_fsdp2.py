@@ -300,3 +300,25 @@ def test_model_parallel_strategy_rules() -> None:
         model_parallel(ModelParallelStrategy(2, 2), model, True)
     with pytest.raises(ValueError, match="not FSDP2-sharded.*fully_shard"):
         model_parallel(ModelParallelStrategy(1, 2), model, False)
+
+
+def _one_rank(rank: int, world: int) -> dict[str, list[torch.Tensor]]:
+    torch.set_num_threads(1)
+    plain = _model("linear")
+    _train("linear", plain, plain, KFACPreconditioner(plain, **KW), rank, world)
+    model = _model("linear")
+    _shard(model)
+    _train("linear", model, model, KFACPreconditioner(model, **KW), rank, world)
+    return {"plain": [p.detach() for p in plain.parameters()],
+            "fsdp": [p.full_tensor().detach() for p in model.parameters()]}  # type: ignore[operator]
+
+
+@pytest.mark.timeout(90)
+def test_fsdp2_one_rank_equals_one_process() -> None:
+    """On a 1-rank mesh (the one-process distributor, P written through to the gathered gradient) FSDP2 K-FAC equals
+    K-FAC on the unsharded model."""
+    from lightning_spdkfac.multiprocess import run_distributed
+
+    got = run_distributed(_one_rank, 1, timeout=60)[0]
+    for a, b in zip(got["fsdp"], got["plain"]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
