@@ -17,12 +17,15 @@ from lightning_spdkfac.kfac import KFACPreconditioner
 
 KW: dict[str, Any] = dict(damping=0.05, kl_clip=1e-2, lr=0.05, factor_update_steps=1, inv_update_steps=2)
 STEPS, PER_RANK = 4, 3
-CASES = ("linear", "conv2d", "embedding", "conv1d", "diag_head")
+CASES = ("linear", "conv2d", "embedding", "conv1d", "diag_head", "linear_grafted")
+# The owner-based path (rows gathered to each layer's owner, P's rows scattered back); grafting needs every layer's P
+# on every rank, so "linear_grafted" takes the path where every rank assembles every gradient.
+LEAN = {case: case != "linear_grafted" for case in CASES}
 
 
 def _model(case: str) -> nn.Sequential:
     torch.manual_seed(0)
-    if case == "linear":  # 7 rows: shards of 4 and 3
+    if case in ("linear", "linear_grafted"):  # 7 rows: shards of 4 and 3
         return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
     if case == "conv2d":
         return nn.Sequential(nn.Conv2d(2, 5, 3), nn.Tanh(), nn.Flatten(), nn.Linear(5 * 4 * 4, 3))
@@ -67,6 +70,8 @@ def _train(case: str, model: nn.Module, net: nn.Module, pre: KFACPreconditioner,
 
 
 def _options(case: str) -> dict[str, Any]:
+    if case == "linear_grafted":
+        return dict(KW, grafting="sgd")
     return dict(KW, max_factor_side=8) if case == "diag_head" else KW
 
 
@@ -120,6 +125,9 @@ def _equal_ranked(rank: int, world: int) -> dict[str, Any]:
             "local_rows": [tuple(p.to_local().shape) for p in model.parameters()],  # type: ignore[operator]
             "log": handler.messages,
             "summary": summary,
+            "access": type(pre.grad_access).__name__,
+            "gathered": pre.grad_access.gathered_bytes,  # type: ignore[attr-defined]
+            "grad_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
             "layers": len(pre.layers),
             "owned": sum(ly.A_inv is not None for ly in pre.layers.values()),  # dpkfac: inverses on the owner only
         }
@@ -145,6 +153,12 @@ def test_fsdp2_equals_ddp(case: str) -> None:
         assert "FSDP2: exact sharded preconditioning, owner-based" in got["summary"], got["summary"]
         for a, b in zip(got["fsdp"], got["ddp"]):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    if LEAN[case]:  # each rank assembles only its own layers' gradients
+        assert [r[case]["access"] for r in results] == ["OwnerShardedAccess"] * 2
+        assert sum(r[case]["gathered"] for r in results) == results[0][case]["grad_bytes"]
+    else:
+        assert [r[case]["access"] for r in results] == ["FSDP2GradAccess"] * 2
+        assert all(r[case]["gathered"] == r[case]["grad_bytes"] for r in results)
     layers = results[0][case]["layers"]
     assert layers >= 2 and results[0][case]["owned"] + results[1][case]["owned"] == layers, "not preconditioned"
     start = [p.detach() for p in _model(case).parameters()]

@@ -15,8 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from .gradients import GradAccess
 from .layer_state import KFACLayer, _sum32
-from .sharded import grad_sums
+from .sharded import grad_sums, guard_grad
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +27,7 @@ class NonFiniteGuard:
 
     layers: dict[str, KFACLayer]
     model: nn.Module
+    grad_access: GradAccess
     steps: int
     max_bad_steps: int | None
     skipped_factor_steps: int
@@ -38,7 +40,9 @@ class NonFiniteGuard:
 
     def _grad_sums(self) -> list[torch.Tensor]:
         """One scalar per gradient, non-finite exactly where the gradient holds an inf or NaN."""
-        sums = [_sum32(g) for g in self._grads.values() if g is not None]
+        # FSDP2 hook: under the owner-based path every rank checks the same shards (kfac/sharded.py)
+        grads = [guard_grad(self.grad_access, self._grads, p) for p in self._grads]
+        sums = grad_sums([g for g in grads if g is not None], _sum32)
         # FSDP2 hook: the other parameters' gradients may be DTensor shards (summed over the mesh, kfac/sharded.py)
         sums += grad_sums([p.grad for p in self._other_params if p.grad is not None], _sum32)
         return sums
@@ -119,12 +123,14 @@ class NonFiniteGuard:
         places: list[tuple[str, str | tuple[str, bool, KFACLayer]]] = [
             (layer.name, (which, received, layer)) for layer, which, received in labels]
         scalars: list[torch.Tensor] = list(extra)
+        layer_grads = []
         for layer in self.layers.values():
             for p in layer.helper.params():
-                g = self._grads.get(p)
+                g = guard_grad(self.grad_access, self._grads, p)  # FSDP2 hook (kfac/sharded.py)
                 if g is not None:
                     places.append((layer.name, "gradient"))
-                    scalars.append(_sum32(g))
+                    layer_grads.append(g)
+        scalars += grad_sums(layer_grads, _sum32)
         names = {id(p): n for n, p in self.model.named_parameters()}
         others = [p for p in self._other_params if p.grad is not None]
         places += [(f"parameter {names.get(id(p), '?')!r}", "gradient") for p in others]

@@ -53,7 +53,7 @@ from .options import KFACOptions
 from .param_groups import StepGroups
 from .preconditioning import Preconditioning
 from .registration import LayerRegistration
-from .sharded import fsdp2_setup
+from .sharded import OwnerShardedAccess, fsdp2_setup, lean_access, precondition_owned
 from .step_size import LossParts, QuadraticStepSize
 from .summary import KFACSummary, summarize
 
@@ -192,6 +192,8 @@ class KFACPreconditioner(LayerRegistration, FactorUpdates, InverseSteps, Precond
         self.distributor.setup([(ly.a_shape, ly.g_shape) for ly in self.layers.values()])
         # Distributed preconditioning (schedule="dpkfac"): the owner rank of each layer; None: every rank holds all.
         self._owners: tuple[int, ...] | None = self.distributor.layer_owners
+        # FSDP2 hook: rows gathered to each layer's owner and scattered back where that applies (kfac/sharded.py)
+        self.grad_access = lean_access(list(self.layers.values()), self._owners, self.grad_access, o, self.distributor)
         # ... and, while a step exchanges the preconditioned gradients, each exchanged layer and its gradient.
         self._shared_grads: dict[int, tuple[KFACLayer, torch.Tensor]] = {}
         # Distributed preconditioning: received layers whose owner may have sent nothing (0-dim device flags, read on
@@ -515,11 +517,12 @@ class KFACPreconditioner(LayerRegistration, FactorUpdates, InverseSteps, Precond
                 # Calls of one micro-batch: the count that makes a factor final when pipelining.
                 if layer.a_calls and layer.mb_a_calls == layer.mb_g_calls and not layer.helper.dynamic_calls:
                     layer.calls_per_micro_batch = layer.mb_a_calls
-        if self._owners is not None:
+        lean = isinstance(self.grad_access, OwnerShardedAccess)  # FSDP2 hook: the owner-based path (kfac/sharded.py)
+        if self._owners is not None and not lean:
             self._begin_share()
         self._update_inverses(k)
         with self.timer.phase("precondition"):
-            self._precondition(k)
+            precondition_owned(self, k) if lean else self._precondition(k)
         if not self._grads_finite:
             self.skipped_precondition_steps += 1
         self.grad_access.close(self._grads)

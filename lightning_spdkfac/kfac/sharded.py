@@ -6,14 +6,15 @@ local batch and the backward hook the full output gradient, so factor capture is
 are DTensors sharded on dim 0 of each parameter (``Shard(0)`` on a 1-D mesh, rows split as ``torch.chunk`` splits
 them: 4 and 3 rows of a 7-row layer), averaged over the mesh like DDP's.
 
-The scheme (exact, lossless): :class:`FSDP2GradAccess` is the preconditioner's
-:class:`~lightning_spdkfac.kfac.gradients.GradAccess` for such a model. ``open`` assembles each K-FAC layer's full
-averaged gradient (weight rows and bias entries) from the shards, so the update is ``L^-1 grad R^-1`` of the whole
-matrix whichever side (G of a Linear/conv, A of a transposed Conv1D or an embedding) lies on dim 0; ``close``
-writes each rank's own rows of the preconditioned gradient back into its local shard (no communication). The
-inverses are placed by the owner-based ``dpkfac`` schedule (factors reduced to a layer's owner, its inverses held
-and applied there, P sent to the other ranks), so K-FAC state per rank is about 1/P. Every rank then holds every
-layer's P and gradient, and the KL clip sums ``<P, g>`` over all layers, each once, as under DDP.
+The scheme (exact, lossless) is owner-based: the inverses are placed by the ``dpkfac`` schedule (factors reduced to
+a layer's owner, inverted and applied there), so K-FAC state per rank is about 1/P. :class:`OwnerShardedAccess`
+gathers each layer's row shards (weight rows and bias entries) to its owner only, the owner computes
+``P = L^-1 g R^-1`` of the whole matrix whichever side (G of a Linear/conv, A of a transposed Conv1D or an embedding)
+lies on dim 0, one all-reduce gives every rank each layer's ``<P, g>`` (the KL clip sums every layer once, in DDP's
+order), and the clipped P's rows are scattered back into each rank's local shard (:func:`precondition_owned`).
+Where every rank needs every P (grafting, a step-size rule) or a weight is shared by layers of different owners,
+:class:`FSDP2GradAccess` assembles every full gradient on every rank instead (one all-gather), P travels as under
+``dpkfac``, and each rank writes back its own rows: equally exact, more memory and traffic.
 
 :func:`fsdp2_setup` turns it on at construction when the model holds DTensor parameters, and refuses with the fix
 what K-FAC cannot read: FSDP1 (``FullyShardedDataParallel`` / ``FlatParameter``), a placement other than
@@ -38,7 +39,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FSDP2GradAccess", "refuse_late_sharding", "fsdp2_setup", "grad_sums", "is_dtensor"]
+__all__ = ["FSDP2GradAccess", "OwnerShardedAccess", "fsdp2_setup", "grad_sums", "is_dtensor", "lean_access",
+           "precondition_owned", "refuse_late_sharding"]
 
 SETUP_MESSAGE = "FSDP2: exact sharded preconditioning, owner-based"
 FIX = ("build the model with FSDP2 (torch.distributed.fsdp.fully_shard, or Lightning's ModelParallelStrategy with "
@@ -51,9 +53,14 @@ def summary_line(grad_access: GradAccess, format_bytes: Callable[[int], str]) ->
     if not isinstance(grad_access, FSDP2GradAccess):
         return None
     held = grad_access.gathered_bytes
-    return (f"{SETUP_MESSAGE} (factors and inverses on each layer's owner; each step assembles the K-FAC layers' "
-            "full gradients from their dim-0 shards on every rank, "
-            + (f"{format_bytes(held)} at the last step, " if held else "") + "and writes back each rank's rows)")
+    if isinstance(grad_access, OwnerShardedAccess):
+        how = ("factors, inverses and full gradients of each layer on its owner only: rows gathered to it, "
+               "P's rows scattered back")
+    else:
+        how = ("factors and inverses on each layer's owner; every rank assembles every K-FAC layer's full gradient "
+               "(grafting, a step-size rule or a weight shared across owners need it)")
+    return f"{SETUP_MESSAGE} ({how}; full gradients held in a step: " + (
+        f"{format_bytes(held)} at the last step)" if held else "none yet)")
 
 
 def is_dtensor(t: object) -> bool:
@@ -240,3 +247,168 @@ def grad_sums(grads: Sequence[torch.Tensor], sum32: Any) -> list[torch.Tensor]:
         for i, s in zip(where, local.unbind()):
             out[i] = s
     return out  # type: ignore[return-value]
+
+
+# ----------------------------------------------------------------------------- the owner-based gradient path
+class OwnerShardedAccess(FSDP2GradAccess):
+    """The lean FSDP2 path: each K-FAC layer's row shards are gathered to its owner only (one ``dist.gather`` per
+    owner and dtype), the owner preconditions the full gradient, and the rows of the clipped P go back to each rank's
+    shard (one ``dist.scatter`` per owner and dtype, :func:`precondition_owned`). A rank holds the full gradients of
+    its own layers only; the KL clip sums the owners' ``<P, g>`` with one all-reduce. The other layers' entries of
+    ``open``'s result are the DTensor gradients themselves (read by nothing but the coverage check)."""
+
+    def __init__(self, owner_of: dict[nn.Parameter, int], group: dist.ProcessGroup) -> None:
+        super().__init__()
+        self.owner_of = owner_of
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+
+    def open(self, params: Sequence[torch.nn.Parameter]) -> dict[torch.nn.Parameter, torch.Tensor | None]:
+        out: dict[torch.nn.Parameter, torch.Tensor | None] = {p: p.grad for p in params}
+        self._shards = {p: p.grad for p in params if is_dtensor(p.grad)}  # type: ignore[misc]
+        for ps in _by_owner_and_dtype(list(self._shards), self._shards, self.owner_of):
+            owner = self.owner_of[ps[0]]
+            buf = _pack([self._shards[p].to_local() for p in ps], ps, self.world, None)  # type: ignore[attr-defined]
+            parts = [torch.empty_like(buf) for _ in range(self.world)] if owner == self.rank else None
+            dist.gather(buf, parts, dst=dist.get_global_rank(self.group, owner), group=self.group)
+            if parts is not None:
+                out.update(_unpack(parts, ps, self.world))
+        self.gathered_bytes = sum(t.numel() * t.element_size() for p, t in out.items()
+                                  if t is not None and not is_dtensor(t) and p in self._shards)
+        return out
+
+    def close(self, grads: dict[torch.nn.Parameter, torch.Tensor | None]) -> None:
+        """Nothing to write: precondition_owned wrote the preconditioned rows into the shards, and a layer left
+        unpreconditioned keeps its shard as it was."""
+        self._shards = {}
+
+
+def _by_owner_and_dtype(params: list[nn.Parameter], grads: Any, owner_of: dict[nn.Parameter, int]
+                        ) -> list[list[nn.Parameter]]:
+    groups: dict[tuple[int, torch.dtype], list[nn.Parameter]] = {}
+    for p in params:
+        groups.setdefault((owner_of[p], grads[p].dtype), []).append(p)
+    return [groups[key] for key in sorted(groups, key=lambda kv: (kv[0], str(kv[1])))]
+
+
+def _pack(locals_: list[torch.Tensor], params: list[nn.Parameter], world: int, _: None) -> torch.Tensor:
+    """Local row shards, each padded to ceil(n/P) rows, in one flat buffer."""
+    sizes = [-(-p.shape[0] // world) * numel_of(p.shape[1:]) for p in params]
+    buf = torch.zeros(sum(sizes), dtype=locals_[0].dtype, device=locals_[0].device)
+    offset = 0
+    for t, size in zip(locals_, sizes):
+        flat = t.reshape(-1)
+        buf[offset:offset + flat.numel()].copy_(flat)
+        offset += size
+    return buf
+
+
+def _unpack(parts: list[torch.Tensor], params: list[nn.Parameter], world: int) -> dict[nn.Parameter, torch.Tensor]:
+    """The full tensors from every rank's packed shards."""
+    out = {}
+    offset = 0
+    for p in params:
+        shape, row = tuple(p.shape), numel_of(p.shape[1:])
+        size = -(-shape[0] // world) * row
+        pieces = []
+        for k in range(world):
+            start, stop = _rows(shape[0], world, k)
+            pieces.append(parts[k][offset:offset + (stop - start) * row])
+        out[p] = torch.cat(pieces).reshape(shape)
+        offset += size
+    return out
+
+
+def lean_access(layers: Sequence[Any], owners: tuple[int, ...] | None, grad_access: GradAccess,
+                options: Any, distributor: Any) -> GradAccess:
+    """The owner-based gradient path where it applies (several ranks, owners known, no grafting or step-size rule,
+    no parameter shared by layers of different owners); else ``grad_access`` as it is (every rank assembling every
+    gradient, equally exact)."""
+    if (type(grad_access) is not FSDP2GradAccess or owners is None or options.grafting is not None
+            or options.step_size is not None or options.adapt_damping):
+        return grad_access
+    owner_of: dict[nn.Parameter, int] = {}
+    for layer in layers:
+        for p in layer.helper.params():
+            if owner_of.setdefault(p, owners[layer.index]) != owners[layer.index]:
+                return grad_access  # a tied weight owned twice
+    group = getattr(distributor, "process_group", None)
+    if group is None:
+        return grad_access
+    return OwnerShardedAccess(owner_of, group)
+
+
+def guard_grad(access: GradAccess, grads: Any, p: nn.Parameter) -> torch.Tensor | None:
+    """The gradient the non-finite guard checks for ``p``: under the owner-based path the DTensor shard on every rank
+    (so every rank checks alike, summed over the mesh), else the tensor the step reads."""
+    return p.grad if isinstance(access, OwnerShardedAccess) else grads.get(p)
+
+
+def precondition_owned(pre: Any, k: int) -> None:
+    """The step's preconditioning under :class:`OwnerShardedAccess` (in place of ``pre._precondition``): each owner
+    computes P = L^-1 g R^-1 of its layers from their full gradients, one all-reduce gives every rank each layer's
+    ``<P, g>`` and whether it was preconditioned, the KL scale is computed alike everywhere (the layer order and
+    values of DDP's sum), and the scaled rows are scattered back into each rank's shards."""
+    from . import factors
+    from .inverse import eigen_precondition
+
+    access: OwnerShardedAccess = pre.grad_access
+    if not pre._grads_finite:  # (the guard's verdict is every rank's: it sums the shards over the mesh)
+        return
+    todo = []
+    for layer in pre.layers.values():  # decided on what every rank sees alike
+        if pre._stepping is not None and layer.index not in pre._stepping:
+            continue
+        if not layer.trainable() or any(p.grad is None for p in layer.helper.params()):
+            continue
+        todo.append(layer)
+    if not todo:
+        return
+    vec = torch.zeros(2 * len(todo), dtype=torch.float64)
+    precs: dict[int, torch.Tensor] = {}
+    for i, layer in enumerate(todo):
+        if access.owner_of[layer.helper.params()[0]] != access.rank or layer.A_inv is None:
+            continue
+        g = layer.helper.grad_matrix(pre._grads)
+        pre._check_grad_shape(layer, "gradient matrix", tuple(g.shape[-2:]),
+                              (layer.G_inv.shape[-1], layer.A_inv.shape[-1]))
+        gi = g.to(pre.inv_dtype)
+        if pre._eigen:
+            p = eigen_precondition(gi, layer.A_inv, layer.G_inv, layer.inv_damping)
+        else:
+            p = factors.apply_inverses(layer.G_inv, gi, layer.A_inv)
+        precs[layer.index] = p
+        vec[i] = torch.vdot(p.flatten(), gi.flatten()).double().cpu() if pre.kl_clip is not None else 0.0
+        vec[len(todo) + i] = 1.0
+    dist.all_reduce(vec, group=access.group)
+    done = [layer for i, layer in enumerate(todo) if vec[len(todo) + i] > 0.5]
+    if not done:
+        return
+    scale = None
+    if pre.kl_clip is not None:
+        dots = [vec[i].to(pre.inv_dtype) for i, layer in enumerate(todo) if vec[len(todo) + i] > 0.5]
+        scale = pre._kl_scale(k, tuple(done), dots)
+    for layer in done:  # the owner writes scale * P into the full gradients it gathered
+        if layer.index in precs:
+            layer.helper.write_grad(precs[layer.index], scale, pre._grads)
+    params = [p for layer in done for p in dict.fromkeys(layer.helper.params())]
+    params = list(dict.fromkeys(params))
+    for ps in _by_owner_and_dtype(params, {p: p.grad for p in params}, access.owner_of):
+        owner = access.owner_of[ps[0]]
+        locals_ = [p.grad.to_local() for p in ps]  # type: ignore[union-attr]
+        recv = _pack(locals_, ps, access.world, None)
+        sends = None
+        if owner == access.rank:
+            sends = []
+            for r in range(access.world):
+                rows = []
+                for p in ps:
+                    start, stop = _rows(p.shape[0], access.world, r)
+                    rows.append(pre._grads[p][start:stop])
+                sends.append(_pack(rows, ps, access.world, None))
+        dist.scatter(recv, sends, src=dist.get_global_rank(access.group, owner), group=access.group)
+        offset = 0
+        for p, local in zip(ps, locals_):
+            local.copy_(recv[offset:offset + local.numel()].reshape(local.shape))
+            offset += -(-p.shape[0] // access.world) * numel_of(p.shape[1:])
