@@ -4,6 +4,7 @@ K-FAC cannot read refused by name (kfac/sharded.py)."""
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 from typing import Any
@@ -17,7 +18,7 @@ from lightning_spdkfac.kfac import KFACPreconditioner
 
 KW: dict[str, Any] = dict(damping=0.05, kl_clip=1e-2, lr=0.05, factor_update_steps=1, inv_update_steps=2)
 STEPS, PER_RANK = 4, 3
-CASES = ("linear", "conv2d", "embedding", "conv1d", "diag_head", "linear_grafted")
+CASES = ("linear", "conv2d", "embedding", "conv1d", "diag_head", "linear_grafted", "linear_async")
 # The owner-based path (rows gathered to each layer's owner, P's rows scattered back); grafting needs every layer's P
 # on every rank, so "linear_grafted" takes the path where every rank assembles every gradient.
 LEAN = {case: case != "linear_grafted" for case in CASES}
@@ -25,7 +26,7 @@ LEAN = {case: case != "linear_grafted" for case in CASES}
 
 def _model(case: str) -> nn.Sequential:
     torch.manual_seed(0)
-    if case in ("linear", "linear_grafted"):  # 7 rows: shards of 4 and 3
+    if case in ("linear", "linear_grafted", "linear_async"):  # 7 rows: shards of 4 and 3
         return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
     if case == "conv2d":
         return nn.Sequential(nn.Conv2d(2, 5, 3), nn.Tanh(), nn.Flatten(), nn.Linear(5 * 4 * 4, 3))
@@ -58,9 +59,10 @@ def _loss(case: str, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(out, y)
 
 
-def _train(case: str, model: nn.Module, net: nn.Module, pre: KFACPreconditioner, rank: int, world: int) -> None:
+def _train(case: str, model: nn.Module, net: nn.Module, pre: KFACPreconditioner, rank: int, world: int,
+           steps: range = range(STEPS)) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    for step in range(STEPS):
+    for step in steps:
         x, y = _batch(case, step, world)
         x, y = x[rank * PER_RANK:(rank + 1) * PER_RANK], y[rank * PER_RANK:(rank + 1) * PER_RANK]
         opt.zero_grad()
@@ -72,6 +74,8 @@ def _train(case: str, model: nn.Module, net: nn.Module, pre: KFACPreconditioner,
 def _options(case: str) -> dict[str, Any]:
     if case == "linear_grafted":
         return dict(KW, grafting="sgd")
+    if case == "linear_async":  # inverses one step staler, swapped in at the next step: on both sides alike
+        return dict(KW, async_inverses=True)
     return dict(KW, max_factor_side=8) if case == "diag_head" else KW
 
 
@@ -163,7 +167,7 @@ def test_fsdp2_equals_ddp(case: str) -> None:
     assert layers >= 2 and results[0][case]["owned"] + results[1][case]["owned"] == layers, "not preconditioned"
     start = [p.detach() for p in _model(case).parameters()]
     assert any(not torch.equal(a, b) for a, b in zip(results[0][case]["fsdp"], start)), "nothing was trained"
-    if case == "linear":  # the uneven split of the 7-row layer
+    if case.startswith("linear"):  # the uneven split of the 7-row layer
         assert results[0][case]["local_rows"][:2] == [(4, 5), (4,)]
         assert results[1][case]["local_rows"][:2] == [(3, 5), (3,)]
 
@@ -336,3 +340,69 @@ def test_fsdp2_one_rank_equals_one_process() -> None:
     got = run_distributed(_one_rank, 1, timeout=60)[0]
     for a, b in zip(got["fsdp"], got["plain"]):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def _resume_and_nan_ranked(rank: int, world: int) -> dict[str, Any]:
+    """A K-FAC state saved under FSDP2 after 2 steps, loaded into a fresh preconditioner over a fresh sharded model,
+    continues as the uninterrupted run; and a NaN in one rank's shard of a gradient skips the step on every rank."""
+    torch.set_num_threads(1)
+    model = _model("linear")
+    _shard(model)
+    pre = KFACPreconditioner(model, **KW)
+    _train("linear", model, model, pre, rank, world, range(2))
+    state = copy.deepcopy(pre.state_dict())  # (collective: the owners' layers gathered; live tensors copied)
+    weights = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}  # type: ignore[operator]
+    _train("linear", model, model, pre, rank, world, range(2, STEPS))
+    pre.remove_hooks()
+    fresh = _model("linear")
+    fresh.load_state_dict(weights)
+    _shard(fresh)
+    resumed = KFACPreconditioner(fresh, **KW)
+    resumed.load_state_dict(state)
+    _train("linear", fresh, fresh, resumed, rank, world, range(2, STEPS))
+    resumed.remove_hooks()
+
+    bad = _model("linear")
+    _shard(bad)
+    guard = KFACPreconditioner(bad, max_bad_steps=None, **KW)
+    x, y = _batch("linear", 0, world)
+    for step in range(2):
+        _loss("linear", bad(x[rank * PER_RANK:(rank + 1) * PER_RANK]), y[rank * PER_RANK:(rank + 1) * PER_RANK]).backward()
+        if step == 1 and rank == 1:
+            bad[0].weight.grad.to_local()[0, 0] = float("nan")  # type: ignore[union-attr]
+        guard.step()
+        for p in bad.parameters():
+            p.grad = None
+    guard.remove_hooks()
+    return {"continued": [p.full_tensor() for p in model.parameters()],  # type: ignore[operator]
+            "resumed": [p.full_tensor() for p in fresh.parameters()],  # type: ignore[operator]
+            "skipped": guard.skipped_precondition_steps, "bad": guard.last_bad_step,
+            "state": state if rank == 0 else None, "weights": weights if rank == 0 else None}
+
+
+@pytest.mark.timeout(120)
+def test_fsdp2_state_round_trip_and_nan_in_one_shard() -> None:
+    """pre.state_dict() under FSDP2 resumes on the same world size (to 1e-6) and on one unsharded process (the joint
+    batch, to 1e-5); a NaN in rank 1's shard of a gradient skips preconditioning on both ranks, blaming the layer."""
+    from lightning_spdkfac.multiprocess import run_distributed
+
+    results = run_distributed(_resume_and_nan_ranked, 2, timeout=90)
+    for got in results:
+        for a, b in zip(got["resumed"], got["continued"]):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        assert got["skipped"] == 1, got  # rank 0's shards were finite: it skipped because rank 1's were not
+        assert got["bad"] is not None and got["bad"]["step"] == 1 and "0" in got["bad"]["bad"], got["bad"]
+    # Another world size: the 2-rank FSDP2 state resumed by one unsharded process on the joint batch.
+    model = _model("linear")
+    model.load_state_dict(results[0]["weights"])
+    pre = KFACPreconditioner(model, **KW)
+    pre.load_state_dict(results[0]["state"])
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(2, STEPS):
+        x, y = _batch("linear", step, 2)
+        opt.zero_grad()
+        _loss("linear", model(x), y).backward()
+        pre.step()
+        opt.step()
+    for a, b in zip(model.parameters(), results[0]["continued"]):
+        torch.testing.assert_close(a.detach(), b, rtol=1e-5, atol=1e-6)
