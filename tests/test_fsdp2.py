@@ -406,3 +406,59 @@ def test_fsdp2_state_round_trip_and_nan_in_one_shard() -> None:
         opt.step()
     for a, b in zip(model.parameters(), results[0]["continued"]):
         torch.testing.assert_close(a.detach(), b, rtol=1e-5, atol=1e-6)
+
+
+def _gpt2_ranked(rank: int, world: int) -> dict[str, Any]:
+    """GPT-2 (Conv1D body: A on dim 0; a tied head with a diagonal G; a position embedding with a diagonal A), one
+    fully_shard per block and the root, against DDP K-FAC (dpkfac) on the same data as tests/test_hf_models.py."""
+    import torch.distributed as dist
+    from test_hf_models import KW as HF_KW
+    from test_hf_models import PER_RANK as HF_PER_RANK
+    from test_hf_models import STEPS as HF_STEPS
+    from test_hf_models import _lm_data, gpt2
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from lightning_spdkfac.comm.dpkfac import DPKFACDistributor
+    from lightning_spdkfac.comm.spd_options import SPDOptions
+
+    torch.set_num_threads(1)
+
+    def train(model: nn.Module, net: nn.Module, pre: KFACPreconditioner) -> None:
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        for step in range(HF_STEPS):
+            ids = _lm_data(step, world)[rank * HF_PER_RANK:(rank + 1) * HF_PER_RANK]
+            opt.zero_grad()
+            logits = net(input_ids=ids, position_ids=torch.arange(ids.shape[1]).expand_as(ids)).logits[:, :-1]
+            F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)).backward()
+            pre.step()
+            opt.step()
+
+    ddp_model = gpt2(vocab=300)
+    pre = KFACPreconditioner(ddp_model, distributor=DPKFACDistributor(
+        SPDOptions.from_schedule("dpkfac"), process_group=dist.new_group()), **HF_KW)
+    train(ddp_model, DDP(ddp_model), pre)
+    pre.remove_hooks()
+    model = gpt2(vocab=300)
+    for block in model.transformer.h:
+        fully_shard(block)
+    fully_shard(model)
+    pre = KFACPreconditioner(model, **HF_KW)
+    train(model, model, pre)
+    pre.remove_hooks()
+    return {"ddp": [p.detach() for p in ddp_model.parameters()],
+            "fsdp": [p.full_tensor().detach() for p in model.parameters()],  # type: ignore[operator]
+            "access": type(pre.grad_access).__name__}
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.filterwarnings("ignore:K-FAC skips layer")
+def test_fsdp2_gpt2_equals_ddp() -> None:
+    """A GPT-2 under fully_shard (owner path) equals DDP K-FAC to 1e-5 (bitwise on this machine when written)."""
+    pytest.importorskip("transformers")
+    from lightning_spdkfac.multiprocess import run_distributed
+
+    for got in run_distributed(_gpt2_ranked, 2, timeout=120):
+        assert got["access"] == "OwnerShardedAccess"
+        for a, b in zip(got["fsdp"], got["ddp"]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
