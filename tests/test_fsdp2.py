@@ -364,7 +364,13 @@ def _resume_and_nan_ranked(rank: int, world: int) -> dict[str, Any]:
 
     bad = _model("linear")
     _shard(bad)
-    guard = KFACPreconditioner(bad, max_bad_steps=None, **KW)
+    from lightning_spdkfac.comm.dpkfac import DPKFACDistributor
+    from lightning_spdkfac.comm.spd_options import SPDOptions
+
+    # (a distributor of the user's, on the default group: the owner path all the same)
+    guard = KFACPreconditioner(bad, max_bad_steps=None, distributor=DPKFACDistributor(SPDOptions.from_schedule("dpkfac")),
+                               **KW)
+    access = type(guard.grad_access).__name__
     x, y = _batch("linear", 0, world)
     for step in range(2):
         _loss("linear", bad(x[rank * PER_RANK:(rank + 1) * PER_RANK]), y[rank * PER_RANK:(rank + 1) * PER_RANK]).backward()
@@ -376,7 +382,7 @@ def _resume_and_nan_ranked(rank: int, world: int) -> dict[str, Any]:
     guard.remove_hooks()
     return {"continued": [p.full_tensor() for p in model.parameters()],  # type: ignore[operator]
             "resumed": [p.full_tensor() for p in fresh.parameters()],  # type: ignore[operator]
-            "skipped": guard.skipped_precondition_steps, "bad": guard.last_bad_step,
+            "skipped": guard.skipped_precondition_steps, "bad": guard.last_bad_step, "access": access,
             "state": state if rank == 0 else None, "weights": weights if rank == 0 else None}
 
 
@@ -390,6 +396,7 @@ def test_fsdp2_state_round_trip_and_nan_in_one_shard() -> None:
     for got in results:
         for a, b in zip(got["resumed"], got["continued"]):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        assert got["access"] == "OwnerShardedAccess"
         assert got["skipped"] == 1, got  # rank 0's shards were finite: it skipped because rank 1's were not
         assert got["bad"] is not None and got["bad"]["step"] == 1 and "0" in got["bad"]["bad"], got["bad"]
     # Another world size: the 2-rank FSDP2 state resumed by one unsharded process on the joint batch.

@@ -334,8 +334,10 @@ def lean_access(layers: Sequence[Any], owners: tuple[int, ...] | None, grad_acce
             if owner_of.setdefault(p, owners[layer.index]) != owners[layer.index]:
                 return grad_access  # a tied weight owned twice
     group = getattr(distributor, "process_group", None)
-    if group is None:
-        return grad_access
+    if group is None:  # the default group
+        group = dist.group.WORLD
+    if group is None or (owners and max(owners) >= dist.get_world_size(group)):
+        return grad_access  # (owners that are not ranks of the group: every rank assembles every gradient)
     return OwnerShardedAccess(owner_of, group)
 
 
