@@ -367,7 +367,11 @@ def precondition_owned(pre: Any, k: int) -> None:
         todo.append(layer)
     if not todo:
         return
-    vec = torch.zeros(2 * len(todo), dtype=torch.float64)
+    first = todo[0].helper.params()[0].grad
+    assert first is not None
+    n = len(todo)
+    # [<P, g>, preconditioned?] per layer, on the gradients' device (NCCL reduces device tensors only)
+    vec = torch.zeros(2 * n, dtype=torch.float64, device=first.device)
     precs: dict[int, torch.Tensor] = {}
     for i, layer in enumerate(todo):
         if access.owner_of[layer.helper.params()[0]] != access.rank or layer.A_inv is None:
@@ -381,15 +385,17 @@ def precondition_owned(pre: Any, k: int) -> None:
         else:
             p = factors.apply_inverses(layer.G_inv, gi, layer.A_inv)
         precs[layer.index] = p
-        vec[i] = torch.vdot(p.flatten(), gi.flatten()).double().cpu() if pre.kl_clip is not None else 0.0
-        vec[len(todo) + i] = 1.0
+        if pre.kl_clip is not None:
+            vec[i] = torch.vdot(p.flatten(), gi.flatten()).double()
+        vec[n + i] = 1.0
     dist.all_reduce(vec, group=access.group)
-    done = [layer for i, layer in enumerate(todo) if vec[len(todo) + i] > 0.5]
+    flags = (vec[n:] > 0.5).tolist()  # (one host read: which layers' rows are scattered decides the collectives)
+    done = [layer for layer, flag in zip(todo, flags) if flag]
     if not done:
         return
     scale = None
-    if pre.kl_clip is not None:
-        dots = [vec[i].to(pre.inv_dtype) for i, layer in enumerate(todo) if vec[len(todo) + i] > 0.5]
+    if pre.kl_clip is not None:  # the owners' p.g, in inv_dtype as DDP's sum takes them
+        dots = [vec[i].to(pre.inv_dtype) for i, flag in enumerate(flags) if flag]
         scale = pre._kl_scale(k, tuple(done), dots)
     for layer in done:  # the owner writes scale * P into the full gradients it gathered
         if layer.index in precs:
