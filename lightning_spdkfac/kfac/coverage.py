@@ -122,6 +122,10 @@ class Coverage:
             warnings.warn("K-FAC: these layers' weights got gradients but their K-FAC blocks produced no factors, so "
                           "the optimizer gets them unpreconditioned: " + "; ".join(new), stacklevel=3)
         if ran and len(ran_without_grad) == ran and type(self.grad_access) is GradAccess:
+            # FSDP2 hook: the parameters were replaced by fully_shard after setup (kfac/sharded.py)
+            from .sharded import refuse_late_sharding
+
+            refuse_late_sharding(self.model.parameters())
             raise RuntimeError(
                 f"K-FAC: the hooks of {ran} layer(s) ran ({', '.join(repr(n) for n in ran_without_grad[:3])}"
                 f"{', ...' if ran > 3 else ''}) but none of their parameters has a gradient (param.grad is None): the "

@@ -16,7 +16,9 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from .gradients import GradAccess
 from .layer_state import KFACLayer, _sum32
+from .sharded import grad_sums, guard_grad
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +31,8 @@ class StepGrads(NamedTuple):
     layers: dict[str, KFACLayer]
     grads: dict[nn.Parameter, torch.Tensor | None]
     other_params: list[nn.Parameter]
+    # the strategy's gradient access: under FSDP2's owner-based path every rank checks its DTensor shards (sharded.py)
+    grad_access: GradAccess | None = None
 
 
 class NonFiniteGuard:
@@ -46,8 +50,11 @@ class NonFiniteGuard:
     @staticmethod
     def _grad_sums(grads: StepGrads) -> list[torch.Tensor]:
         """One scalar per gradient, non-finite exactly where the gradient holds an inf or NaN."""
-        sums = [_sum32(g) for g in grads.grads.values() if g is not None]
-        sums += [_sum32(p.grad) for p in grads.other_params if p.grad is not None]
+        # FSDP2 hook: under the owner-based path every rank checks the same shards, summed over the mesh (sharded.py)
+        layer_grads = [guard_grad(grads.grad_access, grads.grads, p) for p in grads.grads] if grads.grad_access \
+            else list(grads.grads.values())
+        sums = grad_sums([g for g in layer_grads if g is not None], _sum32)
+        sums += grad_sums([p.grad for p in grads.other_params if p.grad is not None], _sum32)
         return sums
 
     def _finite(self, grads: StepGrads, extra: list[torch.Tensor],
@@ -121,17 +128,18 @@ class NonFiniteGuard:
         places: list[tuple[str, str | tuple[str, bool, KFACLayer]]] = [
             (layer.name, (which, received, layer)) for layer, which, received in labels]
         scalars: list[torch.Tensor] = list(extra)
+        layer_grads = []
         for layer in grads.layers.values():
             for p in layer.helper.params():
-                g = grads.grads.get(p)
+                g = guard_grad(grads.grad_access, grads.grads, p) if grads.grad_access else grads.grads.get(p)
                 if g is not None:
                     places.append((layer.name, "gradient"))
-                    scalars.append(_sum32(g))
+                    layer_grads.append(g)
+        scalars += grad_sums(layer_grads, _sum32)
         names = {id(p): n for n, p in self.model.named_parameters()}
-        for p in grads.other_params:
-            if p.grad is not None:
-                places.append((f"parameter {names.get(id(p), '?')!r}", "gradient"))
-                scalars.append(_sum32(p.grad))
+        others = [p for p in grads.other_params if p.grad is not None]
+        places += [(f"parameter {names.get(id(p), '?')!r}", "gradient") for p in others]
+        scalars += grad_sums([p.grad for p in others if p.grad is not None], _sum32)  # FSDP2 hook (kfac/sharded.py)
         ok = torch.isfinite(torch.stack([s.float() for s in scalars])).tolist() if scalars else []
         found: dict[str, list[str]] = {}
         for (name, what), fine in zip(places, ok):

@@ -53,6 +53,7 @@ from .options import KFACOptions
 from .param_groups import StepGroups
 from .preconditioning import Preconditioning
 from .registration import LayerRegistration
+from .sharded import OwnerShardedAccess, fsdp2_setup, lean_access, precondition_owned
 from .step_size import LossParts, QuadraticStepSize
 from .summary import KFACSummary, summarize
 
@@ -146,6 +147,8 @@ class KFACPreconditioner(LayerRegistration, FactorUpdates, InverseSteps, Precond
         self.inverse_method = o.inverse_method
         self._eigen = o.inverse_method == "eigen"
         self.grad_scaler = grad_scaler
+        # FSDP2 hook: a fully_shard model gets FSDP2GradAccess and the owner-based schedule (kfac/sharded.py)
+        distributor, grad_access = fsdp2_setup(model, distributor, grad_access)
         self.distributor = Distributor() if distributor is None else distributor
         self.grad_access = GradAccess() if grad_access is None else grad_access
         # One process with the base distributor keeps the in-place fast path.
@@ -209,6 +212,8 @@ class KFACPreconditioner(LayerRegistration, FactorUpdates, InverseSteps, Precond
         # owner rank of each layer; None: every rank holds all.
         self._owner_held: OwnerHeld | None = owner_held(self.distributor)
         self._owners: tuple[int, ...] | None = self.distributor.layer_owners
+        # FSDP2 hook: rows gathered to each layer's owner and scattered back where that applies (kfac/sharded.py)
+        self.grad_access = lean_access(list(self.layers.values()), self._owners, self.grad_access, o, self.distributor)
         # ... and, while a step exchanges the preconditioned gradients, each exchanged layer and its gradient.
         self._shared_grads: dict[int, tuple[KFACLayer, torch.Tensor]] = {}
         # Distributed preconditioning: received layers whose owner may have sent nothing (0-dim device flags, read on
@@ -477,7 +482,7 @@ class KFACPreconditioner(LayerRegistration, FactorUpdates, InverseSteps, Precond
         """Whether this step may update the factors, and the device ``flags`` read along (the guard's
         :meth:`~lightning_spdkfac.kfac.guard.NonFiniteGuard.check`); non-finite gradients leave the step
         unpreconditioned."""
-        grads_ok, fine, read = self.guard.check(StepGrads(self.steps, self.layers, self._grads, self._other_params),
+        grads_ok, fine, read = self.guard.check(StepGrads(self.steps, self.layers, self._grads, self._other_params, self.grad_access),
                                                 extra, labels, agree, flags)
         if not grads_ok:
             self._grads_finite = False
@@ -560,11 +565,12 @@ class KFACPreconditioner(LayerRegistration, FactorUpdates, InverseSteps, Precond
                 # Calls of one micro-batch: the count that makes a factor final when pipelining.
                 if layer.a_calls and layer.mb_a_calls == layer.mb_g_calls and not layer.helper.dynamic_calls:
                     layer.calls_per_micro_batch = layer.mb_a_calls
-        if self._owners is not None:
+        lean = isinstance(self.grad_access, OwnerShardedAccess)  # FSDP2 hook: the owner-based path (kfac/sharded.py)
+        if self._owners is not None and not lean:
             self._begin_share()
         self._update_inverses(k)
         with self.timer.phase("precondition"):
-            self._precondition(k)
+            precondition_owned(self, k) if lean else self._precondition(k)
         if not self._grads_finite:
             self.skipped_precondition_steps += 1
         self.grad_access.close(self._grads)

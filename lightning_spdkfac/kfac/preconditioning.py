@@ -22,6 +22,7 @@ from .inverse import eigen_precondition
 from .layer_state import KFACLayer
 from .options import KFACOptions
 from .param_groups import StepGroups, step_groups
+from .sharded import OwnerShardedAccess
 
 
 class Preconditioning:
@@ -61,6 +62,8 @@ class Preconditioning:
         # the inverses and the optimizer's groups are the same on every rank; deciding on them keeps every
         # rank preconditioning the same layers, and the KL clip the same sum.
         if layer.index in self._preconditioned or layer.A_inv is None or not self._grads_finite:
+            return
+        if isinstance(self.grad_access, OwnerShardedAccess):  # FSDP2 hook: precondition_owned does it (sharded.py)
             return
         g = self._step_grad(layer)
         if g is None:

@@ -41,6 +41,7 @@ from torch import nn
 
 from ..factor_shapes import FactorShape, describe, inverse_shape, numel, preconditioned_shape
 from .inverse_memory import inversion_workspace
+from .sharded import summary_line
 
 # Why the trainable rest of a partly frozen layer is left to the optimizer (summary and setup warning).
 FROZEN_PART = ("some of its parameters are frozen: K-FAC preconditions a layer's weight and bias together, so the "
@@ -120,6 +121,7 @@ class KFACSummary:
     rank: int | None  # the rank the totals are for (dpkfac), None: every rank holds everything
     workspace: Workspace = Workspace()
     graft_bytes: int = 0  # grafting="adam": the gradient moments held between steps (every layer)
+    sharding: str | None = None  # FSDP2 (kfac/sharded.py): how the sharded gradients are preconditioned
 
     @property
     def preconditioned(self) -> int:
@@ -191,7 +193,7 @@ def summarize(pre: KFACPreconditioner) -> KFACSummary:
     trainable = sum(p.numel() for p in {id(p): p for p in pre.model.parameters() if p.requires_grad}.values())
     rank = None if owners is None else pre.distributor.rank
     return KFACSummary(tuple(rows), tuple(left), trainable, rank, _workspace(pre, rows, rank, async_inverses),
-                       _graft_bytes(pre))
+                       _graft_bytes(pre), summary_line(pre.grad_access, format_bytes))  # (FSDP2 hook: kfac/sharded.py)
 
 
 # The preconditioning's temporaries of one layer, in P's size: G^-1 g and P (kfac/factors.py apply_inverses; one
@@ -313,6 +315,8 @@ def format_summary(s: KFACSummary) -> str:
                  f"({100 * s.peak_bytes / max(s.total_bytes, 1):.0f}%; workspace: inversions "
                  f"{format_bytes(w.inverses)}, preconditioning {format_bytes(w.precondition)}, factor update "
                  f"{format_bytes(w.factors)}{', the first two at once' if w.overlapped else ''})")
+    if s.sharding is not None:
+        lines.append(s.sharding)
     if s.left_out:
         left = sum(x.params for x in s.left_out)
         lines.append(f"Left to the optimizer: {left:,} parameters ({100 * left / total:.1f}%)")

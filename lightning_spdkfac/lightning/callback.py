@@ -38,7 +38,7 @@ from ..kfac.preconditioner import KFACPreconditioner
 from ..kfac.step_size import LOSS_PARTS_HELP
 from ..telemetry import PHASES, WindowStats
 from ..vocabulary import FactorApproxName, GraftingName, InverseMethodName, StepSizeName
-from .protocol import KFACStrategy
+from .protocol import KFACStrategy, model_parallel
 from .run_report import KFACRunRecord, kfac_line, possible_phases, thread_note
 from .trainer_rules import _logs_written_this_step, _refuse_uninitialized_lazy_layers, _steps_before, _where
 
@@ -362,10 +362,10 @@ class KFACCallbackBody(_CallbackBase):
 
     @staticmethod
     def _distributor(trainer: pl.Trainer, check_only: bool = False) -> Distributor | None:
-        """The strategy's K-FAC distributor; refuses to run unsynchronized K-FAC on several ranks."""
+        """The strategy's K-FAC distributor; refuses unsynchronized K-FAC on several ranks (FSDP2 hook: protocol.py)."""
         if isinstance(trainer.strategy, KFACStrategy):
             return None if check_only else trainer.strategy.make_kfac_distributor()
-        if trainer.world_size > 1:
+        if trainer.world_size > 1 and not model_parallel(trainer.strategy, trainer.lightning_module, check_only):
             raise RuntimeError(
                 f"KFAC on {trainer.world_size} processes needs a K-FAC-aware strategy, otherwise every rank "
                 f"would precondition with its own factors and the replicas would drift apart; "
