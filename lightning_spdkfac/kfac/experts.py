@@ -27,7 +27,6 @@ tells the layout); so are routers (class name containing ``Router``) holding a 2
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any, cast
 
@@ -36,6 +35,7 @@ from torch import nn
 
 from ..factor_shapes import FactorShape
 from .layer_base import LayerHelper
+from .layers import LinearHelper
 
 __all__ = ["ExpertsHelper", "FunctionalLinearHelper", "experts_layers", "register_experts"]
 
@@ -101,12 +101,11 @@ def experts_layers(module: nn.Module) -> list[tuple[str, LayerHelper | None, str
     return []
 
 
-class FunctionalLinearHelper(LayerHelper):
+class FunctionalLinearHelper(LinearHelper):
     """A module holding a bare 2-D ``weight`` (``out x in``) applied as ``F.linear(x, weight)`` inside its forward (a
-    mixture-of-experts router): collected by function capture only."""
+    mixture-of-experts router): the rows of a linear layer, collected by function capture only."""
 
     capture_only = True
-    unbatched_dim = 1
     reference_map = "F.linear(x, weight)"
 
     def __init__(self, module: nn.Module) -> None:
@@ -120,25 +119,6 @@ class FunctionalLinearHelper(LayerHelper):
     @property
     def out_features(self) -> int:
         return int(self._weight().shape[0])
-
-    def a_rows(self, x: torch.Tensor) -> torch.Tensor:
-        return x.reshape(-1, x.shape[-1])
-
-    def g_rows(self, grad_output: torch.Tensor) -> torch.Tensor:
-        return grad_output.reshape(-1, grad_output.shape[-1])
-
-    def examples(self, x: torch.Tensor, reduce: bool) -> int:
-        return self.batch_size(x) if reduce or x.dim() <= 2 else math.prod(x.shape[:-1])
-
-    def a_reduced(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        if x.dim() <= 2:
-            return self.a_rows(x).to(dtype)
-        return x.reshape(x.shape[0], -1, x.shape[-1]).mean(1, dtype=dtype)
-
-    def g_reduced(self, grad_output: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        if grad_output.dim() <= 2:
-            return self.g_rows(grad_output).to(dtype)
-        return grad_output.reshape(grad_output.shape[0], -1, grad_output.shape[-1]).sum(1, dtype=dtype)
 
 
 class ExpertsHelper(LayerHelper):

@@ -222,15 +222,7 @@ def _gather_rows(shards: list[torch.Tensor], params: list[nn.Parameter]) -> dict
         offset += size
     parts = [torch.empty_like(buf) for _ in range(world)]
     dist.all_gather(parts, buf, group=mesh.get_group())
-    out: dict[nn.Parameter, torch.Tensor | None] = {}
-    offset = 0
-    for p, shape, size, r in zip(params, shapes, pad, row):
-        pieces = []
-        for k in range(world):
-            start, stop = _rows(shape[0], world, k)
-            pieces.append(parts[k][offset:offset + (stop - start) * r])
-        out[p] = torch.cat(pieces).reshape(shape)
-        offset += size
+    out: dict[nn.Parameter, torch.Tensor | None] = dict(_unpack(parts, params, world))
     return out
 
 
