@@ -239,67 +239,75 @@ class FunctionCapture:
         return out
 
     def _find(self, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        def arg(i: int, name: str) -> Any:
-            return args[i] if len(args) > i else kwargs.get(name)
-
-        if kind == _LINEAR:
-            x, src, call_t = arg(0, "input"), self.source(arg(1, "weight")), False
-            left = False
-        elif kind == _MATMUL:
-            a = arg(0, "input")
-            b = args[1] if len(args) > 1 else kwargs.get("other", kwargs.get("mat2"))
-            src = self.source(b)
-            if src is not None:  # y = a @ w: the call's matrix is w^T
-                x, call_t, left = a, True, False
-            else:
-                src = self.source(a)
-                if src is None:
-                    return None
-                x, call_t, left = b, False, True  # y = w @ b: the columns of b are the inputs
-        elif kind == _GROUPED:
-            x, src, call_t, left = arg(0, "mat_a"), self.source(arg(1, "mat_b")), True, False
-        elif kind in (_CONV, _EMBEDDING):
-            src = self.source(arg(1, "weight"))
-            if src is None:
-                return None
-            layer, e, t = src
-            if e is not None or t:
-                return self._refuse(layer, TRANSPOSED_USE)
-            x = arg(0, "input")
-            helper = layer.helper
-            if not isinstance(helper, ConvHelper if kind == _CONV else EmbeddingHelper):
-                return None  # (a tied table looked up by a linear head's weight: the head's block covers it)
-            if kind == _CONV:
-                why = _conv_mismatch(helper.module, args, kwargs)
-                if why is not None:
-                    return self._refuse(layer, why)
-            return layer, helper, x, None
-        else:  # pragma: no cover - every kind is handled above
+        """``(layer, helper of the call, its input rows' tensor, output-gradient transform)`` of a call that uses a
+        watched weight the layer's way; None otherwise (recording why, where the weight was used another way)."""
+        if kind in (_CONV, _EMBEDDING):
+            return self._find_module_map(kind, args, kwargs)
+        found = self._operands(kind, args, kwargs)
+        if found is None:
             return None
+        x, src, call_t, left = found
         if src is None or not isinstance(x, torch.Tensor):
             return None
         layer, e, t = src
+        if isinstance(layer.helper, ExpertsHelper):
+            return self._expert_call(kind, layer, layer.helper, e, t != call_t, left, x, args, kwargs)
         helper = layer.helper
-        if isinstance(helper, ExpertsHelper):
-            if kind == _GROUPED:
-                if e is not None or (t != call_t) != helper.transposed:
-                    return self._refuse(layer, TRANSPOSED_USE)
-                offs = args[2] if len(args) > 2 else kwargs.get("offs")
-                if offs is None:
-                    return self._refuse(layer, "grouped_mm without offs (one group per expert) is not followed")
-                return layer, helper.grouped_call(offs), x, None
-            if e is None or (t != call_t) != helper.transposed or left:
-                return self._refuse(layer, TRANSPOSED_USE if e is not None else
-                                    "the whole expert stack was used at once by a function other than grouped_mm")
-            return layer, helper.expert_call(e), x, None
-        if e is not None or (t != call_t) != getattr(helper, "capture_transposed", False):
+        if e is not None or (t != call_t) != helper.capture_transposed:
             return self._refuse(layer, TRANSPOSED_USE)
-        if not hasattr(helper, "in_features") or getattr(helper, "groups", 1) != 1 or helper.a_diagonal:
+        if getattr(helper, "groups", 1) != 1 or helper.a_diagonal:
             return self._refuse(layer, f"a matrix product with the weight of a {type(helper.module).__name__} "
                                        "(only linear layers are followed through matmul / F.linear)")
         if left:  # y = W x: the inputs are x's columns, the output gradients y's
             return layer, helper, x.transpose(-1, -2), _transpose_last
         return layer, helper, x, None
+
+    def _operands(self, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any, bool, bool] | None:
+        """``(input, source of the weight, whether the call's matrix is the argument transposed, whether the weight is
+        the left operand)`` of a linear map (F.linear, matmul, grouped_mm)."""
+        if kind == _LINEAR:
+            return _arg(args, kwargs, 0, "input"), self.source(_arg(args, kwargs, 1, "weight")), False, False
+        if kind == _GROUPED:
+            return _arg(args, kwargs, 0, "mat_a"), self.source(_arg(args, kwargs, 1, "mat_b")), True, False
+        a = _arg(args, kwargs, 0, "input")
+        b = args[1] if len(args) > 1 else kwargs.get("other", kwargs.get("mat2"))
+        src = self.source(b)
+        if src is not None:  # y = a @ w: the call's matrix is w^T
+            return a, src, True, False
+        src = self.source(a)
+        return None if src is None else (b, src, False, True)  # y = w @ b: the columns of b are the inputs
+
+    def _expert_call(self, kind: str, layer: KFACLayer, helper: ExpertsHelper, e: int | None, flipped: bool,
+                     left: bool, x: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A call on an expert stack: one expert's slice (F.linear / matmul) or every expert (grouped_mm)."""
+        if kind == _GROUPED:
+            if e is not None or flipped != helper.transposed:
+                return self._refuse(layer, TRANSPOSED_USE)
+            offs = args[2] if len(args) > 2 else kwargs.get("offs")
+            if offs is None:
+                return self._refuse(layer, "grouped_mm without offs (one group per expert) is not followed")
+            return layer, helper.grouped_call(offs), x, None
+        if e is None or flipped != helper.transposed or left:
+            return self._refuse(layer, TRANSPOSED_USE if e is not None else
+                                "the whole expert stack was used at once by a function other than grouped_mm")
+        return layer, helper.expert_call(e), x, None
+
+    def _find_module_map(self, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A functional convolution or embedding with a watched weight: the module's own map, or refused."""
+        src = self.source(_arg(args, kwargs, 1, "weight"))
+        if src is None:
+            return None
+        layer, e, t = src
+        if e is not None or t:
+            return self._refuse(layer, TRANSPOSED_USE)
+        helper = layer.helper
+        if not isinstance(helper, ConvHelper if kind == _CONV else EmbeddingHelper):
+            return None  # (a tied table looked up by a linear head's weight: the head's block covers it)
+        if kind == _CONV:
+            why = _conv_mismatch(helper.module, args, kwargs)
+            if why is not None:
+                return self._refuse(layer, why)
+        return layer, helper, _arg(args, kwargs, 0, "input"), None
 
     def _refuse(self, layer: KFACLayer, why: str) -> None:
         self.refused.setdefault(layer.name, why)
@@ -324,6 +332,10 @@ def _under_compile() -> bool:
             return True
         f = f.f_back  # type: ignore[assignment]
     return False
+
+
+def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], i: int, name: str) -> Any:
+    return args[i] if len(args) > i else kwargs.get(name)
 
 
 def _transpose_last(g: torch.Tensor) -> torch.Tensor:

@@ -100,18 +100,7 @@ class Coverage:
             if layer.a_calls == 0:
                 if compiled is None:
                     compiled = any(isinstance(m, _optimized_module()) for m in self.model.modules())
-                if compiled:
-                    reason = COMPILED
-                elif layer.name in self.capture.layers and self.capture.blocked_by_compile:
-                    reason = CAPTURE_COMPILED
-                elif layer.name in self.capture.layers or layer.name in self.capture.refused:
-                    # followed (or found before), and still no call K-FAC could read: not followed again
-                    reason = self.capture.refused.setdefault(layer.name, CAPTURE_MISSED)
-                elif self.options.capture == "auto":
-                    self.capture.watch(layer, self._hooked.get(layer.name, []))
-                    reason = CAPTURING
-                else:
-                    reason = FUNCTION
+                reason = COMPILED if compiled else self._no_call_reason(layer)
             else:
                 reason = NO_OUTPUT_GRAD
             self.unfactored[layer.name] = reason
@@ -130,6 +119,20 @@ class Coverage:
                 f"K-FAC: the hooks of {ran} layer(s) ran ({', '.join(repr(n) for n in ran_without_grad[:3])}"
                 f"{', ...' if ran > 3 else ''}) but none of their parameters has a gradient (param.grad is None): the "
                 f"strategy keeps the gradients elsewhere, so K-FAC would precondition nothing. {SHARDED_HINT}")
+
+    def _no_call_reason(self, layer: KFACLayer) -> str:
+        """Why a layer whose weight got a gradient had no call K-FAC read (in an eager model); under
+        ``capture="auto"`` such a layer is followed through functions from now on."""
+        capture = self.capture
+        if layer.name in capture.layers and capture.blocked_by_compile:
+            return CAPTURE_COMPILED
+        if layer.name in capture.layers or layer.name in capture.refused:
+            # followed (or found before), and still no call K-FAC could read: not followed again
+            return capture.refused.setdefault(layer.name, CAPTURE_MISSED)
+        if self.options.capture == "auto":
+            capture.watch(layer, self._hooked.get(layer.name, []))
+            return CAPTURING
+        return FUNCTION
 
     def _check_grad_shape(self, layer: KFACLayer, what: str, got: tuple[int, ...], want: tuple[int, ...]) -> None:
         """Refuse, naming the layer, a gradient whose shape is not what its parameters and factors need."""

@@ -187,7 +187,7 @@ class InverseSteps:
             if fallbacks:
                 report(lambda: self._report_fallbacks(fallbacks, tasks, by_index, "inverse", lambda fb, which: (
                     f"Cholesky of the damped {which} factor failed at step {k} (damping {damping:g}, "
-                    f"{float(dampings[fb.index]):.3g} on this factor): {fb.reason}; "
+                    f"{_shown(dampings[fb.index])} on this factor): {fb.reason}; "
                     + FALLBACK_ACTION[fb.level].format(damping=fb.damping))))
             return inverses
 
@@ -229,3 +229,11 @@ class InverseSteps:
             assert ly.A is not None and ly.G is not None  # set together
             out[(ly.index, "A")], out[(ly.index, "G")] = pi_split(ly.A, ly.G, damping)
         return out
+
+
+def _shown(damping: float | torch.Tensor) -> str:
+    """A factor's damping for a warning: one number, or the range over the blocks of a grouped factor (an expert
+    stack, a grouped convolution: one pi-balanced damping per block)."""
+    if isinstance(damping, torch.Tensor) and damping.numel() > 1:
+        return f"{float(damping.min()):.3g}-{float(damping.max()):.3g} over its {damping.numel()} blocks"
+    return f"{float(damping):.3g}"

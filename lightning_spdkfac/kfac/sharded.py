@@ -350,25 +350,41 @@ def precondition_owned(pre: Any, k: int) -> None:
     computes P = L^-1 g R^-1 of its layers from their full gradients, one all-reduce gives every rank each layer's
     ``<P, g>`` and whether it was preconditioned, the KL scale is computed alike everywhere (the layer order and
     values of DDP's sum), and the scaled rows are scattered back into each rank's shards."""
-    from . import factors
-    from .inverse import eigen_precondition
-
     access: OwnerShardedAccess = pre.grad_access
     if not pre._grads_finite:  # (the guard's verdict is every rank's: it sums the shards over the mesh)
         return
-    todo = []
-    for layer in pre.layers.values():  # decided on what every rank sees alike
-        if pre._stepping is not None and layer.index not in pre._stepping:
-            continue
-        if not layer.trainable() or any(p.grad is None for p in layer.helper.params()):
-            continue
-        todo.append(layer)
+    todo = [layer for layer in pre.layers.values()  # decided on what every rank sees alike
+            if (pre._stepping is None or layer.index in pre._stepping) and layer.trainable()
+            and all(p.grad is not None for p in layer.helper.params())]
     if not todo:
         return
+    vec, precs = _precondition_mine(pre, access, todo)
+    dist.all_reduce(vec, group=access.group)
+    n = len(todo)
+    flags = (vec[n:] > 0.5).tolist()  # (one host read: which layers' rows are scattered decides the collectives)
+    done = [layer for layer, flag in zip(todo, flags) if flag]
+    if not done:
+        return
+    scale = None
+    if pre.kl_clip is not None:  # the owners' p.g, in inv_dtype as DDP's sum takes them
+        dots = [vec[i].to(pre.inv_dtype) for i, flag in enumerate(flags) if flag]
+        scale = pre._kl_scale(k, tuple(done), dots)
+    for layer in done:  # the owner writes scale * P into the full gradients it gathered
+        if layer.index in precs:
+            layer.helper.write_grad(precs[layer.index], scale, pre._grads)
+    _scatter_rows(pre, access, done)
+
+
+def _precondition_mine(pre: Any, access: OwnerShardedAccess,
+                       todo: list[Any]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """P of the layers this rank owns (and has inverses for), and the ``[<P, g>..., preconditioned?...]`` vector of
+    every layer of ``todo`` with this rank's entries filled (on the gradients' device: NCCL reduces device tensors)."""
+    from . import factors
+    from .inverse import eigen_precondition
+
     first = todo[0].helper.params()[0].grad
     assert first is not None
     n = len(todo)
-    # [<P, g>, preconditioned?] per layer, on the gradients' device (NCCL reduces device tensors only)
     vec = torch.zeros(2 * n, dtype=torch.float64, device=first.device)
     precs: dict[int, torch.Tensor] = {}
     for i, layer in enumerate(todo):
@@ -386,23 +402,15 @@ def precondition_owned(pre: Any, k: int) -> None:
         if pre.kl_clip is not None:
             vec[i] = torch.vdot(p.flatten(), gi.flatten()).double()
         vec[n + i] = 1.0
-    dist.all_reduce(vec, group=access.group)
-    flags = (vec[n:] > 0.5).tolist()  # (one host read: which layers' rows are scattered decides the collectives)
-    done = [layer for layer, flag in zip(todo, flags) if flag]
-    if not done:
-        return
-    scale = None
-    if pre.kl_clip is not None:  # the owners' p.g, in inv_dtype as DDP's sum takes them
-        dots = [vec[i].to(pre.inv_dtype) for i, flag in enumerate(flags) if flag]
-        scale = pre._kl_scale(k, tuple(done), dots)
-    for layer in done:  # the owner writes scale * P into the full gradients it gathered
-        if layer.index in precs:
-            layer.helper.write_grad(precs[layer.index], scale, pre._grads)
-    params = [p for layer in done for p in dict.fromkeys(layer.helper.params())]
-    params = list(dict.fromkeys(params))
+    return vec, precs
+
+
+def _scatter_rows(pre: Any, access: OwnerShardedAccess, done: list[Any]) -> None:
+    """Each owner's rows of the scaled P back into every rank's gradient shards (one scatter per owner and dtype)."""
+    params = list(dict.fromkeys(p for layer in done for p in layer.helper.params()))
     for ps in _by_owner_and_dtype(params, {p: p.grad for p in params}, access.owner_of):
         owner = access.owner_of[ps[0]]
-        locals_ = [p.grad.to_local() for p in ps]  # type: ignore[union-attr]
+        locals_ = [_dt(p.grad).to_local() for p in ps]
         recv = _pack(locals_, ps, access.world, None)
         sends = None
         if owner == access.rank:

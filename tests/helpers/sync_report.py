@@ -78,6 +78,8 @@ class _MoE(nn.Module):
         cfg = MixtralConfig(hidden_size=16, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2)
         cfg._experts_implementation = "grouped_mm"
         self.inp, self.moe, self.out = nn.Linear(16, 16), MixtralSparseMoeBlock(cfg), nn.Linear(16, 5)
+        for p in self.moe.parameters():  # (the block allocates them with torch.empty: the model's init fills them)
+            nn.init.normal_(p, std=0.2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.inp(x.flatten(1))).unsqueeze(1)
