@@ -78,6 +78,7 @@ from _common import (
 from torch import nn
 
 from lightning_spdkfac.factor_shapes import FactorShape, numel
+from lightning_spdkfac.kfac.hook_tools import optimized_module_type
 from lightning_spdkfac.kfac.preconditioner import KFACPreconditioner
 from lightning_spdkfac.kfac.summary import format_bytes
 from lightning_spdkfac.schedule import precondition_flops
@@ -208,11 +209,6 @@ def zoo():
     return lookalikes
 
 
-def _optimized_module() -> type:
-    """torch.compile's module wrapper (a placeholder type where torch has none)."""
-    return getattr(getattr(getattr(torch, "_dynamo", None), "eval_frame", None), "OptimizedModule", type(None))
-
-
 def _hf_case(build):
     """A MODELS entry as a zoo builder: (model, make_batch(seed), loss_fn(model, inputs))."""
     def case():
@@ -338,7 +334,7 @@ def measure(name: str, build, steps: int = 2, kfac_kw: dict | None = None) -> di
         return sum(params[i][1].numel() for i in ids) / max(trainable, 1)
 
     partial: list[str] = []
-    if row["error"] is None and not isinstance(model, _optimized_module()):  # a probe forward would recompile it
+    if row["error"] is None and not isinstance(model, optimized_module_type()):  # a probe forward would recompile it
         try:
             for lname, uses in functional_uses(pre, model, loss_fn, make(99)).items():
                 # (a layer function capture follows has its functional uses collected: not partial)
@@ -350,7 +346,7 @@ def measure(name: str, build, steps: int = 2, kfac_kw: dict | None = None) -> di
     partial_ids = {id(p) for n in partial for p in pre.layers[n].helper.params() if id(p) in params}
     held = held_bytes(pre)
     peak: dict = {}
-    if row["error"] is None and not isinstance(model, _optimized_module()):
+    if row["error"] is None and not isinstance(model, optimized_module_type()):
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")

@@ -39,7 +39,7 @@ from torch.overrides import TorchFunctionMode
 
 from .conv import ConvHelper
 from .experts import ExpertsHelper
-from .hook_tools import eager
+from .hook_tools import eager, holds_compiled
 from .layers import EmbeddingHelper
 
 if TYPE_CHECKING:
@@ -101,7 +101,7 @@ class FunctionCapture:
         self.blocked_by_compile = False  # a scope's forward ran inside a torch.compile'd region (not followed)
         # A model holding torch.compile'd modules: a mode active around them would be traced into their graphs (dynamo
         # cannot), so capture never runs on such a model; the layers that need it are named.
-        self._holds_compiled = any(isinstance(m, _optimized_module()) for m in model.modules())
+        self._holds_compiled = holds_compiled(model)
         self._parents: dict[int, nn.Module] | None = None
 
     # -- which layers, and where -----------------------------------------------------------------------------
@@ -312,12 +312,6 @@ class FunctionCapture:
     def _refuse(self, layer: KFACLayer, why: str) -> None:
         self.refused.setdefault(layer.name, why)
         return None
-
-
-def _optimized_module() -> type:
-    """torch.compile's module wrapper (a type nothing is an instance of where torch has none)."""
-    eval_frame = getattr(getattr(torch, "_dynamo", None), "eval_frame", None)
-    return getattr(eval_frame, "OptimizedModule", type("NoOptimizedModule", (), {}))
 
 
 def _under_compile() -> bool:

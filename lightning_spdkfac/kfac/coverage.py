@@ -16,7 +16,7 @@ from torch import nn
 
 from .capture import FunctionCapture
 from .gradients import GradAccess
-from .hook_tools import eager
+from .hook_tools import eager, holds_compiled
 from .layer_state import KFACLayer
 from .options import KFACOptions
 
@@ -99,7 +99,7 @@ class Coverage:
                 continue  # not used this step (or, distributed, run on other ranks): quiet
             if layer.a_calls == 0:
                 if compiled is None:
-                    compiled = any(isinstance(m, _optimized_module()) for m in self.model.modules())
+                    compiled = holds_compiled(self.model)
                 reason = COMPILED if compiled else self._no_call_reason(layer)
             else:
                 reason = NO_OUTPUT_GRAD
@@ -155,14 +155,3 @@ def watch_grad(layer: KFACLayer) -> None:
 
     layer.handles.append(weight.register_post_accumulate_grad_hook(eager(seen)))  # type: ignore[no-untyped-call]
     layer.grad_watched = True
-
-
-def _optimized_module() -> type:
-    """torch.compile's module wrapper (a placeholder type where torch has none)."""
-    dynamo = getattr(torch, "_dynamo", None)
-    eval_frame = getattr(dynamo, "eval_frame", None) if dynamo is not None else None
-    return getattr(eval_frame, "OptimizedModule", _NoType)
-
-
-class _NoType:
-    pass

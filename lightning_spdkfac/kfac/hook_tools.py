@@ -29,3 +29,19 @@ def autocast_off(device_type: str) -> torch.autocast | nullcontext[None]:
     if torch.is_autocast_enabled(device_type):
         return torch.autocast(device_type, enabled=False)
     return nullcontext()
+
+
+class _NoType:
+    """What nothing is an instance of (torch without torch.compile)."""
+
+
+def optimized_module_type() -> type:
+    """torch.compile's module wrapper (``OptimizedModule``; a type nothing is an instance of where torch has none)."""
+    eval_frame = getattr(getattr(torch, "_dynamo", None), "eval_frame", None)
+    return cast(type, getattr(eval_frame, "OptimizedModule", _NoType))
+
+
+def holds_compiled(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is or holds a torch.compile'd module (whose cached graphs run without hooks added later)."""
+    compiled = optimized_module_type()
+    return any(isinstance(m, compiled) for m in model.modules())
