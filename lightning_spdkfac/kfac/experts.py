@@ -181,12 +181,6 @@ class ExpertsHelper(LayerHelper):
     def grouped_call(self, offs: torch.Tensor) -> LayerHelper:
         return _GroupedCall(self, offs)
 
-    def a_rows(self, x: torch.Tensor) -> torch.Tensor:
-        return x.reshape(-1, x.shape[-1])
-
-    def g_rows(self, grad_output: torch.Tensor) -> torch.Tensor:
-        return grad_output.reshape(-1, grad_output.shape[-1])
-
 
 class _Call(LayerHelper):
     """One captured call of an expert stack: the stack's geometry, its own rows and which blocks they add to."""
