@@ -89,7 +89,6 @@ class FunctionCapture:
         self.layers: dict[str, KFACLayer] = {}  # the captured layers, by name
         self.busy: dict[int, int] = {}  # id(layer) -> its module calls running now (their own uses not counted)
         self.refused: dict[str, str] = {}
-        self.calls = 0  # calls collected (tests, the summary)
         self._depth = 0
         self.suspended = False  # K-FAC's own computations inside a forward hook: not looked at
         self._mode: _Mode | None = None
@@ -103,6 +102,16 @@ class FunctionCapture:
         # cannot), so capture never runs on such a model; the layers that need it are named.
         self._holds_compiled = holds_compiled(model)
         self._parents: dict[int, nn.Module] | None = None
+
+    @property
+    def calls(self) -> int:
+        """Calls collected from functions, over every layer."""
+        return sum(self.function_calls.values())
+
+    @property
+    def active(self) -> bool:
+        """Whether the mode is on now (a scope's forward is running outside torch.compile)."""
+        return self._mode is not None
 
     # -- which layers, and where -----------------------------------------------------------------------------
     def watch(self, layer: KFACLayer, hooked: list[nn.Module]) -> None:
@@ -233,7 +242,6 @@ class FunctionCapture:
         layer, helper, x, g_transform = found
         if self.busy.get(id(layer), 0) > 0 and helper is layer.helper:
             return out  # the layer's own module call: its forward hook collects it
-        self.calls += 1
         self.function_calls[layer.name] = self.function_calls.get(layer.name, 0) + 1
         self.on_call(layer, helper, layer.helper.owner().training, x, out, g_transform)
         return out

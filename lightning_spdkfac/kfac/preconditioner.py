@@ -311,8 +311,11 @@ class KFACPreconditioner(LayerRegistration, FactorUpdates, InverseSteps, Precond
                  g_transform: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         """One call of a layer: a module call (its forward hook) or a function given its weight (kfac/capture.py;
         ``g_transform`` maps the output's gradient to the rows' layout). ``training``: the module's mode."""
-        capture, was = self.capture, self.capture.suspended
-        capture.suspended = True  # (a forward hook inside a captured forward: K-FAC's own products are not calls)
+        capture = self.capture
+        if not capture.active:  # (the usual case: no mode on to hide K-FAC's own products from)
+            self._collect_call(layer, helper, training, x, output, g_transform)
+            return
+        was, capture.suspended = capture.suspended, True  # (a hook inside a captured forward: not calls)
         try:
             self._collect_call(layer, helper, training, x, output, g_transform)
         finally:
