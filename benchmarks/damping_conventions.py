@@ -16,7 +16,7 @@ on the workloads of benchmarks/time_to_accuracy.py. The conventions (docs/math.m
   pooled), so layers keep their absolute relation while the loss's scale drops out.
 - ``eigen``: ``inverse_method="eigen"``, the exact damping 1/(d_A d_G + lambda) in the factors' eigenbases.
 
-The conventions other than ``pi`` are installed by replacing ``KFACPreconditioner._factor_dampings``
+The conventions other than ``pi`` are installed by replacing ``Inverter._factor_dampings``
 (the one place the split is decided) in this process. Prints the lines; ``--out DIR`` also writes them to
 DIR/damping_conventions.jsonl. ``--quick``: digits-sgd, pi, damping 1e-3, one epoch.
 """
@@ -35,11 +35,11 @@ import time_to_accuracy as tta
 import torch
 from _common import Progress, bench_parser, parse, set_threads
 
+from lightning_spdkfac.kfac.inverse_steps import Inverter
 from lightning_spdkfac.kfac.layer_state import KFACLayer
-from lightning_spdkfac.kfac.preconditioner import KFACPreconditioner
 
 Split = dict[tuple[int, str], torch.Tensor]
-PI = KFACPreconditioner._factor_dampings
+PI = Inverter._factor_dampings
 
 
 def _mean_eig(f: torch.Tensor) -> torch.Tensor:
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
         for case in cases:
             workload, opt, lr, epochs = CASES[case]
             for conv in conventions:
-                KFACPreconditioner._factor_dampings = staticmethod(CONVENTIONS[conv])  # type: ignore[method-assign]
+                Inverter._factor_dampings = staticmethod(CONVENTIONS[conv])  # type: ignore[method-assign]
                 for damping in dampings:
                     kfac = {"damping": damping, "log_step_time": False}
                     if conv == "eigen":
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
                     print(lines[-1], flush=True)
                     bar.tick()
     finally:
-        KFACPreconditioner._factor_dampings = staticmethod(PI)  # type: ignore[method-assign]
+        Inverter._factor_dampings = staticmethod(PI)  # type: ignore[method-assign]
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         Path(args.out, "damping_conventions.jsonl").write_text("".join(line + "\n" for line in lines))

@@ -99,9 +99,9 @@ def test_a_checkpoint_taken_while_inversions_are_in_flight_resumes_bitwise(metho
     ref_pre, _, _ = _train(ref_model, 8, async_inverses=True, inverse_method=method)
 
     pre, opt, g = _train(model, 5, async_inverses=True, inverse_method=method)  # step k=4 launched inversions
-    assert pre._in_flight is not None
+    assert pre.inverter.in_flight is not None
     state = copy.deepcopy(pre.state_dict())
-    assert pre._in_flight is None  # settled by state_dict
+    assert pre.inverter.in_flight is None  # settled by state_dict
     weights = copy.deepcopy(model.state_dict())
     pre.remove_hooks()
 
@@ -150,14 +150,14 @@ def test_the_step_after_an_inverse_step_waits_for_the_inversions_and_uses_them()
     dist = _Gated()
     model = _mlp()
     pre, opt, g = _train(model, 3, async_inverses=True, distributor=dist)  # steps 0 (sync), 1, 2 (launch)
-    assert dist.launched == 1 and pre._in_flight is not None and not pre._in_flight.pending.done()
+    assert dist.launched == 1 and pre.inverter.in_flight is not None and not pre.inverter.in_flight.pending.done()
     held = {n: ly.A_inv.clone() for n, ly in pre.layers.items()}
     threading.Timer(0.2, dist.gate.set).start()
     x = torch.randn(16, 8, generator=g)
     opt.zero_grad()
     model(x).pow(2).mean().backward()
     pre.step(opt)  # blocks until the gate opens, then swaps in
-    assert pre._in_flight is None
+    assert pre.inverter.in_flight is None
     assert pre.timer.last["inverse_wait"] > 0.05
     assert all(not torch.equal(held[n], ly.A_inv) for n, ly in pre.layers.items())
 
@@ -172,7 +172,7 @@ def test_a_failed_worker_raises_on_the_next_step_and_keeps_the_inverses_held():
     model(torch.randn(16, 8, generator=g)).pow(2).mean().backward()
     with pytest.raises(RuntimeError, match="simulated broadcast failure"):
         pre.step(opt)
-    assert pre._in_flight is None
+    assert pre.inverter.in_flight is None
     for n, ly in pre.layers.items():  # none of the failed round's inverses swapped in
         assert torch.equal(held[n][0], ly.A_inv) and torch.equal(held[n][1], ly.G_inv)
     dist.fail = False
@@ -200,10 +200,10 @@ def test_loading_a_state_drops_the_inversions_in_flight():
     pre_other, _, _ = _train(other, 2)
     state = pre_other.state_dict()
     pre, opt, g = _train(model, 3, async_inverses=True, distributor=dist)
-    assert pre._in_flight is not None
+    assert pre.inverter.in_flight is not None
     dist.gate.set()
     pre.load_state_dict(state)
-    assert pre._in_flight is None
+    assert pre.inverter.in_flight is None
     for n, ly in pre.layers.items():
         assert torch.equal(ly.A_inv, pre_other.layers[n].A_inv)
 

@@ -268,15 +268,17 @@ def test_torch_compile_aot_eager_trains_like_eager():
 
 
 def _kfac_code_objects() -> list[types.CodeType]:
-    """Every function's code in the preconditioner module, nested functions (the hooks) included."""
+    """Every function's code in the preconditioner module and the factor statistics' (the hooks' part), nested
+    functions (the hooks) included."""
+    import lightning_spdkfac.kfac.factor_updates as stats
     import lightning_spdkfac.kfac.preconditioner as mod
 
     out = []
-    for owner in (mod, mod.KFACPreconditioner, mod.KFACLayer):
+    for owner in (mod, mod.KFACPreconditioner, mod.KFACLayer, stats, stats.FactorStatistics):
         for value in vars(owner).values():
             fn = getattr(value, "fget", getattr(value, "__func__", value))
             code = getattr(fn, "__code__", None)
-            if code is None or getattr(fn, "__module__", None) != mod.__name__:
+            if code is None or getattr(fn, "__module__", None) not in (mod.__name__, stats.__name__):
                 continue
             stack = [code]
             while stack:

@@ -222,7 +222,7 @@ def test_nonfinite_received_factor_skips_the_update_but_preconditions():
     model = mlp()
     pre = KFACPreconditioner(model, kl_clip=None, factor_update_steps=1, inv_update_steps=10,
                              distributor=CorruptingDistributor(index=1, bad_steps={1}))
-    assert not pre._local  # the distributed path (_fold_reduced) runs
+    assert not pre.core.local  # the distributed path (_fold_reduced) runs
     backward(model, *data[0])
     pre.step()
     saved = factors(pre)
@@ -471,8 +471,8 @@ def test_fallback_warning_names_layer_factor_step_and_damping():
     layer.A, layer.G = CASES["indefinite"].float(), torch.eye(16)
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
-        pre._update_inverses(5)
-        pre._update_inverses(6)
+        pre.inverter.update(5)
+        pre.inverter.update(6)
     msgs = [str(r.message) for r in w]
     assert len(msgs) == 1 and pre.inverse_fallbacks == 2
     assert "layer '0'" in msgs[0] and "A factor" in msgs[0] and "step 5" in msgs[0] and "damping 1e-08" in msgs[0]

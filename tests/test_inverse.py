@@ -60,10 +60,10 @@ def test_fallback_warns_once_per_layer():
     layer.A = torch.diag(torch.tensor([1.0, -1.0, 1.0, 1.0]))
     layer.G = torch.eye(2)
     with pytest.warns(UserWarning, match=r"layer '0'.*Cholesky of the damped A factor failed"):
-        pre._update_inverses(0)
+        pre.inverter.update(0)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        pre._update_inverses(1)  # second failure: no second warning
+        pre.inverter.update(1)  # second failure: no second warning
     assert torch.isfinite(layer.A_inv).all()
 
 

@@ -76,9 +76,9 @@ def held_tensors(pre: KFACPreconditioner) -> list[torch.Tensor]:
     inverses in flight (async_inverses; waited for, so that the measure does not depend on the worker's pace)."""
     out = [t for ly in pre.layers.values() for t in (ly.A, ly.G, ly.A_inv, ly.G_inv, ly.xx, ly.dd, ly.x_sum)
            if t is not None]
-    out += [st.v for st in pre._graft_states.values() if st.v is not None]
-    if pre._in_flight is not None:
-        out += [inv for _, _, inv in pre._in_flight.pending.wait()]
+    out += [st.v for st in pre.preconditioning.graft_states.values() if st.v is not None]
+    if pre.inverter.in_flight is not None:
+        out += [inv for _, _, inv in pre.inverter.in_flight.pending.wait()]
     return out
 
 
@@ -265,7 +265,7 @@ def test_p_written_through_is_bitwise_the_p_kept_to_the_end(monkeypatch, kl_clip
         pre = KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=2, lr=0.1, kl_clip=kl_clip,
                                  inverse_method=method, max_factor_side=500)
         if not through:
-            monkeypatch.setattr(pre, "_write_through", lambda g: False)
+            monkeypatch.setattr(pre.preconditioning, "_write_through", lambda g: False)
         grads = []
         for _ in range(3):
             model.zero_grad()

@@ -173,11 +173,11 @@ def _threads_inside_kfac(monkeypatch, threads: int) -> tuple[set[int], int]:
     from torch import nn
 
     import lightning_spdkfac.kfac.inverse_steps as inverse_steps
-    import lightning_spdkfac.kfac.preconditioner as prec
     from lightning_spdkfac import KFACPreconditioner
+    from lightning_spdkfac.kfac.factor_updates import FactorStatistics
 
     seen: set[int] = set()
-    real_inverses, real_accumulate = inverse_steps.robust_inverses, prec.KFACPreconditioner._accumulate_a
+    real_inverses, real_accumulate = inverse_steps.robust_inverses, FactorStatistics._accumulate_a
 
     def inverses(*args, **kwargs):
         seen.add(torch.get_num_threads())
@@ -188,7 +188,7 @@ def _threads_inside_kfac(monkeypatch, threads: int) -> tuple[set[int], int]:
         return real_accumulate(self, *args, **kwargs)
 
     monkeypatch.setattr(inverse_steps, "robust_inverses", inverses)  # where the inversions call it
-    monkeypatch.setattr(prec.KFACPreconditioner, "_accumulate_a", accumulate)
+    monkeypatch.setattr(FactorStatistics, "_accumulate_a", accumulate)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

@@ -10,16 +10,20 @@ from __future__ import annotations
 import numbers
 import warnings
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, TypeGuard
+from typing import Any, TypeGuard
 
 import torch
 
 from ..factor_shapes import FactorShape, inverse_shape, preconditioned_shape
 from ..vocabulary import FACTOR_APPROXES, INVERSE_METHODS
-from .distributor import Distributor, OwnerHeld
+from .core import Core
+from .factor_updates import FactorStatistics
 from .grafting import AdamGraftState
+from .guard import NonFiniteGuard
+from .inverse_steps import Inverter
 from .layer_state import KFACLayer
-from .options import KFACOptions
+from .preconditioning import Preconditioning
+from .registration import LayerRegistry
 from .step_size import QuadraticStepSize, check_step_size_state
 
 # 2: adds 'layer_dims' (every registered layer and its factor sides); 3: 'layer_dims' holds each factor's shape, an
@@ -54,56 +58,46 @@ def _show_pair(pair: FactorPair) -> str:
 
 
 class CheckpointState:
-    """``state_dict`` / ``load_state_dict`` of the preconditioner (a mixin: the attributes are its)."""
+    """A part of the preconditioner that saves and loads its state: it owns no state of its own but reads and
+    restores the other parts' (the running factors and inverses of ``core.layers``, the counters of each part, the
+    grafting moments, the step size rule's state)."""
 
-    layers: dict[str, KFACLayer]
-    skipped: dict[str, str]
-    steps: int
-    skipped_factor_steps: int
-    skipped_precondition_steps: int
-    consecutive_bad_steps: int
-    inverse_fallbacks: int
-    factor_dtype: torch.dtype
-    inv_dtype: torch.dtype
-    options: KFACOptions
-    distributor: Distributor
-    _graft_states: dict[int, AdamGraftState]
-    step_size: QuadraticStepSize | None
-    model: torch.nn.Module
+    def __init__(self, core: Core, registry: LayerRegistry, statistics: FactorStatistics, inverter: Inverter,
+                 preconditioning: Preconditioning, guard: NonFiniteGuard, step_size: QuadraticStepSize | None) -> None:
+        self.core = core
+        self.registry = registry
+        self.statistics = statistics
+        self.inverter = inverter
+        self.preconditioning = preconditioning
+        self.guard = guard
+        self.step_size = step_size
 
-    # The preconditioner's (declared for the type checker only: at run time they are the other parts', whatever the
-    # order of the bases; a stub here would shadow any that comes after this class in the MRO).
-    if TYPE_CHECKING:
-
-        def _sharing(self) -> OwnerHeld: ...
-
-        def _drop_collected(self) -> None:
-            """Forget the statistics collected since the last step."""
-
-        def _register_frozen(self, names: set[str]) -> None:
-            """Register these layers frozen at setup now (kfac/registration.py)."""
-
-        def _settle_inverses(self, keep: bool = True) -> None:
-            """Swap in (``keep``) or drop the asynchronous inversions in flight (kfac/inverse_steps.py)."""
+    def _counters(self) -> dict[str, tuple[object, str]]:
+        """Each saved counter (``COUNTERS``) and the part that owns it."""
+        return {"skipped_factor_steps": (self.guard, "skipped_factor_steps"),
+                "consecutive_bad_steps": (self.guard, "consecutive_bad_steps"),
+                "skipped_precondition_steps": (self.preconditioning, "skipped_precondition_steps"),
+                "inverse_fallbacks": (self.inverter, "inverse_fallbacks")}
 
     def _layer_states(self) -> dict[int, tuple[Any, ...]]:
         """Every layer's (A, G, A_inv, G_inv, inverse damping) by index. Under distributed preconditioning
         (``schedule="dpkfac"``) each rank holds its own layers only: the others are gathered from their owners
         (a collective: every rank calls :meth:`state_dict` at the same point; received tensors are on the host),
         so the state is complete on every rank and independent of the world size."""
-        own = {ly.index: (ly.A, ly.G, ly.A_inv, ly.G_inv, ly.inv_damping) for ly in self.layers.values()}
-        owners = self.distributor.layer_owners
+        core = self.core
+        own = {ly.index: (ly.A, ly.G, ly.A_inv, ly.G_inv, ly.inv_damping) for ly in core.layers.values()}
+        owners = core.distributor.layer_owners
         if owners is None:
             return own
-        sharing = self._sharing()
-        rank = self.distributor.rank
+        sharing = core.sharing()
+        rank = core.distributor.rank
         held = {i: v for i, v in own.items() if owners[i] == rank}
         shapes = []
-        method = self.options.inverse_method
-        for ly in sorted(self.layers.values(), key=lambda ly: ly.index):
+        method = core.options.inverse_method
+        for ly in sorted(core.layers.values(), key=lambda ly: ly.index):
             a, g = layer_shapes(ly)
             shapes.append((a, g, inverse_shape(a, method), inverse_shape(g, method)))
-        states = sharing.gather_layers(held, shapes, (self.factor_dtype, self.inv_dtype))
+        states = sharing.gather_layers(held, shapes, (core.factor_dtype, core.inv_dtype))
         return {i: states.get(i, (None, None, None, None, None)) for i in own}
 
     def state_dict(self) -> dict[str, Any]:
@@ -121,37 +115,38 @@ class CheckpointState:
         :meth:`step` would do before using them: the state is that of a step boundary, and a run resumed
         from it continues exactly (its next step finds nothing in flight and uses the same inverses).
         """
-        self._settle_inverses()
+        core = self.core
+        self.inverter.settle()
         held = self._layer_states()
         layers: dict[str, dict[str, torch.Tensor | None]] = {}
-        for name, ly in self.layers.items():
+        for name, ly in core.layers.items():
             A, G, A_inv, G_inv, _ = held[ly.index]
             if A is None:
                 continue
             layers[name] = {"A": A, "G": G, "A_inv": A_inv, "G_inv": G_inv}
         extra: dict[str, Any] = {}
-        by_index = {ly.index: name for name, ly in self.layers.items()}
-        moments = {by_index[i]: {"v": st.v, "t": st.t} for i, st in self._graft_states.items() if st.v is not None}
+        by_index = {ly.index: name for name, ly in core.layers.items()}
+        moments = {by_index[i]: {"v": st.v, "t": st.t} for i, st in self.preconditioning.graft_states.items() if st.v is not None}
         if moments:  # grafting="adam" (kfac/grafting.py)
             extra["grafting_moments"] = moments
         if self.step_size is not None:  # step_size="quadratic..." (kfac/step_size.py): alpha, mu, the last update
             extra["step_size"] = self.step_size.state_dict()
-        if self.options.inverse_method != "cholesky":  # a cholesky state is what it was before the option
-            extra["inverse_method"] = self.options.inverse_method
-            extra["inverse_damping"] = {name: held[ly.index][4] for name, ly in self.layers.items()
+        if core.options.inverse_method != "cholesky":  # a cholesky state is what it was before the option
+            extra["inverse_method"] = core.options.inverse_method
+            extra["inverse_damping"] = {name: held[ly.index][4] for name, ly in core.layers.items()
                                         if held[ly.index][2] is not None and held[ly.index][4] is not None}
         return {
             "version": STATE_VERSION,
-            "steps": self.steps,
-            "skipped_factor_steps": self.skipped_factor_steps,
+            "steps": core.steps,
+            "skipped_factor_steps": self.guard.skipped_factor_steps,
             # optional counters (older states lack them): a resumed run continues the same counts, and
             # max_bad_steps sees a bad streak that spans the checkpoint
-            "skipped_precondition_steps": self.skipped_precondition_steps,
-            "consecutive_bad_steps": self.consecutive_bad_steps,
-            "inverse_fallbacks": self.inverse_fallbacks,
+            "skipped_precondition_steps": self.preconditioning.skipped_precondition_steps,
+            "consecutive_bad_steps": self.guard.consecutive_bad_steps,
+            "inverse_fallbacks": self.inverter.inverse_fallbacks,
             # optional too: factors of the two approximations have the same shapes but not the same meaning
-            "factor_approx": self.options.factor_approx,
-            "layer_dims": {name: [_saved_shape(s) for s in layer_shapes(ly)] for name, ly in self.layers.items()},
+            "factor_approx": core.options.factor_approx,
+            "layer_dims": {name: [_saved_shape(s) for s in layer_shapes(ly)] for name, ly in core.layers.items()},
             "layers": layers,
             **extra,
         }
@@ -170,24 +165,25 @@ class CheckpointState:
         as it was. Registered layers without factors in the state start without factors, and factor
         statistics collected since the last :meth:`step` are dropped.
         """
+        core = self.core
         factors = self._verify_state(state)
-        self._settle_inverses(keep=False)  # inversions of the replaced state's factors: never swapped in
+        self.inverter.settle(keep=False)  # inversions of the replaced state's factors: never swapped in
         loaded = {}  # converted first: nothing is assigned unless every tensor converted
         for name, (A, G, A_inv, G_inv) in factors.items():
-            dev = self.layers[name].helper.params()[0].device
+            dev = core.layers[name].helper.params()[0].device
             loaded[name] = (
-                A.to(device=dev, dtype=self.factor_dtype).clone(),
-                G.to(device=dev, dtype=self.factor_dtype).clone(),
-                None if A_inv is None else A_inv.to(device=dev, dtype=self.inv_dtype).clone(),
-                None if G_inv is None else G_inv.to(device=dev, dtype=self.inv_dtype).clone(),
+                A.to(device=dev, dtype=core.factor_dtype).clone(),
+                G.to(device=dev, dtype=core.factor_dtype).clone(),
+                None if A_inv is None else A_inv.to(device=dev, dtype=core.inv_dtype).clone(),
+                None if G_inv is None else G_inv.to(device=dev, dtype=core.inv_dtype).clone(),
             )
-        saved_method, method = state.get("inverse_method", "cholesky"), self.options.inverse_method
+        saved_method, method = state.get("inverse_method", "cholesky"), core.options.inverse_method
         dampings = state.get("inverse_damping") or {}
-        owners = self.distributor.layer_owners
-        for name, layer in self.layers.items():
+        owners = core.distributor.layer_owners
+        for name, layer in core.layers.items():
             layer.A, layer.G, layer.A_inv, layer.G_inv = loaded.get(name, (None, None, None, None))
             layer.inv_damping = float(dampings[name]) if name in dampings else None
-            if owners is not None and owners[layer.index] != self.distributor.rank:  # another rank's layer
+            if owners is not None and owners[layer.index] != core.distributor.rank:  # another rank's layer
                 layer.A = layer.G = layer.A_inv = layer.G_inv = layer.inv_damping = None
             if saved_method != method:  # never use an inverse of the other kind: recomputed at the next step
                 layer.A_inv = layer.G_inv = layer.inv_damping = None
@@ -201,18 +197,19 @@ class CheckpointState:
         # A state is the start of step ``steps``: statistics the hooks collected since the last step() belong
         # to another trajectory (Lightning's lr finder and batch-size finder run throwaway steps without
         # this callback, then restore their checkpoint, and the same fit trains on) and are dropped.
-        self._drop_collected()
-        self._graft_states.clear()
+        self.statistics.drop_collected()
+        moments = self.preconditioning.graft_states
+        moments.clear()
         for name, entry in (state.get("grafting_moments") or {}).items():
-            st = self._graft_states[self.layers[name].index] = AdamGraftState()
-            st.v = entry["v"].to(device=self.layers[name].helper.params()[0].device, dtype=torch.float64).clone()
+            st = moments[core.layers[name].index] = AdamGraftState()
+            st.v = entry["v"].to(device=core.layers[name].helper.params()[0].device, dtype=torch.float64).clone()
             st.t = int(entry["t"])
         if self.step_size is not None and "step_size" in state:
-            self.step_size.load_state_dict(state["step_size"], dict(self.model.named_parameters()))
-        self.steps = int(state["steps"])
-        for key in COUNTERS:
-            setattr(self, key, int(state.get(key, 0)))
-        saved, ours = state.get("factor_approx"), self.options.factor_approx
+            self.step_size.load_state_dict(state["step_size"], dict(core.model.named_parameters()))
+        core.steps = int(state["steps"])
+        for key, (part, attr) in self._counters().items():
+            setattr(part, attr, int(state.get(key, 0)))
+        saved, ours = state.get("factor_approx"), core.options.factor_approx
         if saved is not None and saved != ours:
             warnings.warn(
                 f"the K-FAC state was saved with factor_approx={saved!r} and this run uses {ours!r}: the "
@@ -248,7 +245,7 @@ class CheckpointState:
             layers = {}
         # A layer held aside as frozen at setup that the state has factors or dims for (saved once it trained, as
         # on resuming a fine-tuning run): registered now, as it would be once it trains.
-        self._register_frozen({n for n in (dims if dims is not None else layers) if isinstance(n, str)})
+        self.registry.register_frozen({n for n in (dims if dims is not None else layers) if isinstance(n, str)})
         self._check_layer_names(dims, layers, mismatch)
         factors = self._check_factors(dims, layers, corrupt, mismatch, method)
         if method == "eigen":
@@ -273,7 +270,7 @@ class CheckpointState:
             corrupt.append(f"'grafting_moments' must be a dict of layer name -> moments, got a {type(moments).__name__}")
             return
         for name, entry in moments.items():
-            layer = self.layers.get(name) if isinstance(name, str) else None
+            layer = self.core.layers.get(name) if isinstance(name, str) else None
             if layer is None:
                 corrupt.append(f"'grafting_moments' names {name!r}, not a K-FAC layer of this model")
                 continue
@@ -289,11 +286,11 @@ class CheckpointState:
         """Layers in the state that this model lacks, and (with 'layer_dims') the other way round."""
         saved_names = list(dims) if dims is not None else [n for n in layers if isinstance(n, str)]
         for name in saved_names:
-            if name not in self.layers:
-                why = f" (skipped here: {self.skipped[name]})" if name in self.skipped else ""
+            if name not in self.core.layers:
+                why = f" (skipped here: {self.registry.skipped[name]})" if name in self.registry.skipped else ""
                 mismatch.append(f"unexpected layer {name!r}: in the state, not a K-FAC layer of this model{why}")
         if dims is not None:
-            for name in self.layers:
+            for name in self.core.layers:
                 if name not in dims:
                     mismatch.append(f"missing layer {name!r}: a K-FAC layer of this model, absent from the state")
 
@@ -302,7 +299,7 @@ class CheckpointState:
         """Each saved layer's factors, checked alone, against 'layer_dims' and against this model."""
         factors: dict[str, tuple[Any, ...]] = {}
         for name, entry in layers.items():
-            layer = self.layers.get(name) if isinstance(name, str) else None
+            layer = self.core.layers.get(name) if isinstance(name, str) else None
             # the layouts the tensors should have: the state's own word, else this model's
             expect = dims.get(name) if dims is not None else None
             if expect is None and layer is not None:
@@ -327,7 +324,7 @@ class CheckpointState:
                                      mismatch: list[str]) -> None:
         """Layers saved before they had factors: their shapes must match this model's too."""
         for name, shapes in dims.items():
-            layer = self.layers.get(name)
+            layer = self.core.layers.get(name)
             if layer is None or name in layers:
                 continue
             want = layer_shapes(layer)

@@ -9,16 +9,16 @@ is read, so no host sync is added. :class:`Coverage` is a part of
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from .capture import FunctionCapture
-from .gradients import GradAccess
+from .core import Core
+from .gradients import SHARDED_HINT, GradAccess
 from .hook_tools import eager, holds_compiled
 from .layer_state import KFACLayer
-from .options import KFACOptions
 
 # The measured reasons (the forward hook never ran; it ran but the output-gradient hook never did).
 FUNCTION = ("used through a function (e.g. F.linear(x, module.weight)) or hooks bypassed by a graph compiled before "
@@ -39,82 +39,70 @@ CAPTURE_MISSED = ("used through an operation K-FAC's function capture cannot fol
 CAPTURE_COMPILED = ("used through a function inside a torch.compile'd region: function capture does not run under "
                     "torch.compile (a mode pushed at a graph break cannot be traced), so its uses there are not followed; "
                     "call the module there, or leave this block eager")
-SHARDED_HINT = ("FSDP and DeepSpeed ZeRO strategies that are not K-FAC-aware keep sharded or flattened gradients; use "
-                "SPDKFACDeepSpeedStrategy or the DDP strategy (SPDKFACStrategy)")
-
 
 class Coverage:
-    """``_check_coverage`` / ``_check_grad_shape`` of the preconditioner (a mixin: the attributes are its)."""
+    """A part of the preconditioner that names what K-FAC leaves out (``core.unfactored``, the summary's), from the
+    hooks' counters, the step's gradients and the layers the stepping optimizer holds (``stepping``)."""
 
-    model: nn.Module
-    layers: dict[str, KFACLayer]
-    grad_access: GradAccess
-    paused: bool
-    _local: bool
-    _stepping: dict[int, float] | None
-    _grads: dict[nn.Parameter, torch.Tensor | None]
-    _warned: set[tuple[str, str]]
-    # layer name -> why its block produced no factors though its weight got a gradient (measured; the summary's)
-    unfactored: dict[str, str]
-    capture: FunctionCapture
-    options: KFACOptions
-    _hooked: dict[str, list[nn.Module]]
+    def __init__(self, core: Core, capture: FunctionCapture, hooked: dict[str, list[nn.Module]],
+                 stepping: Callable[[], dict[int, float] | None]) -> None:
+        self.core = core
+        self.capture = capture
+        self._hooked = hooked  # layer name -> its modules whose forward hooks collect it (the registry's)
+        self._stepping = stepping  # the layers the stepping optimizer holds, or None (kfac/preconditioning.py)
 
-    if TYPE_CHECKING:  # the preconditioner's
-
-        @property
-        def collecting(self) -> bool: ...
-
-    def _check_coverage(self) -> None:
+    def check(self) -> None:
         """On a factor step (before the factor update): name, once per layer and reason, every layer stepped now whose
         weight got a gradient but whose hooks did not both run; refuse gradients that every layer lacks though their
         hooks ran (a strategy keeping them elsewhere)."""
-        if self.paused:
+        core = self.core
+        if core.paused:
             return
         compiled = None
         new: list[str] = []
         ran_without_grad, ran = [], 0
-        for layer in self.layers.values():
-            if (self._stepping is not None and layer.index not in self._stepping) or not layer.trainable():
+        stepping = self._stepping()
+        for layer in core.layers.values():
+            if (stepping is not None and layer.index not in stepping) or not layer.trainable():
                 continue  # another optimizer's (or none's), or frozen: quiet
             if layer.refused is not None:  # refused after setup (kfac/forward_check.py): named when it was
-                self.unfactored[layer.name] = layer.refused
+                core.unfactored[layer.name] = layer.refused
                 continue
             if not layer.grad_watched:  # registered while frozen (distributed, a loaded state): watched from now on
                 watch_grad(layer)
                 continue
-            has_grad = self._grads.get(layer.helper.params()[0]) is not None
+            has_grad = core.grads.get(layer.helper.params()[0]) is not None
             if layer.a_calls and layer.g_calls:
                 ran += 1
                 if not has_grad:
                     ran_without_grad.append(layer.name)
                 if layer.a_calls == layer.g_calls:
-                    self.unfactored.pop(layer.name, None)
+                    core.unfactored.pop(layer.name, None)
                     continue
                 # (more forward than backward calls: one call's output got no gradient; named below if the weight got
                 # one, since the block makes no factors from such a step)
             # A gradient autograd gave the weight this step (not one left over, or zeros of zero_grad(set_to_none=False))
             has_grad = has_grad and layer.grad_seen
-            if not has_grad or (layer.a_calls == 0 and not self._local and layer.A is not None):
+            if not has_grad or (layer.a_calls == 0 and not core.local and layer.A is not None):
                 continue  # not used this step (or, distributed, run on other ranks): quiet
             if layer.a_calls == 0:
                 if compiled is None:
-                    compiled = holds_compiled(self.model)
+                    compiled = holds_compiled(core.model)
                 reason = COMPILED if compiled else self._no_call_reason(layer)
             else:
                 reason = NO_OUTPUT_GRAD
-            self.unfactored[layer.name] = reason
-            if (layer.name, reason) not in self._warned:
-                self._warned.add((layer.name, reason))
+            core.unfactored[layer.name] = reason
+            if (layer.name, reason) not in core.warned:
+                core.warned.add((layer.name, reason))
                 new.append(f"{layer.name!r} ({reason})")
         if new:
             warnings.warn("K-FAC: these layers' weights got gradients but their K-FAC blocks produced no factors, so "
                           "the optimizer gets them unpreconditioned: " + "; ".join(new), stacklevel=3)
-        if ran and len(ran_without_grad) == ran and type(self.grad_access) is GradAccess:
+        if ran and len(ran_without_grad) == ran and type(core.grad_access) is GradAccess:
             # FSDP2 hook: the parameters were replaced by fully_shard after setup (kfac/sharded.py)
             from .sharded import refuse_late_sharding
 
-            refuse_late_sharding(self.model.parameters())
+            refuse_late_sharding(core.model.parameters())
             raise RuntimeError(
                 f"K-FAC: the hooks of {ran} layer(s) ran ({', '.join(repr(n) for n in ran_without_grad[:3])}"
                 f"{', ...' if ran > 3 else ''}) but none of their parameters has a gradient (param.grad is None): the "
@@ -129,19 +117,10 @@ class Coverage:
         if layer.name in capture.layers or layer.name in capture.refused:
             # followed (or found before), and still no call K-FAC could read: not followed again
             return capture.refused.setdefault(layer.name, CAPTURE_MISSED)
-        if self.options.capture == "auto":
+        if self.core.options.capture == "auto":
             capture.watch(layer, self._hooked.get(layer.name, []))
             return CAPTURING
         return FUNCTION
-
-    def _check_grad_shape(self, layer: KFACLayer, what: str, got: tuple[int, ...], want: tuple[int, ...]) -> None:
-        """Refuse, naming the layer, a gradient whose shape is not what its parameters and factors need."""
-        if got != want:
-            raise RuntimeError(
-                f"K-FAC layer {layer.name!r}: its {what} has shape {tuple(got)}, not {tuple(want)}: K-FAC cannot read "
-                "it as the layer's gradient (a sharded or flattened gradient, or a layer whose shape changed after "
-                f"setup). {SHARDED_HINT}; or rebuild the preconditioner after changing a layer")
-
 
 def watch_grad(layer: KFACLayer) -> None:
     """Put the hook that tells a gradient autograd gave the layer's weight this step (``layer.grad_seen``, a host flag:

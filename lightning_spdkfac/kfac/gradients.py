@@ -19,8 +19,12 @@ read is a fragment of a flat, partitioned fp32 buffer, and ``param.grad`` is ``N
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from .layer_state import KFACLayer
 
 
 class GradAccess:
@@ -34,3 +38,16 @@ class GradAccess:
 
     def loss_scale(self) -> float:
         return 1.0
+
+
+SHARDED_HINT = ("FSDP and DeepSpeed ZeRO strategies that are not K-FAC-aware keep sharded or flattened gradients; use "
+                "SPDKFACDeepSpeedStrategy or the DDP strategy (SPDKFACStrategy)")
+
+
+def check_grad_shape(layer: KFACLayer, what: str, got: tuple[int, ...], want: tuple[int, ...]) -> None:
+    """Refuse, naming the layer, a gradient whose shape is not what its parameters and factors need."""
+    if got != want:
+        raise RuntimeError(
+            f"K-FAC layer {layer.name!r}: its {what} has shape {tuple(got)}, not {tuple(want)}: K-FAC cannot read "
+            "it as the layer's gradient (a sharded or flattened gradient, or a layer whose shape changed after "
+            f"setup). {SHARDED_HINT}; or rebuild the preconditioner after changing a layer")

@@ -2,7 +2,7 @@
 factors, every ``inv_update_steps`` (and a layer's first), on this thread or asynchronously (``async_inverses``:
 launched by one step, swapped in at the start of the next), with the fallbacks counted and reported.
 
-:class:`InverseSteps` is a part of :class:`~lightning_spdkfac.kfac.KFACPreconditioner`; the math is in
+:class:`Inverter` is a part of :class:`~lightning_spdkfac.kfac.KFACPreconditioner`; the math is in
 kfac/inverse.py and docs/math.md.
 """
 
@@ -12,13 +12,13 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
 from .. import validation as val
-from ..telemetry import StepTimer, capped_threads
-from .distributor import Distributor, PendingInverses, Task
+from ..telemetry import capped_threads
+from .core import Core
+from .distributor import PendingInverses, Task
 from .inverse import (
     EIGEN_FALLBACK_ACTION,
     FALLBACK_ACTION,
@@ -44,34 +44,30 @@ class _InFlight:
     compute_seconds: float = 0.0  # inversion time on the worker (inverse_async)
 
 
-class InverseSteps:
-    """``_update_inverses`` / ``_settle_inverses`` of the preconditioner (a mixin: the attributes are its)."""
+class Inverter:
+    """A part of the preconditioner that owns the inverse steps: the inversions in flight (``async_inverses``), the
+    fallback count and whether the last step inverted. ``on_ready`` preconditions a layer once both its inverses
+    arrived (kfac/preconditioning.py)."""
 
-    layers: dict[str, KFACLayer]
-    damping: val.HParam
-    inv_update_steps: int
-    inv_dtype: torch.dtype
-    distributor: Distributor
-    timer: StepTimer
-    inverse_fallbacks: int
-    last_step_inverted: bool
-    _eigen: bool
-    _in_flight: _InFlight | None
+    def __init__(self, core: Core, on_ready: Callable[[KFACLayer], None]) -> None:
+        self.core = core
+        self._on_ready = on_ready
+        # Inversions running asynchronously (async_inverses), launched by an inverse step and swapped in at the start
+        # of the next step(); None when nothing is in flight.
+        self.in_flight: _InFlight | None = None
+        self.inverse_fallbacks = 0  # factor inversions Cholesky could not do (see kfac.inverse)
+        # Did the last step() recompute inverses (every inv_update_steps, or a layer's first)? Telemetry.
+        self.last_step_inverted = False
 
-    if TYPE_CHECKING:  # the preconditioner's (declared for the type checker only: nothing here at run time)
-
-        def _warn_once(self, layer: str, key: str, message: str) -> None: ...
-
-        def _precondition_layer(self, layer: KFACLayer) -> None: ...
-
-    def _update_inverses(self, k: int) -> None:
-        due = k % self.inv_update_steps == 0
-        todo = [ly for ly in self.layers.values() if ly.A is not None and (due or ly.A_inv is None)]
+    def update(self, k: int) -> None:
+        core = self.core
+        due = k % core.inv_update_steps == 0
+        todo = [ly for ly in core.layers.values() if ly.A is not None and (due or ly.A_inv is None)]
         self.last_step_inverted = bool(todo)
         if not todo:
             return
-        damping = val.resolve("damping", self.damping, k, val.NONNEGATIVE)
-        if self.distributor.use_async_inverses():
+        damping = val.resolve("damping", core.damping, k, val.NONNEGATIVE)
+        if core.distributor.use_async_inverses():
             # A layer's first inverses are computed now (there is nothing to precondition with yet); the others
             # are recomputed off this thread while this step preconditions with the ones held.
             now = [ly for ly in todo if ly.A_inv is None]
@@ -82,7 +78,7 @@ class InverseSteps:
             if not todo:
                 return
         by_index = {ly.index: ly for ly in todo}
-        invert = (self._eigen_fn(k, by_index, self._report_now) if self._eigen
+        invert = (self._eigen_fn(k, by_index, self._report_now) if core.eigen
                   else self._cholesky_fn(k, damping, todo, by_index, self._report_now))
         for ly in todo:
             ly.inv_damping = damping  # eigen applies it when preconditioning, until the next inverse step
@@ -95,11 +91,11 @@ class InverseSteps:
             arrived.add((index, which))
             if (index, "A") in arrived and (index, "G") in arrived:
                 # Both inverses are here: precondition this layer now, while others still arrive.
-                with self.timer.phase("precondition"):
-                    self._precondition_layer(layer)
+                with core.timer.phase("precondition"):
+                    self._on_ready(layer)
 
         tasks = [(ly.index, which, getattr(ly, which)) for ly in todo for which in ("A", "G")]
-        self.distributor.invert(tasks, invert, on_ready)
+        core.distributor.invert(tasks, invert, on_ready)
 
     def _report_now(self, report: Callable[[], None]) -> None:
         report()
@@ -109,10 +105,10 @@ class InverseSteps:
         """The inversion phase: on this thread a timer phase (``inverse_compute``); on the worker the thread
         cap and a plain clock into ``flight`` (the timer belongs to the caller's thread)."""
         if flight is None:
-            with self.timer.phase("inverse_compute"):
+            with self.core.timer.phase("inverse_compute"):
                 yield
             return
-        with capped_threads(self.timer.thread_cap):
+        with capped_threads(self.core.timer.thread_cap):
             t0 = time.perf_counter()
             try:
                 yield
@@ -120,22 +116,22 @@ class InverseSteps:
                 flight.compute_seconds += time.perf_counter() - t0
 
     def _launch_inverses(self, k: int, damping: float, layers: list[KFACLayer]) -> None:
-        """Start the inversions of ``layers`` on the distributor's worker (async_inverses); see _settle_inverses."""
+        """Start the inversions of ``layers`` on the distributor's worker (async_inverses); see settle."""
         by_index = {ly.index: ly for ly in layers}
         flight = _InFlight(pending=None, layers=by_index, damping=damping)  # type: ignore[arg-type]
-        invert = (self._eigen_fn(k, by_index, flight.reports.append, flight) if self._eigen
+        invert = (self._eigen_fn(k, by_index, flight.reports.append, flight) if self.core.eigen
                   else self._cholesky_fn(k, damping, layers, by_index, flight.reports.append, flight))
         # The worker reads these factors; they are not modified before the next step() settles it.
         tasks = [(ly.index, which, getattr(ly, which)) for ly in layers for which in ("A", "G")]
-        flight.pending = self.distributor.invert_async(tasks, invert)
-        self._in_flight = flight
+        flight.pending = self.core.distributor.invert_async(tasks, invert)
+        self.in_flight = flight
 
-    def _settle_inverses(self, keep: bool = True) -> None:
+    def settle(self, keep: bool = True) -> None:
         """Swap in the inverses of the asynchronous inversions in flight (waiting for what is not done), or,
         with ``keep=False``, wait for them and drop them. Their worker's errors are raised here, with ``keep``;
         either way nothing is left in flight and the inverses held stay consistent (all of one inverse step's
         layers swapped in, or none)."""
-        flight, self._in_flight = self._in_flight, None
+        flight, self.in_flight = self.in_flight, None
         if flight is None:
             return
         t0 = time.perf_counter()
@@ -146,10 +142,10 @@ class InverseSteps:
                 raise
             return
         finally:
-            self.timer.add("inverse_wait", time.perf_counter() - t0)
+            self.core.timer.add("inverse_wait", time.perf_counter() - t0)
         if not keep:
             return
-        self.timer.add("inverse_async", flight.compute_seconds)
+        self.core.timer.add("inverse_async", flight.compute_seconds)
         for report in flight.reports:
             report()
         for index, which, inverse in results:
@@ -166,7 +162,7 @@ class InverseSteps:
         step then holds one set of inverses, not the old and the new side by side (the summary's peak). The
         asynchronous worker makes new ones instead: the held ones precondition this step meanwhile (the summary's
         "async" set)."""
-        size = torch.empty((), dtype=self.inv_dtype).element_size()
+        size = torch.empty((), dtype=self.core.inv_dtype).element_size()
         budget = stack_budget([t[2].numel() * size for t in tasks])
         if flight is not None:
             return None, budget
@@ -183,7 +179,7 @@ class InverseSteps:
             dampings = [split[(index, which)] for index, which, _ in tasks]
             out, budget = self._targets(tasks, by_index, flight)
             with self._inverse_timing(flight):
-                inverses, fallbacks = robust_inverses([t[2] for t in tasks], dampings, self.inv_dtype, out, budget)
+                inverses, fallbacks = robust_inverses([t[2] for t in tasks], dampings, self.core.inv_dtype, out, budget)
             if fallbacks:
                 report(lambda: self._report_fallbacks(fallbacks, tasks, by_index, "inverse", lambda fb, which: (
                     f"Cholesky of the damped {which} factor failed at step {k} (damping {damping:g}, "
@@ -200,11 +196,11 @@ class InverseSteps:
         def invert(tasks: list[Task]) -> list[torch.Tensor]:
             out, budget = self._targets(tasks, by_index, flight)
             with self._inverse_timing(flight):
-                payloads, fallbacks = robust_eigens([t[2] for t in tasks], self.inv_dtype, out, budget)
+                payloads, fallbacks = robust_eigens([t[2] for t in tasks], self.core.inv_dtype, out, budget)
             if fallbacks:
                 report(lambda: self._report_fallbacks(fallbacks, tasks, by_index, "eigen", lambda fb, which: (
                     f"the eigendecomposition of the {which} factor failed at step {k} (inv_dtype "
-                    f"{self.inv_dtype}): {fb.reason}; " + EIGEN_FALLBACK_ACTION[fb.level])))
+                    f"{self.core.inv_dtype}): {fb.reason}; " + EIGEN_FALLBACK_ACTION[fb.level])))
             return payloads
 
         return invert
@@ -216,7 +212,7 @@ class InverseSteps:
         for fb in fallbacks:
             index, which, _ = tasks[fb.index]
             name = by_index[index].name
-            self._warn_once(name, f"{kind}-{fb.level}", f"K-FAC layer {name!r}: " + describe(fb, which))
+            self.core.warn_once(name, f"{kind}-{fb.level}", f"K-FAC layer {name!r}: " + describe(fb, which))
 
     @staticmethod
     def _factor_dampings(layers: list[KFACLayer], damping: float) -> dict[tuple[int, str], torch.Tensor]:

@@ -14,48 +14,40 @@ One optimizer step is: hooks collect factor statistics during forward/backward (
 updates the running averages -> (on inverse steps) damped inverses -> preconditioned gradients
 -> KL clip -> written back to ``.grad``. The math is in docs/math.md.
 
-This module holds the state, the hooks and ``step()``; the stages are mixins beside it:
-registration.py (which layers, their hooks), factor_updates.py (statistics -> running factors),
-inverse_steps.py (inverses, async_inverses), preconditioning.py (P, KL clip, write-back),
-guard.py (non-finite values) and checkpoint.py (state_dict / load_state_dict).
+The preconditioner is composed of parts, each owning its state, built here and given what they share (kfac/core.py):
+:class:`~.registration.LayerRegistry` (which layers, their hooks), :class:`~.factor_updates.FactorStatistics` (the
+hooks' statistics -> running factors), :class:`~.inverse_steps.Inverter` (inverses, async_inverses),
+:class:`~.preconditioning.Preconditioning` (P, KL clip, write-back), :class:`~.coverage.Coverage` (what is left out),
+:class:`~.guard.NonFiniteGuard` (non-finite values) and :class:`~.checkpoint.CheckpointState` (state_dict /
+load_state_dict). This module holds their assembly and ``step()``; docs/concepts/how-it-is-built.md draws it.
 """
 
 from __future__ import annotations
 
-import re
-import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Generic, TypeVar, cast, overload
 
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 from .. import validation as val
 from ..factor_shapes import describe
-from ..telemetry import StepTimer
-from . import factors
-from .capture import FunctionCapture
 from .checkpoint import STATE_VERSION, CheckpointState
+from .core import Core
 from .coverage import Coverage
-from .distributor import Distributor, DistributorContext, OwnerHeld, owner_held
-from .factor_updates import FactorUpdates
-from .forward_check import ForwardMismatch
+from .distributor import Distributor, DistributorContext, owner_held
+from .factor_updates import FactorStatistics
 from .gradients import GradAccess
-from .grafting import DEFAULT_BETA2, DEFAULT_EPS, AdamGraftState
-from .guard import NonFiniteGuard, StepGrads
-from .hook_tools import autocast_off, eager, in_backward
-from .inverse_steps import InverseSteps, _InFlight
+from .guard import NonFiniteGuard
+from .inverse_steps import Inverter
 from .layer_state import KFACLayer
-from .layers import LayerHelper
 from .options import KFACOptions
-from .param_groups import StepGroups
 from .preconditioning import Preconditioning
-from .registration import LayerRegistration
+from .registration import LayerRegistry
 from .sharded import OwnerShardedAccess, fsdp2_setup, lean_access, precondition_owned
 from .step_size import LossParts, QuadraticStepSize
-from .summary import KFACSummary, summarize
+from .summary import KFACSummary, format_bytes, summarize
 
 __all__ = ["STATE_VERSION", "KFACLayer", "KFACPreconditioner"]
 
@@ -84,7 +76,7 @@ class _Part(Generic[T]):
         setattr(getattr(obj, self.part), self.name, value)
 
 
-class KFACPreconditioner(LayerRegistration, FactorUpdates, InverseSteps, Preconditioning, CheckpointState, Coverage):
+class KFACPreconditioner:
     """K-FAC for the ``nn.Linear``, ``nn.Conv1d/2d/3d``, ``nn.Embedding`` and ``nn.MultiheadAttention`` layers of a
     model (docs/math.md, "Layers and rows"), usable with any optimizer.
 
@@ -125,115 +117,104 @@ class KFACPreconditioner(LayerRegistration, FactorUpdates, InverseSteps, Precond
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {val.show(model)}")
-        self.options = KFACOptions.build(options, **overrides)
-        o = self.options
-        # The non-finite guard, a part owning its counters (max_bad_steps, skipped_factor_steps, consecutive_bad_steps,
-        # last_bad_step: the attributes of the same names here are its).
-        self.guard = NonFiniteGuard(model, o.max_bad_steps)
-        self.factor_update_steps = o.factor_update_steps
-        self.inv_update_steps = o.inv_update_steps
-        self.skip_layers = tuple(re.compile(p) for p in o.skip_layers)
-        self.model = model
-        self.damping = o.damping
-        self.factor_decay = o.factor_decay
-        self.kl_clip = o.kl_clip
-        self.lr = o.lr
-        self.factor_dtype: torch.dtype = o.factor_dtype  # type: ignore[assignment]
-        self.inv_dtype: torch.dtype = o.inv_dtype  # type: ignore[assignment]
-        # K-FAC-reduce: one factor row per example (aggregated over its positions), not per position;
-        # resolved per layer at registration ("auto": by layer type).
-        self.factor_approx = o.factor_approx
-        # "eigen": A_inv / G_inv hold eigen payloads and the block is damped exactly (kfac/inverse.py).
-        self.inverse_method = o.inverse_method
-        self._eigen = o.inverse_method == "eigen"
-        self.grad_scaler = grad_scaler
+        o = KFACOptions.build(options, **overrides)
         # FSDP2 hook: a fully_shard model gets FSDP2GradAccess and the owner-based schedule (kfac/sharded.py)
         distributor, grad_access = fsdp2_setup(model, distributor, grad_access)
-        self.distributor = Distributor() if distributor is None else distributor
-        self.grad_access = GradAccess() if grad_access is None else grad_access
-        # One process with the base distributor keeps the in-place fast path.
-        self._local = self.distributor.is_local
-        # Set False on micro-batches that do not end the optimizer step (gradient accumulation)
-        # so that pipelined factor reductions wait for the last one.
-        self.final_micro_batch = True
-        # Set True while forwards are not trained through (Lightning's SWA BatchNorm pass: forwards, no
-        # backward): the hooks collect nothing.
-        self.paused = False
-        # layer index -> (layer, P, grad matrix) of this step
-        self._preconditioned: dict[int, tuple[KFACLayer, torch.Tensor | None, torch.Tensor]] = {}
-        # The layers the optimizer given to step() steps (layer index -> its param group's lr), or None:
-        # every layer, at ``lr``. ``_step_groups`` caches, per optimizer (by id; each entry holds its optimizer),
-        # which group holds each layer: several optimizers stepping in turn do not rebuild it every step.
-        self._stepping: dict[int, float] | None = None
-        self._step_groups: dict[int, StepGroups] = {}
-        self._g_scale_value: float | torch.Tensor | None = None
-        # Per-phase seconds of the last step in ``timer.last`` (see lightning_spdkfac.telemetry).
-        self.timer = StepTimer()
-
-        self.steps = 0  # optimizer steps taken (calls of step())
-        self.skipped_precondition_steps = 0  # steps left unpreconditioned: non-finite gradients
-        self.inverse_fallbacks = 0  # factor inversions Cholesky could not do (see kfac.inverse)
-        # Did the last step() recompute inverses (every inv_update_steps, or a layer's first)? Telemetry.
-        self.last_step_inverted = False
-        # parameter -> gradient tensor, while step() runs
-        self._grads: dict[nn.Parameter, torch.Tensor | None] = {}
-        self._grads_finite = True
-        self._micro_batch = 0
-        self._backward_seen = False
-        self._warned: set[tuple[str, str]] = set()
-        # Layers whose weight got a gradient but whose block produced no factors, with the measured reason (coverage.py)
-        self.unfactored: dict[str, str] = {}
-        self.layers: dict[str, KFACLayer] = {}
-        self.skipped: dict[str, str] = {}
-        # id -> (module, None for a registered module or the reason it was skipped): the supported modules
-        # seen at registration, held so that their ids stay theirs (see _check_layers).
-        self._known: dict[int, tuple[nn.Module, str | None]] = {}
-        self.frozen_layers: dict[str, list[tuple[str, nn.Module, LayerHelper]]] = {}  # (registration.py)
-        self._frozen_hook: RemovableHandle | None = None
-        # Layers used through functions (kfac/capture.py): active only around the modules of watched weights.
-        self.capture = FunctionCapture(model, self._on_call)
-        self._hooked: dict[str, list[nn.Module]] = {}
-        self._register(model)
-        # Each once: the q, k and v blocks of an attention share its packed weight.
-        self._grad_params = list(dict.fromkeys(p for ly in self.layers.values() for p in ly.helper.params()))
-        kfac_ids = {id(p) for p in self._grad_params}
-        self._other_params = [p for p in model.parameters() if id(p) not in kfac_ids]
-        # Inversions running asynchronously (async_inverses), launched by an inverse step and swapped in at the
-        # start of the next step(); None when nothing is in flight.
-        self._in_flight: _InFlight | None = None
-        # grafting="adam": each layer's second moment (by layer index); (beta2, eps) of the stepping optimizer.
-        self._graft_states: dict[int, AdamGraftState] = {}
-        self._graft_hparams = (DEFAULT_BETA2, DEFAULT_EPS)
-        context = DistributorContext(inv_dtype=self.inv_dtype, inverse_method=self.inverse_method,
-                                     async_inverses=o.async_inverses, inv_update_steps=self.inv_update_steps,
-                                     settings=self.settings_text(), timer=self.timer)
-        self.distributor.setup([(ly.a_shape, ly.g_shape) for ly in self.layers.values()], context)
-        # Distributed preconditioning (schedule="dpkfac"): the distributor holding each layer on its owner, and the
-        # owner rank of each layer; None: every rank holds all.
-        self._owner_held: OwnerHeld | None = owner_held(self.distributor)
-        self._owners: tuple[int, ...] | None = self.distributor.layer_owners
+        self.core = core = Core.from_options(model, o, Distributor() if distributor is None else distributor,
+                                             GradAccess() if grad_access is None else grad_access)
+        # The parts, each owning its state; what they share is ``core``.
+        self.guard = NonFiniteGuard(model, o.max_bad_steps)
+        self.statistics = FactorStatistics(core, self.guard, grad_scaler)
+        self.preconditioning = Preconditioning(core)
+        self.inverter = Inverter(core, self.preconditioning.precondition_layer)
+        self.registry = LayerRegistry(core, self.statistics.capture, self.statistics.forward_hook, self._layers_added)
+        self.coverage = Coverage(core, self.statistics.capture, self.registry.hooked,
+                                 lambda: self.preconditioning.stepping)
+        self.registry.register(model)
+        self.registry.split_params()
+        context = DistributorContext(inv_dtype=core.inv_dtype, inverse_method=o.inverse_method,
+                                     async_inverses=o.async_inverses, inv_update_steps=core.inv_update_steps,
+                                     settings=self.settings_text(), timer=core.timer)
+        core.distributor.setup([(ly.a_shape, ly.g_shape) for ly in core.layers.values()], context)
+        core.owner_held = owner_held(core.distributor)
+        core.owners = core.distributor.layer_owners
         # FSDP2 hook: rows gathered to each layer's owner and scattered back where that applies (kfac/sharded.py)
-        self.grad_access = lean_access(list(self.layers.values()), self._owners, self.grad_access, o, self.distributor)
-        # ... and, while a step exchanges the preconditioned gradients, each exchanged layer and its gradient.
-        self._shared_grads: dict[int, tuple[KFACLayer, torch.Tensor]] = {}
-        # Distributed preconditioning: received layers whose owner may have sent nothing (0-dim device flags, read on
-        # no host: the gradient is kept where a flag is false, kfac/preconditioning.py).
-        self._unsure: dict[int, torch.Tensor] = {}
+        core.grad_access = lean_access(list(core.layers.values()), core.owners, core.grad_access, o, core.distributor)
         self._check_memory()
         if o.capture == "auto":  # the first factor step follows every layer, to find weights functions also use
-            self.capture.probe([ly for ly in self.layers.values() if not ly.helper.capture_only], self._hooked)
+            self.capture.probe([ly for ly in core.layers.values() if not ly.helper.capture_only], self.registry.hooked)
         # step_size="quadratic"/"quadratic_momentum": the optimizer's update rescaled after its step (kfac/step_size.py).
         self.step_size: QuadraticStepSize | None = None
         if o.step_size is not None or o.adapt_damping:
             what = f"step_size={o.step_size!r}" if o.step_size is not None else "adapt_damping=True"
-            if type(self.grad_access) is not GradAccess:
+            if type(core.grad_access) is not GradAccess:
                 raise ValueError(
                     f"{what} is not supported under SPDKFACDeepSpeedStrategy: ZeRO steps its own partitioned fp32 copy "
                     "of the parameters, which the rule's rescaled update and measurement would not reach; use "
                     "SPDKFACStrategy (DDP), one process, or step_size=None, adapt_damping=False")
             self.step_size = QuadraticStepSize(o.step_size, o.step_size_every, o.step_size_clip,
                                                o.step_size_damping, o.adapt_damping, self._set_damping)
-        self._begin_step()
+        self.checkpoint = CheckpointState(core, self.registry, self.statistics, self.inverter, self.preconditioning,
+                                          self.guard, self.step_size)
+        core.distributor.begin_step(core.steps)
+
+    # What users, the callback and the summary read (and some set) on the preconditioner: each is a part's own.
+    options = _Part[KFACOptions]("core")
+    model = _Part[nn.Module]("core")
+    layers = _Part[dict[str, KFACLayer]]("core")
+    distributor = _Part[Distributor]("core")
+    grad_access = _Part[GradAccess]("core")
+    timer = _Part[Any]("core")  # Per-phase seconds of the last step in ``timer.last`` (lightning_spdkfac.telemetry).
+    damping = _Part[val.HParam]("core")
+    factor_decay = _Part[val.HParam]("core")
+    kl_clip = _Part[val.HParam | None]("core")
+    lr = _Part[val.HParam | None]("core")
+    factor_update_steps = _Part[int]("core")
+    inv_update_steps = _Part[int]("core")
+    factor_dtype = _Part[torch.dtype]("core")
+    inv_dtype = _Part[torch.dtype]("core")
+    steps = _Part[int]("core")  # optimizer steps taken (calls of step())
+    paused = _Part[bool]("core")
+    unfactored = _Part[dict[str, str]]("core")
+    final_micro_batch = _Part[bool]("statistics")
+    grad_scaler = _Part[torch.amp.GradScaler | None]("statistics")
+    capture = _Part[Any]("statistics")
+    skipped = _Part[dict[str, str]]("registry")
+    frozen_layers = _Part[dict[str, Any]]("registry")
+    inverse_fallbacks = _Part[int]("inverter")
+    last_step_inverted = _Part[bool]("inverter")
+    skipped_precondition_steps = _Part[int]("preconditioning")
+    max_bad_steps = _Part[int | None]("guard")
+    skipped_factor_steps = _Part[int]("guard")
+    consecutive_bad_steps = _Part[int]("guard")
+    last_bad_step = _Part[dict[str, Any] | None]("guard")
+
+    @property
+    def inverse_method(self) -> str:
+        return self.core.options.inverse_method
+
+    @property
+    def factor_approx(self) -> str:
+        return self.core.options.factor_approx
+
+    @property
+    def collecting(self) -> bool:
+        """Whether the hooks collect factor statistics for the coming step."""
+        return self.core.collecting
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.checkpoint.state_dict()
+
+    state_dict.__doc__ = CheckpointState.state_dict.__doc__
+
+    def load_state_dict(self, state: Any) -> None:
+        self.checkpoint.load_state_dict(state)
+
+    load_state_dict.__doc__ = CheckpointState.load_state_dict.__doc__
+
+    def check_state_dict(self, state: Any) -> None:
+        """Raise the ValueError :meth:`load_state_dict` would raise for ``state``; change nothing."""
+        self.checkpoint.check_state_dict(state)
 
     def summary(self) -> KFACSummary:
         """What K-FAC preconditions and what it leaves to the optimizer, with the layout and the bytes of every
@@ -274,240 +255,40 @@ class KFACPreconditioner(LayerRegistration, FactorUpdates, InverseSteps, Precond
 
         Asynchronous inversions still in flight are waited for and dropped (what :meth:`state_dict` returned
         before this call is unaffected), and the distributor releases what it holds."""
-        self._settle_inverses(keep=False)
+        self.inverter.settle(keep=False)
         self.distributor.close()
         for layer in self.layers.values():
             for h in layer.handles:
                 h.remove()
             layer.handles.clear()
-        if self._frozen_hook is not None:
-            self._frozen_hook.remove()
-            self._frozen_hook = None
+        self.registry.remove_hooks()
         self.capture.remove()
         if getattr(self, "step_size", None) is not None:
             self.step_size.remove_hooks()  # type: ignore[union-attr]
 
-    @property
-    def collecting(self) -> bool:
-        """Whether the hooks collect factor statistics for the coming step."""
-        return self.steps % self.factor_update_steps == 0
+    def _layers_added(self) -> None:
+        """Layers frozen at setup were registered (they train now): the optimizer's groups are rebuilt with them, and
+        the memory is checked again."""
+        self.preconditioning.step_groups.clear()
+        self._check_memory()
 
-    # ------------------------------------------------------------------ hooks
-    def _make_forward_hook(self, layer: KFACLayer,
-                           helper: LayerHelper) -> Callable[[nn.Module, tuple[Any, ...], Any], None]:
-        """The forward hook of one module of ``layer`` (``helper``: that module's rows)."""
-
-        def forward_hook(module: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
-            if not isinstance(output, torch.Tensor) or not inputs:
-                return
-            self._on_call(layer, helper, module.training, inputs[0], output)
-
-        # Under torch.compile the hooks run as plain Python (a graph break at each K-FAC layer): traced,
-        # K-FAC's bookkeeping would be compiled into graphs guarded on per-layer Python state, with its
-        # in-place updates of persistent buffers replayed as side effects.
-        return eager(forward_hook)
-
-    def _on_call(self, layer: KFACLayer, helper: LayerHelper, training: bool, x: Any, output: torch.Tensor,
-                 g_transform: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
-        """One call of a layer: a module call (its forward hook) or a function given its weight (kfac/capture.py;
-        ``g_transform`` maps the output's gradient to the rows' layout). ``training``: the module's mode."""
-        capture = self.capture
-        if not capture.active:  # (the usual case: no mode on to hide K-FAC's own products from)
-            self._collect_call(layer, helper, training, x, output, g_transform)
+    def _check_memory(self) -> None:
+        """Stop at setup, before any factor is allocated, when the peak K-FAC memory of an inverse step (the
+        steady state and the step's workspace, kfac/summary.py) would exceed ``memory_limit``."""
+        limit = self.options.memory_limit
+        if limit is None:
             return
-        was, capture.suspended = capture.suspended, True  # (a hook inside a captured forward: not calls)
-        try:
-            self._collect_call(layer, helper, training, x, output, g_transform)
-        finally:
-            capture.suspended = was
-
-    def _collect_call(self, layer: KFACLayer, helper: LayerHelper, training: bool, x: Any, output: torch.Tensor,
-                      g_transform: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
-        # Grad mode, not module.training, tells a forward that trains: a forward without grad (validation or
-        # inference under no_grad / inference_mode, a pseudo-label or EMA-target pass, reentrant
-        # checkpointing's first pass) gets no gradient, while a trainable layer in eval mode (inside a
-        # frozen-BatchNorm backbone) does.
-        if self.paused or not torch.is_grad_enabled() or not layer.trainable():  # frozen: not collected
-            return
-        if not self.collecting or not output.requires_grad or layer.refused is not None:
-            return
-        # A forward during backward is activation checkpointing's recomputation. Non-reentrant
-        # (use_reentrant=False): the first forward was counted and its output's gradient is the one backward
-        # uses; this output gets none. Reentrant: the first forward ran without grad; this output is the one
-        # backward differentiates.
-        recomputed = in_backward()
-        if self._backward_seen and not recomputed:  # a forward after a backward starts a new micro-batch
-            self._micro_batch += 1
-            self._backward_seen = False
-            for ly in self.layers.values():
-                ly.mb_a_calls = ly.mb_g_calls = 0
-        # Before either path below: a module in eval mode (a frozen-BatchNorm backbone) or recomputed is
-        # collected too, and must be checked like one in train mode.
-        if helper.needs_check:  # a module whose forward may not be what its attributes say (kfac/conv.py)
-            try:
-                helper.check_forward(layer.name, x, output)
-            except ForwardMismatch as e:  # that layer is refused (named, left to the optimizer); the run goes on
-                layer.refused = str(e)
-                self.unfactored[layer.name] = layer.refused
-                warnings.warn(layer.refused, stacklevel=2)
-                return
-        if recomputed or not training:
-            # Counted when its output gets a gradient, and only then: that tells the two recomputations
-            # apart, and an eval-mode forward with grad enabled that is not back-propagated (an
-            # evaluation without no_grad) adds nothing. The input is held until then.
-            hook = self._make_grad_hook(layer, helper, x, deferred=True, g_transform=g_transform)
-            output.register_hook(hook)  # type: ignore[no-untyped-call]
-            return
-        output.register_hook(self._make_grad_hook(layer, helper, x, g_transform=g_transform))  # type: ignore[no-untyped-call]
-        self._collect_a(layer, helper, x)
-
-    def _collect_a(self, layer: KFACLayer, helper: LayerHelper, x: torch.Tensor) -> None:
-        """Add one call's input to A; when this call makes this step's A final (pipelining), send it."""
-        with self.timer.phase("factor_compute"):
-            with autocast_off(x.device.type):
-                self._accumulate_a(layer, helper, x)
-            if not self._pipelining_final(layer, layer.mb_a_calls):
-                return
-            layer.submitted["A"] = layer.a_calls
-            A_new = layer.step_a() if layer.rows else None  # empty input: no data from this rank, not 0/0
-        self.distributor.factor_final(layer.index, "A", A_new)
-
-    def _make_grad_hook(self, layer: KFACLayer, helper: LayerHelper, x: torch.Tensor, deferred: bool = False,
-                        g_transform: Callable[[torch.Tensor], torch.Tensor] | None = None
-                        ) -> Callable[[torch.Tensor], None]:
-        """The output-gradient hook of one call; ``deferred``: the call's A is added here too, first."""
-        batch = helper.examples(x, layer.reduce)
-        micro_batch = self._micro_batch
-        held = x.detach() if deferred else None
-
-        def grad_hook(grad_output: torch.Tensor) -> None:
-            self._backward_seen = True
-            if g_transform is not None:
-                grad_output = g_transform(grad_output)
-            if held is not None:
-                self._collect_a(layer, helper, held)
-            with self.timer.phase("factor_compute"):
-                with autocast_off(grad_output.device.type):
-                    self._accumulate_g(layer, helper, grad_output, batch, micro_batch)
-                final = self._pipelining_final(layer, layer.mb_g_calls)
-                if final:
-                    layer.submitted["G"] = layer.g_calls
-                    # No rows this step (an empty input): no data from this rank, not 0/0.
-                    G_new = layer.step_g(self._g_scale()) if layer.rows else None
-            if final:
-                self.distributor.factor_final(layer.index, "G", G_new)
-
-        return eager(grad_hook)
-
-    def _accumulate_a(self, layer: KFACLayer, helper: LayerHelper, x: torch.Tensor) -> None:
-        a = helper.factor_rows(x.detach(), layer.reduce, self.factor_dtype)
-        first = layer.a_calls == 0
-        shape = layer.xx_shape()
-        if first:
-            if layer.xx is None or layer.xx.shape != shape or layer.xx.device != a.device:
-                layer.xx = torch.empty(shape, dtype=self.factor_dtype, device=a.device)
-            layer.x_sum = factors.column_sums(a, layer.a_shape) if layer.keeps_x_sum else None
-        elif layer.keeps_x_sum:  # set by this step's first call
-            assert layer.x_sum is not None
-            layer.x_sum.add_(factors.column_sums(a, layer.a_shape))
-        assert layer.xx is not None
-        helper.add_gram(layer.xx, a, first, shape)
-        if helper.counts_rows:  # an expert stack's call: rows per block
-            if first or layer.group_rows is None:
-                layer.group_rows = torch.zeros(layer.a_shape[0], dtype=torch.float32, device=a.device)
-            helper.count_rows(layer.group_rows, a)
-        layer.rows += a.shape[0]
-        layer.a_calls += 1
-        layer.mb_a_calls += 1
-
-    def _accumulate_g(self, layer: KFACLayer, helper: LayerHelper, grad_output: torch.Tensor, batch: int,
-                      micro_batch: int) -> None:
-        if layer.reduce:
-            d = helper.g_reduced(grad_output, self.factor_dtype)
-        else:
-            d = helper.g_rows(grad_output).to(self.factor_dtype)
-        first = layer.g_calls == 0
-        if first and (layer.dd is None or layer.dd.shape != layer.g_shape or layer.dd.device != d.device):
-            layer.dd = torch.empty(layer.g_shape, dtype=self.factor_dtype, device=d.device)
-        assert layer.dd is not None  # allocated by this step's first call
-        helper.add_g_gram(layer.dd, d, first, layer.g_shape)
-        if micro_batch != layer.last_micro_batch:  # several calls in one forward share examples
-            layer.examples += batch
-            layer.last_micro_batch = micro_batch
-        layer.g_calls += 1
-        layer.mb_g_calls += 1
-
-    def _pipelining_final(self, layer: KFACLayer, mb_calls: int) -> bool:
-        """Is this call the one that makes the layer's factor of this step final?"""
-        return (
-            self.distributor.pipelined
-            and self.final_micro_batch
-            and layer.calls_per_micro_batch > 0
-            and mb_calls == layer.calls_per_micro_batch
-        )
-
-    def _g_scale(self) -> float | torch.Tensor:
-        """1/S^2 for the loss scale S on output gradients, once per step. A GradScaler's scale stays on its device
-        (a float64 0-dim tensor: ``get_scale()`` would read it to the host, from inside the backward hooks when
-        factors are pipelined); other loss scales (DeepSpeed fp16) are host numbers already."""
-        if self._g_scale_value is None:
-            scaler = self.grad_scaler
-            if scaler is not None and scaler.is_enabled():
-                held = scaler._get_scale_async()  # the scale tensor; None before the first scale()
-                if held is None:
-                    self._g_scale_value = 1.0 / float(scaler.get_scale()) ** 2  # the initial scale, a number
-                else:
-                    self._g_scale_value = held.double().reciprocal().square()
-            else:  # e.g. DeepSpeed fp16: the loss scale is applied to output gradients too
-                self._g_scale_value = 1.0 / self.grad_access.loss_scale() ** 2
-        return self._g_scale_value
-
-    # ------------------------------------------------------------------ the step
-    def _begin_step(self) -> None:
-        """Tell the distributor that optimizer step ``steps`` begins (before its first forward)."""
-        self.distributor.begin_step(self.steps)
-
-    def _sharing(self) -> OwnerHeld:
-        """The distributor as it holds layers on their owners (called where ``layer_owners`` is set)."""
-        if self._owner_held is None:
-            raise TypeError(f"{type(self.distributor).__name__} sets layer_owners but does not implement OwnerHeld "
-                            "(lightning_spdkfac.kfac.distributor): distributed preconditioning needs its methods")
-        return self._owner_held
-
-    max_bad_steps = _Part[int | None]("guard")
-    skipped_factor_steps = _Part[int]("guard")
-    consecutive_bad_steps = _Part[int]("guard")
-    last_bad_step = _Part[dict[str, Any] | None]("guard")
-
-    def _check_finite_flags(self, extra: list[torch.Tensor], labels: list[tuple[KFACLayer, str, bool]],
-                            agree: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                            flags: Sequence[torch.Tensor] = ()) -> tuple[bool, list[bool]]:
-        """Whether this step may update the factors, and the device ``flags`` read along (the guard's
-        :meth:`~lightning_spdkfac.kfac.guard.NonFiniteGuard.check`); non-finite gradients leave the step
-        unpreconditioned."""
-        grads_ok, fine, read = self.guard.check(StepGrads(self.steps, self.layers, self._grads, self._other_params, self.grad_access),
-                                                extra, labels, agree, flags)
-        if not grads_ok:
-            self._grads_finite = False
-        return fine, read
-
-    def _check_finite(self, extra: list[torch.Tensor], labels: list[tuple[KFACLayer, str, bool]],
-                      agree: Callable[[torch.Tensor], torch.Tensor] | None = None) -> bool:
-        """Whether this step may update the factors (:meth:`_check_finite_flags` without flags)."""
-        return self._check_finite_flags(extra, labels, agree)[0]
-
-    def _drop_collected(self) -> None:
-        """Forget the factor statistics collected since the last step (each step's end, a loaded state)."""
-        for layer in self.layers.values():
-            layer.reset_accumulators()
-        self._micro_batch = 0
-        self._backward_seen = False
-        self._g_scale_value = None
-
-    def _warn_once(self, layer: str, key: str, message: str) -> None:
-        if (layer, key) not in self._warned:
-            self._warned.add((layer, key))
-            warnings.warn(message, stacklevel=3)
+        s = self.summary()
+        if s.peak_bytes > int(limit):
+            w = s.workspace
+            raise MemoryError(
+                f"K-FAC would need {format_bytes(s.peak_bytes)} on this rank at the peak of an inverse step "
+                f"({format_bytes(s.steady_bytes)} held between steps, plus {format_bytes(s.peak_bytes - s.steady_bytes)}"
+                f" of workspace: inversions {format_bytes(w.inverses)}, preconditioning "
+                f"{format_bytes(w.precondition)}), above memory_limit={format_bytes(int(limit))}; nothing was "
+                "allocated. Raise memory_limit, lower max_factor_side (larger sides are then kept diagonal, and "
+                "the largest factor sets the inversion's workspace), skip the largest layers with skip_layers, or "
+                "use schedule='dpkfac' (each rank holds its own layers only). The K-FAC summary:\n" + str(s))
 
     def _prepare_step_size(self, optimizer: torch.optim.Optimizer | None, loss_parts: LossParts | None) -> None:
         assert self.step_size is not None
@@ -521,16 +302,17 @@ class KFACPreconditioner(LayerRegistration, FactorUpdates, InverseSteps, Precond
 
     def _set_damping(self, value: float) -> None:
         """adapt_damping: the Levenberg-Marquardt rule's new damping, used from the next inversion on."""
-        self.damping = value
+        self.core.damping = value
 
     @contextmanager
     def _hooks_paused(self) -> Iterator[None]:
         """The model's forwards in here (the step size's measurement) are not collected."""
-        self.paused, paused = True, self.paused
+        core = self.core
+        core.paused, paused = True, core.paused
         try:
             yield
         finally:
-            self.paused = paused
+            core.paused = paused
 
     @torch.no_grad()
     def step(self, optimizer: torch.optim.Optimizer | None = None, loss_parts: LossParts | None = None) -> None:
@@ -547,38 +329,36 @@ class KFACPreconditioner(LayerRegistration, FactorUpdates, InverseSteps, Precond
                 on this batch from the current parameters, ``loss(outputs)`` is the scalar the training step
                 minimizes; needed on the steps that measure the quadratic model (every ``step_size_every``).
         """
-        self._register_unfrozen()  # (layers frozen at setup that train now, where no forward hook saw them first)
-        self._select(optimizer)
+        core = self.core
+        self.registry.register_unfrozen()  # (layers frozen at setup that train now, where no forward hook saw them first)
+        self.preconditioning.select(optimizer)
         if self.step_size is not None:
             self._prepare_step_size(optimizer, loss_parts)
-        self._settle_inverses()  # inverses launched by the last step (async_inverses), before the factors change
-        k = self.steps
-        self._grads = self.grad_access.open(self._grad_params)
-        self._grads_finite = True
-        if self.collecting:
-            self._check_layers()
-            if self._local:
-                with self.timer.phase("factor_update"):
-                    self._update_factors(k)
+        self.inverter.settle()  # inverses launched by the last step (async_inverses), before the factors change
+        k = core.steps
+        core.grads = core.grad_access.open(core.grad_params)
+        core.grads_finite = True
+        if core.collecting:
+            self.registry.check_layers()
+            if core.local:
+                with core.timer.phase("factor_update"):
+                    self.statistics.update(k)
             else:
-                self._update_factors_distributed(k)
-            self._check_coverage()  # (after the update: distributed, a layer run on other ranks has factors then)
+                self.statistics.update_distributed(k)
+            self.coverage.check()  # (after the update: distributed, a layer run on other ranks has factors then)
             self.capture.end_probe()  # (capture="auto": the first factor step found the weights functions use)
-            for layer in self.layers.values():
-                # Calls of one micro-batch: the count that makes a factor final when pipelining.
-                if layer.a_calls and layer.mb_a_calls == layer.mb_g_calls and not layer.helper.dynamic_calls:
-                    layer.calls_per_micro_batch = layer.mb_a_calls
-        lean = isinstance(self.grad_access, OwnerShardedAccess)  # FSDP2 hook: the owner-based path (kfac/sharded.py)
-        if self._owners is not None and not lean:
-            self._begin_share()
-        self._update_inverses(k)
-        with self.timer.phase("precondition"):
-            precondition_owned(self, k) if lean else self._precondition(k)
-        if not self._grads_finite:
-            self.skipped_precondition_steps += 1
-        self.grad_access.close(self._grads)
-        self._grads = {}
-        self.timer.end_step()
-        self._drop_collected()
-        self.steps += 1
-        self._begin_step()
+            self.statistics.note_calls_per_micro_batch()
+        lean = isinstance(core.grad_access, OwnerShardedAccess)  # FSDP2 hook: the owner-based path (kfac/sharded.py)
+        if core.owners is not None and not lean:
+            self.preconditioning.begin_share()
+        self.inverter.update(k)
+        with core.timer.phase("precondition"):
+            precondition_owned(self.preconditioning, k) if lean else self.preconditioning.precondition(k)
+        if not core.grads_finite:
+            self.preconditioning.skipped_precondition_steps += 1
+        core.grad_access.close(core.grads)
+        core.grads = {}
+        core.timer.end_step()
+        self.statistics.drop_collected()
+        core.steps += 1
+        core.distributor.begin_step(core.steps)

@@ -1,25 +1,24 @@
 """Layer registration of the preconditioner: which modules get K-FAC, and the checks that keep it so.
 
-:class:`LayerRegistration` is a part of :class:`~lightning_spdkfac.kfac.KFACPreconditioner`: at setup it walks the
+:class:`LayerRegistry` is a part of :class:`~lightning_spdkfac.kfac.KFACPreconditioner`: at setup it walks the
 model, skips (and warns about) the layers K-FAC cannot or must not take, gives every registered layer its
-:class:`~lightning_spdkfac.kfac.layer_state.KFACLayer` and forward hooks, and stops when the K-FAC memory would
-exceed ``memory_limit``; on factor steps it refuses a trainable layer that joined the model after setup.
+:class:`~lightning_spdkfac.kfac.layer_state.KFACLayer` and forward hooks, holds layers frozen at setup aside until
+they train, and on factor steps refuses a trainable layer that joined the model after setup.
 """
 
 from __future__ import annotations
 
-import re
 import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ..vocabulary import FactorApproxName
 from .attention import module_layers
 from .capture import FunctionCapture
+from .core import Core
 from .coverage import watch_grad
 from .gradients import GradAccess
 from .hook_tools import eager
@@ -31,41 +30,31 @@ from .layers import (
     shared_parameter_groups,
     unsupported_reason,
 )
-from .options import KFACOptions
-from .param_groups import StepGroups
-from .summary import FROZEN_PART, KFACSummary, format_bytes
+from .summary import FROZEN_PART
 
 
-class LayerRegistration:
-    """``_register`` / ``_check_layers`` of the preconditioner (a mixin: the attributes are its)."""
+class LayerRegistry:
+    """A part of the preconditioner that owns which modules get K-FAC: the registered layers (``core.layers``) with
+    their hooks, the skipped ones with their reasons, the layers held aside while frozen, and K-FAC's parameters."""
 
-    model: nn.Module
-    options: KFACOptions
-    skip_layers: tuple[re.Pattern[str], ...]
-    factor_approx: FactorApproxName
-    grad_access: GradAccess
-    layers: dict[str, KFACLayer]
-    skipped: dict[str, str]
-    _known: dict[int, tuple[nn.Module, str | None]]
-    # Layers frozen at setup (one process): first module name -> its group, registered once all its parameters train.
-    frozen_layers: dict[str, list[tuple[str, nn.Module, LayerHelper]]]
-    _frozen_hook: RemovableHandle | None
-    _local: bool
-    paused: bool
-    _grad_params: list[nn.Parameter]
-    _other_params: list[nn.Parameter]
-    _step_groups: dict[int, StepGroups]
-    capture: FunctionCapture
-    _hooked: dict[str, list[nn.Module]]  # layer name -> its modules whose forward hooks collect it
+    def __init__(self, core: Core, capture: FunctionCapture,
+                 forward_hook: Callable[[KFACLayer, LayerHelper], Callable[[nn.Module, tuple[Any, ...], Any], None]],
+                 on_change: Callable[[], None]) -> None:
+        self.core = core
+        self.capture = capture
+        self._forward_hook = forward_hook  # the factor statistics' hook of one module of a layer
+        self._on_change = on_change  # layers were added after setup (the memory check, the optimizer's groups)
+        self.skipped: dict[str, str] = {}
+        # id -> (module, None for a registered module or the reason it was skipped): the supported modules seen at
+        # registration, held so that their ids stay theirs (see check_layers).
+        self._known: dict[int, tuple[nn.Module, str | None]] = {}
+        # Layers frozen at setup (one process): first module name -> its group, registered once all its parameters train.
+        self.frozen_layers: dict[str, list[tuple[str, nn.Module, LayerHelper]]] = {}
+        self._frozen_hook: RemovableHandle | None = None
+        self.hooked: dict[str, list[nn.Module]] = {}  # layer name -> its modules whose forward hooks collect it
 
-    if TYPE_CHECKING:  # the preconditioner's (declared for the type checker only: nothing here at run time)
-
-        def _make_forward_hook(self, layer: KFACLayer,
-                               helper: LayerHelper) -> Callable[[nn.Module, tuple[Any, ...], Any], None]: ...
-
-        def summary(self) -> KFACSummary: ...
-
-    def _register(self, model: nn.Module) -> None:
+    def register(self, model: nn.Module) -> None:
+        """Walk ``model`` once, at setup: register, skip (naming why) or hold aside every supported layer."""
         seen_types = []
         candidates: list[tuple[str, nn.Module, LayerHelper]] = []
         of_type: list[str] = []  # layers skipped for their type: named in one warning
@@ -81,11 +70,11 @@ class LayerRegistration:
                     self._skip(name, hooked, reason)
                     refused.append(name)
                     continue
-                if any(p.search(name) or p.search(cls) for p in self.skip_layers):
+                if any(p.search(name) or p.search(cls) for p in self.core.skip_layers):
                     self._skip(name, hooked, "matched skip_layers")
                     continue
                 too_large = getattr(helper, "too_large", None)
-                why_large = too_large(self.options.max_factor_side) if too_large is not None else None
+                why_large = too_large(self.core.options.max_factor_side) if too_large is not None else None
                 if why_large is not None:
                     self._skip(name, hooked, why_large)
                     refused.append(name)
@@ -109,14 +98,14 @@ class LayerRegistration:
                 for name, module, _ in group:
                     self._skip(name, module, why)
                 continue
-            if self._local and not _group_trainable(group):
+            if self.core.local and not _group_trainable(group):
                 # Frozen at setup (a LoRA base layer, a backbone frozen for a warm-up): not registered (no hooks, no
                 # memory, not counted), and registered when it trains (_register_unfrozen). Distributed, the layers
                 # are fixed at setup: registered, and left alone while frozen (trainable()).
                 self._hold_frozen(group)
                 continue
             self._add_layer(group)
-        if not self.layers and not self.frozen_layers:
+        if not self.core.layers and not self.frozen_layers:
             found = ", ".join(sorted(set(seen_types)))
             detail = "; ".join(f"{n or '<root>'}: {r}" for n, r in self.skipped.items())
             raise ValueError(
@@ -131,9 +120,9 @@ class LayerRegistration:
         called several times per forward."""
         name, _, helper = group[0]
         reduce = helper.reducible and (
-            self.factor_approx == "reduce" or (self.factor_approx == "auto" and helper.auto_reduce))
-        a_shape, g_shape = helper.factor_shapes(self.options.max_factor_side)
-        layer = KFACLayer(name=name, helper=helper, index=len(self.layers), reduce=reduce, a_shape=a_shape,
+            self.core.options.factor_approx == "reduce" or (self.core.options.factor_approx == "auto" and helper.auto_reduce))
+        a_shape, g_shape = helper.factor_shapes(self.core.options.max_factor_side)
+        layer = KFACLayer(name=name, helper=helper, index=len(self.core.layers), reduce=reduce, a_shape=a_shape,
                           g_shape=g_shape)
         hooked = []
         for _, module, module_helper in group:
@@ -143,13 +132,13 @@ class LayerRegistration:
                 if record is not None:
                     layer.handles.append(module.register_forward_pre_hook(eager(record), with_kwargs=True))
                 continue
-            layer.handles.append(module.register_forward_hook(self._make_forward_hook(layer, module_helper)))
+            layer.handles.append(module.register_forward_hook(self._forward_hook(layer, module_helper)))
             hooked.append(module)
-        if helper.capture_only or self.options.capture is True:
+        if helper.capture_only or self.core.options.capture is True:
             self.capture.watch(layer, hooked)
-        self._hooked[layer.name] = hooked
+        self.hooked[layer.name] = hooked
         watch_grad(layer)
-        self.layers[name] = layer
+        self.core.layers[name] = layer
         return layer
 
     def _hold_frozen(self, group: list[tuple[str, nn.Module, LayerHelper]]) -> None:
@@ -161,57 +150,50 @@ class LayerRegistration:
         if any(p.requires_grad for _, _, h in group for p in h.params()):
             warnings.warn(f"K-FAC leaves layer {group[0][0]!r} to the optimizer while {FROZEN_PART}", stacklevel=4)
         if self._frozen_hook is None:  # registration as soon as the model runs with them trainable
-            self._frozen_hook = self.model.register_forward_pre_hook(eager(self._forward_pre_hook))
+            self._frozen_hook = self.core.model.register_forward_pre_hook(eager(self._forward_pre_hook))
 
     def _forward_pre_hook(self, module: nn.Module, inputs: Any) -> None:
-        if torch.is_grad_enabled() and not self.paused:
-            self._register_unfrozen()
+        if torch.is_grad_enabled() and not self.core.paused:
+            self.register_unfrozen()
 
-    def _register_unfrozen(self) -> None:
+    def register_unfrozen(self) -> None:
         """Register the layers frozen at setup that train now (all their parameters require grad): before the model
         runs (a hook on it; the KFAC callback at each batch) or, at the latest, at the next step()."""
         if self.frozen_layers:
-            self._register_frozen({name for name, group in self.frozen_layers.items() if _group_trainable(group)})
+            self.register_frozen({name for name, group in self.frozen_layers.items() if _group_trainable(group)})
 
-    def _register_frozen(self, names: set[str]) -> None:
+    def register_frozen(self, names: set[str]) -> None:
         """Register the layers of ``names`` held aside as frozen at setup (others: ignored)."""
         now = [name for name in self.frozen_layers if name in names]
         if not now:
             return
         for name in now:
             self._add_layer(self.frozen_layers.pop(name))
-        self._grad_params = list(dict.fromkeys(p for ly in self.layers.values() for p in ly.helper.params()))
-        kfac_ids = {id(p) for p in self._grad_params}
-        self._other_params = [p for p in self.model.parameters() if id(p) not in kfac_ids]
-        self._step_groups.clear()  # which param group holds each layer: rebuilt with the new layers
+        self.split_params()
         if not self.frozen_layers and self._frozen_hook is not None:
             self._frozen_hook.remove()
             self._frozen_hook = None
-        self._check_memory()
+        self._on_change()
 
-    def _check_memory(self) -> None:
-        """Stop at setup, before any factor is allocated, when the peak K-FAC memory of an inverse step (the
-        steady state and the step's workspace, kfac/summary.py) would exceed ``memory_limit``."""
-        limit = self.options.memory_limit
-        if limit is None:
-            return
-        s = self.summary()
-        if s.peak_bytes > int(limit):
-            w = s.workspace
-            raise MemoryError(
-                f"K-FAC would need {format_bytes(s.peak_bytes)} on this rank at the peak of an inverse step "
-                f"({format_bytes(s.steady_bytes)} held between steps, plus {format_bytes(s.peak_bytes - s.steady_bytes)}"
-                f" of workspace: inversions {format_bytes(w.inverses)}, preconditioning "
-                f"{format_bytes(w.precondition)}), above memory_limit={format_bytes(int(limit))}; nothing was "
-                "allocated. Raise memory_limit, lower max_factor_side (larger sides are then kept diagonal, and "
-                "the largest factor sets the inversion's workspace), skip the largest layers with skip_layers, or "
-                "use schedule='dpkfac' (each rank holds its own layers only). The K-FAC summary:\n" + str(s))
+    def split_params(self) -> None:
+        """K-FAC's parameters (each once: the q, k and v blocks of an attention share its packed weight) and the
+        others, in ``core``."""
+        core = self.core
+        core.grad_params = list(dict.fromkeys(p for ly in core.layers.values() for p in ly.helper.params()))
+        kfac_ids = {id(p) for p in core.grad_params}
+        core.other_params = [p for p in core.model.parameters() if id(p) not in kfac_ids]
+
+    def remove_hooks(self) -> None:
+        """Detach the hook that waits for layers frozen at setup (the layers' own hooks are theirs)."""
+        if self._frozen_hook is not None:
+            self._frozen_hook.remove()
+            self._frozen_hook = None
 
     def _skip(self, name: str, module: nn.Module, reason: str) -> None:
         self.skipped[name] = reason
         self._known[id(module)] = (module, reason)
 
-    def _check_layers(self) -> None:
+    def check_layers(self) -> None:
         """Supported layers that got trainable after registration, or joined the model after it.
 
         A layer added to the model (or put in place of a registered one: ``model.fc = nn.Linear(...)``) after
@@ -220,9 +202,9 @@ class LayerRegistration:
         that train count: some parameter requires grad and has a gradient (wherever the gradients are not
         ``param.grad``, requiring grad is enough). One pass over the model's modules, called on factor steps.
         """
-        plain_grads = type(self.grad_access) is GradAccess
+        plain_grads = type(self.core.grad_access) is GradAccess
         added = []
-        for module in linear_and_conv_modules(self.model):
+        for module in linear_and_conv_modules(self.core.model):
             if id(module) in self._known:
                 continue
             if not any(p.requires_grad and (p.grad is not None or not plain_grads)
@@ -231,7 +213,7 @@ class LayerRegistration:
             if make_helper(module)[0] is not None:
                 added.append(module)
         if added:
-            names = [n for n, m in self.model.named_modules() if any(m is a for a in added)]
+            names = [n for n, m in self.core.model.named_modules() if any(m is a for a in added)]
             raise RuntimeError(
                 f"K-FAC: layer(s) {', '.join(repr(n) for n in names)} joined the model after the KFACPreconditioner "
                 "was built (added, or put in place of a registered layer), so K-FAC has no hooks on them and their "
@@ -245,3 +227,4 @@ class LayerRegistration:
 def _group_trainable(group: list[tuple[str, nn.Module, LayerHelper]]) -> bool:
     """Whether every parameter K-FAC would precondition for these modules requires grad."""
     return all(p.requires_grad for _, _, helper in group for p in helper.params())
+

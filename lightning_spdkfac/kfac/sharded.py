@@ -345,16 +345,17 @@ def guard_grad(access: GradAccess, grads: Any, p: nn.Parameter) -> torch.Tensor 
     return p.grad if isinstance(access, OwnerShardedAccess) else grads.get(p)
 
 
-def precondition_owned(pre: Any, k: int) -> None:
-    """The step's preconditioning under :class:`OwnerShardedAccess` (in place of ``pre._precondition``): each owner
+def precondition_owned(part: Any, k: int) -> None:
+    """The step's preconditioning under :class:`OwnerShardedAccess` (in place of ``Preconditioning.precondition``; ``part`` is that part): each owner
     computes P = L^-1 g R^-1 of its layers from their full gradients, one all-reduce gives every rank each layer's
     ``<P, g>`` and whether it was preconditioned, the KL scale is computed alike everywhere (the layer order and
     values of DDP's sum), and the scaled rows are scattered back into each rank's shards."""
+    pre = part.core
     access: OwnerShardedAccess = pre.grad_access
-    if not pre._grads_finite:  # (the guard's verdict is every rank's: it sums the shards over the mesh)
+    if not pre.grads_finite:  # (the guard's verdict is every rank's: it sums the shards over the mesh)
         return
     todo = [layer for layer in pre.layers.values()  # decided on what every rank sees alike
-            if (pre._stepping is None or layer.index in pre._stepping) and layer.trainable()
+            if (part.stepping is None or layer.index in part.stepping) and layer.trainable()
             and all(p.grad is not None for p in layer.helper.params())]
     if not todo:
         return
@@ -368,10 +369,10 @@ def precondition_owned(pre: Any, k: int) -> None:
     scale = None
     if pre.kl_clip is not None:  # the owners' p.g, in inv_dtype as DDP's sum takes them
         dots = [vec[i].to(pre.inv_dtype) for i, flag in enumerate(flags) if flag]
-        scale = pre._kl_scale(k, tuple(done), dots)
+        scale = part.kl_scale(k, tuple(done), dots)
     for layer in done:  # the owner writes scale * P into the full gradients it gathered
         if layer.index in precs:
-            layer.helper.write_grad(precs[layer.index], scale, pre._grads)
+            layer.helper.write_grad(precs[layer.index], scale, pre.grads)
     _scatter_rows(pre, access, done)
 
 
@@ -380,6 +381,7 @@ def _precondition_mine(pre: Any, access: OwnerShardedAccess,
     """P of the layers this rank owns (and has inverses for), and the ``[<P, g>..., preconditioned?...]`` vector of
     every layer of ``todo`` with this rank's entries filled (on the gradients' device: NCCL reduces device tensors)."""
     from . import factors
+    from .gradients import check_grad_shape
     from .inverse import eigen_precondition
 
     first = todo[0].helper.params()[0].grad
@@ -390,11 +392,11 @@ def _precondition_mine(pre: Any, access: OwnerShardedAccess,
     for i, layer in enumerate(todo):
         if access.owner_of[layer.helper.params()[0]] != access.rank or layer.A_inv is None:
             continue
-        g = layer.helper.grad_matrix(pre._grads)
-        pre._check_grad_shape(layer, "gradient matrix", tuple(g.shape[-2:]),
+        g = layer.helper.grad_matrix(pre.grads)
+        check_grad_shape(layer, "gradient matrix", tuple(g.shape[-2:]),
                               (layer.G_inv.shape[-1], layer.A_inv.shape[-1]))
         gi = g.to(pre.inv_dtype)
-        if pre._eigen:
+        if pre.eigen:
             p = eigen_precondition(gi, layer.A_inv, layer.G_inv, layer.inv_damping)
         else:
             p = factors.apply_inverses(layer.G_inv, gi, layer.A_inv)
@@ -419,7 +421,7 @@ def _scatter_rows(pre: Any, access: OwnerShardedAccess, done: list[Any]) -> None
                 rows = []
                 for p in ps:
                     start, stop = _rows(p.shape[0], access.world, r)
-                    rows.append(pre._grads[p][start:stop])
+                    rows.append(pre.grads[p][start:stop])
                 sends.append(_pack(rows, ps, access.world, None))
         dist.scatter(recv, sends, src=dist.get_global_rank(access.group, owner), group=access.group)
         offset = 0

@@ -393,7 +393,7 @@ class KFACCallbackBody(_CallbackBase):
             self._t_step_start = time.perf_counter()
             if self.trace_step is not None and self.preconditioner.steps == self.trace_step:
                 self._start_trace()
-        self.preconditioner._register_unfrozen()  # layers frozen at setup that train now, before the forward
+        self.preconditioner.registry.register_unfrozen()  # layers frozen at setup that train now, before the forward
         self.preconditioner.final_micro_batch = self._final_micro_batch(trainer)  # (pipelining waits for the last)
         # Lightning's StochasticWeightAveraging recomputes BatchNorm statistics in an epoch of forwards without
         # backward (fit_loop._skip_backward), still ending each batch in an optimizer step on the last real
