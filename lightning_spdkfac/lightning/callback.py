@@ -233,7 +233,7 @@ class KFACCallbackBody(_CallbackBase):
         self.lr = lr
         self.log_step_time = val.check_bool("log_step_time", log_step_time)
         self.trace_step = val.check_int("trace_step", trace_step, low=0, optional=True)
-        self.trace_dir = _folder("trace_dir", trace_dir)
+        self.trace_dir = val.check_folder("trace_dir", trace_dir)
         self._profiler: profile | None = None  # recording trace_step
         self._t_step_start: float | None = None
         self._window = WindowStats()  # step times since the last log (log_step_time)
@@ -583,15 +583,6 @@ KFACCallbackBody.__init__.__qualname__ = "KFAC.__init__"  # "KFAC.__init__() got
 
 # Arguments KFAC.__init__ checks itself (the K-FAC options by KFACOptions); others are held to their annotation.
 _CHECKED = (*(f.name for f in dataclasses.fields(KFACOptions)), "summary", "log_step_time", "trace_step", "trace_dir")
-
-
-def _folder(name: str, value: object) -> str:
-    if not isinstance(value, (str, os.PathLike)):
-        raise TypeError(f"{name} must be a folder path (a non-empty string), got {val.show(value)}")
-    path = os.fspath(value)
-    if not isinstance(path, str) or not path or "\x00" in path:
-        raise ValueError(f"{name} must be a folder path (a non-empty string without NUL), got {value!r}")
-    return path
 
 
 class KFAC(KFACCallbackBody, Callback):
