@@ -40,6 +40,7 @@ from ..telemetry import PHASES, WindowStats
 from ..vocabulary import FactorApproxName, GraftingName, InverseMethodName, StepSizeName
 from .protocol import KFACStrategy, model_parallel
 from .run_report import KFACRunRecord, kfac_line, possible_phases, thread_note
+from .step_scope import StepScope
 from .trainer_rules import _logs_written_this_step, _refuse_uninitialized_lazy_layers, _steps_before, _where
 
 if TYPE_CHECKING:
@@ -254,6 +255,7 @@ class KFACCallbackBody(_CallbackBase):
         self._unguard: Callable[[], None] | None = None
         self._batch: Any = None  # step_size: the batch of the step's last micro-batch
         self._gathered = False  # schedule="dpkfac": _final_state was gathered at the end of training
+        self._scope = StepScope()  # function capture around training_step's own code (lightning/step_scope.py)
 
     @property
     def state_key(self) -> str:
@@ -307,13 +309,8 @@ class KFACCallbackBody(_CallbackBase):
             if not trainer.is_global_zero:  # the setup warnings (skipped or tied layers) are every rank's: rank 0's
                 warnings.simplefilter("ignore")
             self.preconditioner = pre = KFACPreconditioner(
-                pl_module,
-                self.options,
-                lr=self.lr,
-                grad_scaler=scaler,
-                distributor=self._distributor(trainer),
-                grad_access=self._grad_access(trainer),
-            )
+                pl_module, self.options, lr=self.lr, grad_scaler=scaler, distributor=self._distributor(trainer),
+                grad_access=self._grad_access(trainer))
         self._final_model = weakref.ref(pl_module)
         if self.summary and trainer.is_global_zero:
             rank_zero_info("K-FAC summary\n" + str(pre.summary()) + thread_note(pre.timer.thread_cap))
@@ -345,6 +342,7 @@ class KFACCallbackBody(_CallbackBase):
             self._gathered = True
 
     def _release(self) -> None:
+        self._scope.close()
         if self._unguard is not None:
             self._unguard()
         self._checkpoint_seen = self._start_fresh = False  # decisions about this fit's checkpoint
@@ -402,8 +400,13 @@ class KFACCallbackBody(_CallbackBase):
         self.preconditioner.paused = bool(getattr(trainer.fit_loop, "_skip_backward", False))
         if self.preconditioner.step_size is not None:
             self._batch = batch  # the last micro-batch's: kfac_loss_parts(batch) at the optimizer step
+        self._scope.open(self.preconditioner, pl_module)  # (closed once the backward is launched)
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        self._scope.close()
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self._scope.close()  # (a training_step that returned no loss: no backward)
         if self.preconditioner is not None and self.preconditioner.final_micro_batch:
             if self._kfac_stepped and self._t_step_start is not None:
                 self.run_record.add_step_time(time.perf_counter() - self._t_step_start)
