@@ -184,7 +184,7 @@ class KFACCallbackBody(_CallbackBase):
         damping: float | Callable[[int], float] = _D.damping,
         factor_decay: float | Callable[[int], float] = _D.factor_decay,
         kl_clip: float | Callable[[int], float] | None = _D.kl_clip,
-        lr: float | Callable[[int], float] | None = None,
+        lr: float | Callable[[int], float] | None = _D.lr,
         factor_update_steps: int = _D.factor_update_steps,
         inv_update_steps: int = _D.inv_update_steps,
         skip_layers: str | Iterable[str] = _D.skip_layers,
@@ -212,17 +212,11 @@ class KFACCallbackBody(_CallbackBase):
         super().__init__()
         # Every argument is checked here (TypeError: wrong type, ValueError: a value that is not
         # accepted; the message names the argument), so that a bad YAML value fails at construction:
-        # the K-FAC hyperparameters by KFACOptions, the callback's own below, the rest by annotation.
+        # the K-FAC hyperparameters by KFACOptions (a schedule called once with step 0 there), the callback's own
+        # below, the rest by annotation.
         val.check_annotations(KFACCallbackBody.__init__, locals(), skip=_CHECKED)
-        # A schedule is also called once with step 0 here, so that a YAML schedule that fails, fails now.
-        schedules = {"damping": (damping, val.NONNEGATIVE), "factor_decay": (factor_decay, val.DECAY),
-                     "kl_clip": (kl_clip, val.POSITIVE), "lr": (lr, val.NONNEGATIVE)}
-        for name, (value, bound) in schedules.items():
-            if callable(value):
-                val.check_schedule(name, value, bound, probe=True)
-        val.check_schedule("lr", lr, val.NONNEGATIVE, optional=True)  # None: the optimizer's lr, per step
         self.options = KFACOptions(
-            damping=damping, factor_decay=factor_decay, kl_clip=kl_clip,
+            damping=damping, factor_decay=factor_decay, kl_clip=kl_clip, lr=lr,
             factor_update_steps=factor_update_steps, inv_update_steps=inv_update_steps, skip_layers=skip_layers,
             factor_dtype=factor_dtype, inv_dtype=inv_dtype, max_bad_steps=max_bad_steps,
             factor_approx=factor_approx, inverse_method=inverse_method, async_inverses=async_inverses,
@@ -231,7 +225,6 @@ class KFACCallbackBody(_CallbackBase):
             step_size_damping=step_size_damping, adapt_damping=adapt_damping, capture=capture,
         )
         self.summary = val.check_bool("summary", summary)
-        self.lr = lr
         self.log_step_time = val.check_bool("log_step_time", log_step_time)
         self.trace_step = val.check_int("trace_step", trace_step, low=0, optional=True)
         self.trace_dir = val.check_folder("trace_dir", trace_dir)
@@ -256,6 +249,11 @@ class KFACCallbackBody(_CallbackBase):
         self._batch: Any = None  # step_size: the batch of the step's last micro-batch
         self._gathered = False  # schedule="dpkfac": _final_state was gathered at the end of training
         self._scope = StepScope()  # function capture around training_step's own code (lightning/step_scope.py)
+
+    @property
+    def lr(self) -> float | Callable[[int], float] | None:
+        """The learning rate the KL clip assumes (``options.lr``; None: each param group's own)."""
+        return self.options.lr
 
     @property
     def state_key(self) -> str:
@@ -308,8 +306,8 @@ class KFACCallbackBody(_CallbackBase):
         with warnings.catch_warnings():
             if not trainer.is_global_zero:  # the setup warnings (skipped or tied layers) are every rank's: rank 0's
                 warnings.simplefilter("ignore")
-            self.preconditioner = pre = KFACPreconditioner(
-                pl_module, self.options, lr=self.lr, grad_scaler=scaler, distributor=self._distributor(trainer),
+            self.preconditioner = pre = KFACPreconditioner(  # (the K-FAC hyperparameters: the options alone)
+                pl_module, self.options, grad_scaler=scaler, distributor=self._distributor(trainer),
                 grad_access=self._grad_access(trainer))
         self._final_model = weakref.ref(pl_module)
         if self.summary and trainer.is_global_zero:
