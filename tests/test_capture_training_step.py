@@ -131,9 +131,48 @@ def test_open_scope_does_nothing_on_a_model_holding_a_compiled_module() -> None:
     with capture.scope():
         assert not capture.active
     eager = FunctionCapture(nn.Linear(3, 3), lambda *a: None)
+    assert eager.open_scope() is True and eager.active
+    eager.close_scope()
+    eager.probing = {"lin"}  # (what capture="auto" sets for its first factor step: scope() opens only then)
     with eager.scope():
         assert eager.active
         with eager.scope():  # nests
             assert eager.active
         assert eager.active
     assert not eager.active
+    eager.probing = set()
+    with eager.scope():  # nothing followed: nothing to pay
+        assert not eager.active
+
+
+def test_a_plain_loop_follows_its_own_function_uses_under_capture_scope() -> None:
+    """Without Lightning: ``with pre.capture.scope():`` around the loop's own code, as the callback does."""
+    from lightning_spdkfac.kfac.preconditioner import KFACPreconditioner
+
+    def run(functional: bool) -> tuple[KFACPreconditioner, nn.Module]:
+        torch.manual_seed(0)
+        model = nn.ModuleDict({"body": nn.Linear(6, 5), "proj": nn.Linear(5, 3)})
+        pre = KFACPreconditioner(model, lr=0.1, factor_update_steps=1, inv_update_steps=1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(3):
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
+            opt.zero_grad()
+            with pre.capture.scope():
+                h = torch.tanh(model["body"](x))
+                out = F.linear(h, model["proj"].weight, model["proj"].bias) if functional else model["proj"](h)
+                loss = F.mse_loss(out, y)
+            loss.backward()
+            pre.step(opt)
+            opt.step()
+        return pre, model
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (a layer left out would warn)
+        (pre_f, fun), (pre_m, mod) = run(True), run(False)
+    assert not pre_f.unfactored and set(pre_f.capture.layers) == {"proj"}
+    for name in ("body", "proj"):
+        torch.testing.assert_close(pre_f.layers[name].A, pre_m.layers[name].A, rtol=0, atol=1e-6)
+        torch.testing.assert_close(pre_f.layers[name].G, pre_m.layers[name].G, rtol=0, atol=1e-6)
+    for p, q in zip(fun.parameters(), mod.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-6)

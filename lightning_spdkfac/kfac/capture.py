@@ -230,8 +230,9 @@ class FunctionCapture:
     @contextmanager
     def scope(self) -> Iterator[None]:
         """``with pre.capture.scope(): loss = loss_fn(F.linear(h, model.proj.weight), y)``: the weights used through
-        functions outside any module's forward (a plain training loop's own code) are followed there too."""
-        opened = self.open_scope()
+        functions outside any module's forward (a plain training loop's own code) are followed there too. Opened only
+        where :attr:`needs_scope` (nothing to pay otherwise)."""
+        opened = self.needs_scope and self.open_scope()
         try:
             yield
         finally:
