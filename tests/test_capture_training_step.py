@@ -176,3 +176,27 @@ def test_a_plain_loop_follows_its_own_function_uses_under_capture_scope() -> Non
         torch.testing.assert_close(pre_f.layers[name].G, pre_m.layers[name].G, rtol=0, atol=1e-6)
     for p, q in zip(fun.parameters(), mod.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+
+
+def test_a_weight_times_a_weight_in_the_step_is_not_a_call_of_the_layer() -> None:
+    """An orthogonality regularizer ``W @ W.T`` in the step's own code (now under the capture's scope) is no map of the
+    layer's inputs: the factors after one step equal those of the same step without it."""
+    from lightning_spdkfac.kfac.preconditioner import KFACPreconditioner
+
+    def factors(regularized: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = nn.ModuleDict({"body": nn.Linear(6, 5), "proj": nn.Linear(5, 3)})
+        pre = KFACPreconditioner(model, lr=0.1, factor_update_steps=1, inv_update_steps=1)
+        g = torch.Generator().manual_seed(3)
+        x, y = torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
+        with pre.capture.scope():
+            w = model["proj"].weight
+            loss = F.mse_loss(F.linear(torch.tanh(model["body"](x)), w, model["proj"].bias), y)
+            if regularized:
+                loss = loss + 1e-2 * (w @ w.T - torch.eye(3)).square().sum() + 1e-2 * (w.T @ w).trace()
+        loss.backward()
+        pre.step()
+        return [t for n in ("body", "proj") for t in (pre.layers[n].A, pre.layers[n].G)]
+
+    for a, b in zip(factors(True), factors(False), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)

@@ -296,8 +296,8 @@ class FunctionCapture:
         if found is None:
             return None
         x, src, call_t, left = found
-        if src is None or not isinstance(x, torch.Tensor):
-            return None
+        if src is None or not isinstance(x, torch.Tensor) or self.source(x) is not None:
+            return None  # (the weight times a watched weight, e.g. a W @ W.T regularizer: no layer's map of data)
         layer, e, t = src
         if isinstance(layer.helper, ExpertsHelper):
             return self._expert_call(kind, layer, layer.helper, e, t != call_t, left, x, args, kwargs)
