@@ -23,6 +23,7 @@ import contextlib
 import inspect
 import math
 import numbers
+import os
 import reprlib
 import types
 import typing
@@ -289,6 +290,16 @@ def check_timedelta(name: str, value: object) -> None:
         raise TypeError(f"{name} must be None or a datetime.timedelta > 0, got {show(value)}")
     if value <= datetime.timedelta(0):
         raise ValueError(f"{name} must be None or a datetime.timedelta > 0, got {value!r}")
+
+
+def check_folder(name: str, value: object) -> str:
+    """A folder path: a non-empty string (or ``os.PathLike``) without NUL, as a string."""
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"{name} must be a folder path (a non-empty string), got {show(value)}")
+    path = os.fspath(value)
+    if not isinstance(path, str) or not path or "\x00" in path:
+        raise ValueError(f"{name} must be a folder path (a non-empty string without NUL), got {value!r}")
+    return path
 
 
 def check_instance(name: str, value: object, cls: type | tuple[type, ...], what: str | None = None) -> Any:

@@ -37,6 +37,7 @@ from hypothesis import strategies as st
 
 from lightning_spdkfac import KFAC, SPDKFACStrategy
 from lightning_spdkfac.cli import main
+from lightning_spdkfac.kfac import KFACOptions, KFACPreconditioner
 
 SETTINGS = dict(deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -432,15 +433,32 @@ def test_skip_layers_generator_is_kept_and_patterns_may_match_linear():
     assert KFAC(skip_layers=".*").options.skip_layers == (".*",)
 
 
-def test_nonsense_schedules_fail_at_construction_not_at_the_first_step():
+@pytest.mark.parametrize("build", [KFAC, KFACOptions, lambda **kw: KFACPreconditioner(torch.nn.Linear(2, 2), **kw)],
+                         ids=["callback", "options", "preconditioner"])
+def test_nonsense_schedules_fail_at_construction_not_at_the_first_step(build):
+    # KFACOptions probes a schedule (calls it with step 0): the callback and a plain-PyTorch preconditioner alike.
     with pytest.raises(TypeError, match=r"damping must be a number or a callable of one argument"):
-        KFAC(damping=lambda: 0.1)
+        build(damping=lambda: 0.1)
     with pytest.raises(ValueError, match=r"factor_decay.*factor_decay\(step=0\) raised ZeroDivisionError"):
-        KFAC(factor_decay=_raises)
+        build(factor_decay=_raises)
     with pytest.raises(TypeError, match=r"lr\(step=0\) must return a number >= 0, got str '0.1'"):
-        KFAC(lr=lambda step: "0.1")
+        build(lr=lambda step: "0.1")
     with pytest.raises(ValueError, match=r"kl_clip\(step=0\) returned 0.0; kl_clip must be > 0"):
-        KFAC(kl_clip=lambda step: 0.0)
+        build(kl_clip=lambda step: 0.0)
+
+
+def test_the_callbacks_lr_travels_in_its_options_and_a_schedule_is_probed_once():
+    calls = []
+
+    def lr(step):
+        calls.append(step)
+        return 0.1
+
+    cb = KFAC(lr=lr)
+    assert cb.options.lr is lr and cb.lr is lr and calls == [0]
+    assert KFAC(lr=0.25).options.lr == 0.25 and KFAC().options.lr is None
+    with pytest.raises(ValueError, match=r"lr must be >= 0, got -1.0 \(None: the optimizer's own, per param group\)"):
+        KFAC(lr=-1.0)
 
 
 # ---------------------------------------------------------------------------- fuzz: strategies

@@ -111,3 +111,28 @@ def test_robust_inverses_takes_one_damping_per_factor():
         torch.testing.assert_close(inv, torch.linalg.inv(A + d * torch.eye(4, dtype=torch.float64)))
     with pytest.raises(ValueError, match="damping: got 1 values for 2 factors"):
         robust_inverses([A, A], [0.1], torch.float64)
+
+
+def test_a_fallback_on_a_grouped_factor_names_the_range_of_its_block_dampings():
+    """A grouped convolution's factors are stacks of one block per group, each pi-balanced on its own: the Cholesky
+    fallback's warning shows the A dampings as their range over the blocks (computed here from the traces)."""
+    model = nn.Sequential(nn.Conv2d(4, 4, 3, groups=2))
+    damping = 1e-2
+    pre = KFACPreconditioner(model, damping=damping, inv_update_steps=1)
+    layer = pre.layers["0"]
+    n = 4 // 2 * 9 + 1  # a group's input channels times the kernel, and the bias
+    bad = torch.full((n,), 4.0)
+    bad[0] = -50.0  # one strongly negative eigenvalue: Cholesky of the damped block fails
+    layer.A = torch.stack([torch.eye(n), torch.diag(bad)])
+    layer.G = torch.stack([torch.eye(2), 4.0 * torch.eye(2)])
+    # pi = sqrt((tr A / n) / (tr G / 2)) per block; A's damping is pi * sqrt(damping)
+    pis = [((1.0 / 1.0) ** 0.5), ((float(bad.sum()) / n / 4.0) ** 0.5)]
+    low, high = sorted(p * damping**0.5 for p in pis)
+    shown = f"{low:.3g}-{high:.3g} over its 2 blocks"
+    assert low != high
+    with pytest.warns(UserWarning) as record:
+        pre._update_inverses(0)
+    texts = [str(w.message) for w in record if "Cholesky of the damped A factor failed" in str(w.message)]
+    assert len(texts) == 1 and "layer '0'" in texts[0], [str(w.message) for w in record]
+    assert f"(damping {damping:g}, {shown} on this factor)" in texts[0], texts[0]
+    assert pre.inverse_fallbacks >= 1 and torch.isfinite(layer.A_inv).all()

@@ -64,7 +64,7 @@ def test_callable_hyperparameters_equal_constants():
         one_step(sched_model, sch, x, y)
         for a, b in zip(grads(ref_model), grads(sched_model)):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
-    assert calls == [0, 1, 2]
+    assert calls == [0, 0, 1, 2]  # (the first: KFACOptions' check at construction)
 
 
 def test_damping_schedule_is_applied_at_each_inverse_step():
@@ -103,10 +103,15 @@ def test_lr_callable_reads_the_optimizer_for_the_kl_clip():
 
 def test_schedule_returning_bad_value_names_argument_and_step():
     model = mlp()
-    pre = KFACPreconditioner(model, damping=lambda s: -1.0, lr=0.1)
+    with pytest.raises(ValueError, match=r"damping\(step=0\).*>= 0"):  # step 0: at construction (KFACOptions)
+        KFACPreconditioner(model, damping=lambda s: -1.0, lr=0.1)
+    pre = KFACPreconditioner(model, damping=lambda s: 0.1 if s == 0 else -1.0, lr=0.1, factor_update_steps=1,
+                             inv_update_steps=1)
     x, y = batch(8)
     model(x).sum().backward()
-    with pytest.raises(ValueError, match=r"damping\(step=0\).*>= 0"):
+    pre.step()
+    model(x).sum().backward()
+    with pytest.raises(ValueError, match=r"damping\(step=1\).*>= 0"):
         pre.step()
 
 

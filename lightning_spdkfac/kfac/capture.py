@@ -8,7 +8,9 @@ torchvision's Swin (``F.linear(x, self.qkv.weight, bias)`` in the shifted-window
 follows those calls with PyTorch's own mechanism, a :class:`torch.overrides.TorchFunctionMode`:
 
 * it is active only while the forward of a module that may use a watched weight runs (the owner of the weight and
-  its ancestors: a function is given the weight by code that reaches it through the module tree), and only for the
+  its ancestors: a function is given the weight by code that reaches it through the module tree; code outside every
+  forward, such as a LightningModule's ``training_step``, under :meth:`FunctionCapture.scope`, which the ``KFAC``
+  callback opens there: lightning/step_scope.py), and only for the
   layers that need it: those found on a factor step with a gradient but no forward-hook call (``capture="auto"``,
   the default), every layer (``capture=True``), and always for blocks that exist only as functions (expert
   stacks, routers holding a bare ``weight``: kfac/experts.py);
@@ -29,7 +31,8 @@ is not counted again.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -90,6 +93,7 @@ class FunctionCapture:
         self.busy: dict[int, int] = {}  # id(layer) -> its module calls running now (their own uses not counted)
         self.refused: dict[str, str] = {}
         self._depth = 0
+        self._open_scopes = 0  # open_scope() calls not closed yet (each holds one level of _depth)
         self.suspended = False  # K-FAC's own computations inside a forward hook: not looked at
         self._mode: _Mode | None = None
         self._scoped: set[int] = set()  # ids of modules whose forward activates the capture
@@ -199,11 +203,48 @@ class FunctionCapture:
             mode, self._mode = self._mode, None
             mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
 
+    @property
+    def needs_scope(self) -> bool:
+        """Whether code outside every module's forward should run under :meth:`scope` (a layer other than a block of
+        functions only is followed, or ``capture="auto"`` is probing): such a layer's weight may be given to a function
+        anywhere, e.g. ``F.linear(h, self.proj.weight)`` in a LightningModule's ``training_step``."""
+        return bool(self.probing) or any(not ly.helper.capture_only for ly in self.layers.values())
+
+    def open_scope(self) -> bool:
+        """Activate the capture outside any module's forward (a training step's own code, until its backward is
+        launched), as the forward of a scope would; nests with them and with itself. Not under torch.compile (the
+        model holds a compiled module, or this is called from a compiled region: a mode pushed there would be traced
+        into the graph). Returns whether it opened: only then call :meth:`close_scope`."""
+        if self._holds_compiled or _under_compile():
+            return False
+        self._open_scopes += 1
+        self._enter()
+        return True
+
+    def close_scope(self) -> None:
+        """Close the innermost :meth:`open_scope` still open (nothing when none is: safe on every exit path)."""
+        if self._open_scopes > 0:
+            self._open_scopes -= 1
+            self._exit()
+
+    @contextmanager
+    def scope(self) -> Iterator[None]:
+        """``with pre.capture.scope(): loss = loss_fn(F.linear(h, model.proj.weight), y)``: the weights used through
+        functions outside any module's forward (a plain training loop's own code) are followed there too. Opened only
+        where :attr:`needs_scope` (nothing to pay otherwise)."""
+        opened = self.needs_scope and self.open_scope()
+        try:
+            yield
+        finally:
+            if opened:
+                self.close_scope()
+
     def remove(self) -> None:
         for h in [*self._handles, *(h for hs in self._busy_handles.values() for h in hs)]:
             h.remove()
         self._handles.clear()
         self._busy_handles.clear()
+        self._open_scopes = 0
         while self._depth > 0:
             self._exit()
 
@@ -255,8 +296,8 @@ class FunctionCapture:
         if found is None:
             return None
         x, src, call_t, left = found
-        if src is None or not isinstance(x, torch.Tensor):
-            return None
+        if src is None or not isinstance(x, torch.Tensor) or self.source(x) is not None:
+            return None  # (the weight times a watched weight, e.g. a W @ W.T regularizer: no layer's map of data)
         layer, e, t = src
         if isinstance(layer.helper, ExpertsHelper):
             return self._expert_call(kind, layer, layer.helper, e, t != call_t, left, x, args, kwargs)

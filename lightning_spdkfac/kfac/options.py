@@ -45,7 +45,8 @@ class KFACOptions:
             split between the factors by pi-balancing: A + pi sqrt(damping) I and
             G + sqrt(damping)/pi I, so that every direction of the block is damped by at least
             ``damping`` (not ``damping**2``); see docs/math.md. A number or a schedule (a callable of
-            the optimizer step, checked again at every step).
+            the optimizer step: called once with step 0 here, so that one that fails fails at construction, and
+            checked again at every step; so are ``factor_decay``, ``kl_clip`` and ``lr``).
         factor_decay: running-average decay of the factors, in [0, 1); 0 uses the current batch alone.
         kl_clip: KL-clip bound (> 0), or None to turn clipping off.
         lr: the learning rate the KL clip assumes: a number or a callable of the step, or None (the
@@ -148,12 +149,14 @@ class KFACOptions:
     capture: bool | str = "auto"
 
     def __post_init__(self) -> None:
-        val.check_schedule("damping", self.damping, val.NONNEGATIVE)
-        val.check_schedule("factor_decay", self.factor_decay, val.DECAY)
+        # A schedule is called once with step 0 here (probe): one that cannot be called with the step, raises or
+        # returns something out of range fails at construction (a YAML config's, a plain loop's), not at a step.
+        val.check_schedule("damping", self.damping, val.NONNEGATIVE, probe=True)
+        val.check_schedule("factor_decay", self.factor_decay, val.DECAY, probe=True)
         val.check_schedule("kl_clip", self.kl_clip, val.POSITIVE, " (use kl_clip=None to turn clipping off)",
-                           optional=True)
+                           probe=True, optional=True)
         val.check_schedule("lr", self.lr, val.NONNEGATIVE, " (None: the optimizer's own, per param group)",
-                           optional=True)
+                           probe=True, optional=True)
         val.check_positive_int("factor_update_steps", self.factor_update_steps)
         val.check_positive_int("inv_update_steps", self.inv_update_steps)
         if self.max_bad_steps is not None:  # None: never raise

@@ -40,6 +40,7 @@ from ..telemetry import PHASES, WindowStats
 from ..vocabulary import FactorApproxName, GraftingName, InverseMethodName, StepSizeName
 from .protocol import KFACStrategy, model_parallel
 from .run_report import KFACRunRecord, kfac_line, possible_phases, thread_note
+from .step_scope import StepScope
 from .trainer_rules import _logs_written_this_step, _refuse_uninitialized_lazy_layers, _steps_before, _where
 
 if TYPE_CHECKING:
@@ -183,7 +184,7 @@ class KFACCallbackBody(_CallbackBase):
         damping: float | Callable[[int], float] = _D.damping,
         factor_decay: float | Callable[[int], float] = _D.factor_decay,
         kl_clip: float | Callable[[int], float] | None = _D.kl_clip,
-        lr: float | Callable[[int], float] | None = None,
+        lr: float | Callable[[int], float] | None = _D.lr,
         factor_update_steps: int = _D.factor_update_steps,
         inv_update_steps: int = _D.inv_update_steps,
         skip_layers: str | Iterable[str] = _D.skip_layers,
@@ -211,17 +212,11 @@ class KFACCallbackBody(_CallbackBase):
         super().__init__()
         # Every argument is checked here (TypeError: wrong type, ValueError: a value that is not
         # accepted; the message names the argument), so that a bad YAML value fails at construction:
-        # the K-FAC hyperparameters by KFACOptions, the callback's own below, the rest by annotation.
+        # the K-FAC hyperparameters by KFACOptions (a schedule called once with step 0 there), the callback's own
+        # below, the rest by annotation.
         val.check_annotations(KFACCallbackBody.__init__, locals(), skip=_CHECKED)
-        # A schedule is also called once with step 0 here, so that a YAML schedule that fails, fails now.
-        schedules = {"damping": (damping, val.NONNEGATIVE), "factor_decay": (factor_decay, val.DECAY),
-                     "kl_clip": (kl_clip, val.POSITIVE), "lr": (lr, val.NONNEGATIVE)}
-        for name, (value, bound) in schedules.items():
-            if callable(value):
-                val.check_schedule(name, value, bound, probe=True)
-        val.check_schedule("lr", lr, val.NONNEGATIVE, optional=True)  # None: the optimizer's lr, per step
         self.options = KFACOptions(
-            damping=damping, factor_decay=factor_decay, kl_clip=kl_clip,
+            damping=damping, factor_decay=factor_decay, kl_clip=kl_clip, lr=lr,
             factor_update_steps=factor_update_steps, inv_update_steps=inv_update_steps, skip_layers=skip_layers,
             factor_dtype=factor_dtype, inv_dtype=inv_dtype, max_bad_steps=max_bad_steps,
             factor_approx=factor_approx, inverse_method=inverse_method, async_inverses=async_inverses,
@@ -230,10 +225,9 @@ class KFACCallbackBody(_CallbackBase):
             step_size_damping=step_size_damping, adapt_damping=adapt_damping, capture=capture,
         )
         self.summary = val.check_bool("summary", summary)
-        self.lr = lr
         self.log_step_time = val.check_bool("log_step_time", log_step_time)
         self.trace_step = val.check_int("trace_step", trace_step, low=0, optional=True)
-        self.trace_dir = _folder("trace_dir", trace_dir)
+        self.trace_dir = val.check_folder("trace_dir", trace_dir)
         self._profiler: profile | None = None  # recording trace_step
         self._t_step_start: float | None = None
         self._window = WindowStats()  # step times since the last log (log_step_time)
@@ -254,6 +248,12 @@ class KFACCallbackBody(_CallbackBase):
         self._unguard: Callable[[], None] | None = None
         self._batch: Any = None  # step_size: the batch of the step's last micro-batch
         self._gathered = False  # schedule="dpkfac": _final_state was gathered at the end of training
+        self._scope = StepScope()  # function capture around training_step's own code (lightning/step_scope.py)
+
+    @property
+    def lr(self) -> float | Callable[[int], float] | None:
+        """The learning rate the KL clip assumes (``options.lr``; None: each param group's own)."""
+        return self.options.lr
 
     @property
     def state_key(self) -> str:
@@ -306,14 +306,9 @@ class KFACCallbackBody(_CallbackBase):
         with warnings.catch_warnings():
             if not trainer.is_global_zero:  # the setup warnings (skipped or tied layers) are every rank's: rank 0's
                 warnings.simplefilter("ignore")
-            self.preconditioner = pre = KFACPreconditioner(
-                pl_module,
-                self.options,
-                lr=self.lr,
-                grad_scaler=scaler,
-                distributor=self._distributor(trainer),
-                grad_access=self._grad_access(trainer),
-            )
+            self.preconditioner = pre = KFACPreconditioner(  # (the K-FAC hyperparameters: the options alone)
+                pl_module, self.options, grad_scaler=scaler, distributor=self._distributor(trainer),
+                grad_access=self._grad_access(trainer))
         self._final_model = weakref.ref(pl_module)
         if self.summary and trainer.is_global_zero:
             rank_zero_info("K-FAC summary\n" + str(pre.summary()) + thread_note(pre.timer.thread_cap))
@@ -345,6 +340,7 @@ class KFACCallbackBody(_CallbackBase):
             self._gathered = True
 
     def _release(self) -> None:
+        self._scope.close()
         if self._unguard is not None:
             self._unguard()
         self._checkpoint_seen = self._start_fresh = False  # decisions about this fit's checkpoint
@@ -402,8 +398,13 @@ class KFACCallbackBody(_CallbackBase):
         self.preconditioner.paused = bool(getattr(trainer.fit_loop, "_skip_backward", False))
         if self.preconditioner.step_size is not None:
             self._batch = batch  # the last micro-batch's: kfac_loss_parts(batch) at the optimizer step
+        self._scope.open(self.preconditioner, pl_module)  # (closed once the backward is launched)
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        self._scope.close()
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self._scope.close()  # (a training_step that returned no loss: no backward)
         if self.preconditioner is not None and self.preconditioner.final_micro_batch:
             if self._kfac_stepped and self._t_step_start is not None:
                 self.run_record.add_step_time(time.perf_counter() - self._t_step_start)
@@ -583,15 +584,6 @@ KFACCallbackBody.__init__.__qualname__ = "KFAC.__init__"  # "KFAC.__init__() got
 
 # Arguments KFAC.__init__ checks itself (the K-FAC options by KFACOptions); others are held to their annotation.
 _CHECKED = (*(f.name for f in dataclasses.fields(KFACOptions)), "summary", "log_step_time", "trace_step", "trace_dir")
-
-
-def _folder(name: str, value: object) -> str:
-    if not isinstance(value, (str, os.PathLike)):
-        raise TypeError(f"{name} must be a folder path (a non-empty string), got {val.show(value)}")
-    path = os.fspath(value)
-    if not isinstance(path, str) or not path or "\x00" in path:
-        raise ValueError(f"{name} must be a folder path (a non-empty string without NUL), got {value!r}")
-    return path
 
 
 class KFAC(KFACCallbackBody, Callback):
