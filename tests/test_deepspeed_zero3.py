@@ -63,7 +63,7 @@ class Access(pl.Callback):
             self.partitioned_after_step.append(str(pl_module.net[2].weight.ds_status))
 
 
-def z3_fit(rank, world, steps, *, stage, fused=True, **strategy_kw):
+def z3_fit(rank, world, steps, *, stage, fused=True, ckpt_dir=None, resume=None, **strategy_kw):
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world))
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
@@ -72,9 +72,12 @@ def z3_fit(rank, world, steps, *, stage, fused=True, **strategy_kw):
                                         logging_batch_size_per_gpu=4, **strategy_kw)
     cb = KFAC(**KW)
     access = Access(cb)
-    t = trainer(max_steps=steps, devices=world, strategy=strategy, callbacks=[cb, access],
-                use_distributed_sampler=False)
-    t.fit(model)
+    callbacks = [cb, access]
+    if ckpt_dir:
+        callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=8, save_top_k=-1))
+    t = trainer(max_steps=steps, devices=world, strategy=strategy, callbacks=callbacks,
+                use_distributed_sampler=False, enable_checkpointing=bool(ckpt_dir))
+    t.fit(model, ckpt_path=resume)
     params = list(model.net.parameters())
     if stage == 3:
         import deepspeed
@@ -103,13 +106,34 @@ def _assert_same(a, b):
 def test_zero3_equals_zero2(zero2):
     # No parameter persists between forwards (DeepSpeed keeps small ones, all of these by default, gathered): the
     # K-FAC step gathers them, and partitions them again.
-    r = run_distributed(z3_fit, 2, STEPS, stage=3, timeout=240, config={
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}, "zero_allow_untested_optimizer": True})[0]
+    r = run_distributed(z3_fit, 2, STEPS, stage=3, config=PARTITIONED, timeout=240)[0]
     assert r["optimizer"] == "DeepSpeedZeroOptimizer_Stage3" and r["access"] == "DeepSpeedZero3GradAccess"
     assert zero2["access"] == "DeepSpeedGradAccess"
     assert r["kfac_steps"] == zero2["kfac_steps"] == STEPS
     assert r["status"] == ["ZeroParamStatus.NOT_AVAILABLE"]
     _assert_same(r["params"], zero2["params"])
+
+
+PARTITIONED = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+               "zero_allow_untested_optimizer": True}
+
+
+@pytest.mark.slow
+def test_zero3_dpkfac_equals_zero2(zero2):
+    # Each rank inverts and preconditions its own layers; the gradients are gathered on every rank all the same.
+    r = run_distributed(z3_fit, 2, STEPS, stage=3, schedule="dpkfac", config=PARTITIONED, timeout=240)[0]
+    _assert_same(r["params"], zero2["params"])
+
+
+@pytest.mark.slow
+def test_zero3_checkpoint_resume_equals_uninterrupted(tmp_path):
+    # Saved at step 8, the end of the first epoch (8 steps of 2 x 4 samples): a mid-epoch resume would restart
+    # the plain DataLoader's epoch, at any stage.
+    full = run_distributed(z3_fit, 2, 12, stage=3, config=PARTITIONED, ckpt_dir=str(tmp_path), timeout=240)[0]
+    ckpt = tmp_path / "epoch=0-step=8.ckpt"
+    assert ckpt.exists(), sorted(p.name for p in tmp_path.iterdir())
+    resumed = run_distributed(z3_fit, 2, 12, stage=3, config=PARTITIONED, resume=str(ckpt), timeout=240)[0]
+    _assert_same(resumed["params"], full["params"])
 
 
 @pytest.mark.slow
