@@ -234,7 +234,7 @@ def sections() -> list[Section]:
                 "In YAML: `trainer.strategy` with `class_path: lightning_spdkfac.SPDKFACStrategy` "
                 "(`--trainer.strategy.<name>=...`).",
                 _signature_rows(SPDKFACStrategy, strategy_docs)),
-        Section("`SPDKFACDeepSpeedStrategy`: DeepSpeed ZeRO 0/1/2", "lightning_spdkfac.SPDKFACDeepSpeedStrategy",
+        Section("`SPDKFACDeepSpeedStrategy`: DeepSpeed ZeRO 0/1/2/3", "lightning_spdkfac.SPDKFACDeepSpeedStrategy",
                 "In YAML: `trainer.strategy` with `class_path: lightning_spdkfac.SPDKFACDeepSpeedStrategy`.",
                 _signature_rows(SPDKFACDeepSpeedStrategy, args_section(inspect.getdoc(SPDKFACDeepSpeedStrategy)))),
     ]

@@ -70,5 +70,5 @@ DDP_STRATEGY_NAMES: typing.Mapping[str, typing.Mapping[str, Any]] = MappingProxy
 })
 DEEPSPEED_STRATEGY_NAMES: typing.Mapping[str, typing.Mapping[str, Any]] = MappingProxyType({
     "spdkfac_deepspeed": MappingProxyType({"stage": 2}),
-    **{f"spdkfac_deepspeed_stage_{stage}": MappingProxyType({"stage": stage}) for stage in (0, 1, 2)},
+    **{f"spdkfac_deepspeed_stage_{stage}": MappingProxyType({"stage": stage}) for stage in (0, 1, 2, 3)},
 })

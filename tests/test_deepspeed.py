@@ -277,16 +277,16 @@ def test_registry_names_and_stage_validation(tmp_path):
     assert t.strategy.config["zero_optimization"]["stage"] == 2 and t.strategy.spd_options.schedule == "spd"
     s = SPDKFACDeepSpeedStrategy(schedule="mpd", stage=0)
     assert s.spd_options.placement == "round_robin"
-    with pytest.raises(ValueError, match="ZeRO stages 0, 1 and 2.*stage 3"):
-        SPDKFACDeepSpeedStrategy(stage=3)
-    with pytest.raises(ValueError, match="ZeRO stages 0, 1 and 2.*stage 3"):
-        SPDKFACDeepSpeedStrategy(config={"zero_optimization": {"stage": 3}})
+    with pytest.raises(ValueError, match="ZeRO stages 0 to 3, not stage 4"):  # (stage 3: test_deepspeed_zero3.py)
+        SPDKFACDeepSpeedStrategy(stage=4)
+    with pytest.raises(ValueError, match="ZeRO stages 0 to 3.*stage 4"):
+        SPDKFACDeepSpeedStrategy(config={"zero_optimization": {"stage": 4}})
     path = tmp_path / "ds.json"
     path.write_text('{"zero_optimization": {"stage": 1, "overlap_comm": false}}')
     s = SPDKFACDeepSpeedStrategy(config=str(path))  # a DeepSpeed JSON file, as in Lightning
     assert s.config["zero_optimization"] == {"stage": 1, "overlap_comm": False}
-    path.write_text('{"zero_optimization": {"stage": 3}}')
-    with pytest.raises(ValueError, match="stage 3"):
+    path.write_text('{"zero_optimization": {"stage": 4}}')
+    with pytest.raises(ValueError, match="stage 4 .in config="):
         SPDKFACDeepSpeedStrategy(config=str(path))
     with pytest.raises(TypeError, match="stage must be the ZeRO stage"):  # a wrong type: TypeError
         SPDKFACDeepSpeedStrategy(stage="two")

@@ -529,7 +529,9 @@ def _config_oracle(v, args):
             return OK
         if not isinstance(zero, dict):
             return TYPE
-        return integer(zero.get("stage", 0), low=0) or (OK if zero.get("stage", 0) in (0, 1, 2) else VALUE)
+        stage = zero.get("stage", 0)
+        offload = any(zero.get(k) not in (None, {"device": "none"}) for k in ("offload_optimizer", "offload_param"))
+        return integer(stage, low=0) or (OK if stage in (0, 1, 2) or (stage == 3 and not offload) else VALUE)
     if isinstance(v, (str, os.PathLike)):
         path = os.fspath(v)
         for name, verdict in (("good", OK), ("stage3", VALUE), ("notjson", VALUE), ("array", VALUE)):
@@ -541,19 +543,20 @@ def _config_oracle(v, args):
 
 
 DEEPSPEED_ORACLE = {
-    "stage": lambda v, a: integer(v, low=0) or (OK if v in (0, 1, 2) else VALUE),
+    "stage": lambda v, a: integer(v, low=0) or (OK if v in (0, 1, 2, 3) else VALUE),
     "config": _config_oracle,
     "fused_grad_gather": lambda v, a: boolean(v),
 }
 DEEPSPEED_VALID = {
-    "stage": st.sampled_from([0, 1, 2]),
+    "stage": st.sampled_from([0, 1, 2, 3]),
     "config": st.sampled_from([None, {}, {"zero_optimization": {"stage": 1}}, {"train_batch_size": 8},
-                               {"zero_optimization": None}]),
+                               {"zero_optimization": None}, {"zero_optimization": {"stage": 3}}]),
     "fused_grad_gather": st.booleans(),
 }
 DEEPSPEED_INVALID = {
-    "stage": st.sampled_from([3, 4, -1, 2.0, "2", None, True]),
-    "config": st.sampled_from([{"zero_optimization": {"stage": 3}}, {"zero_optimization": 5},
+    "stage": st.sampled_from([4, -1, 2.0, "2", None, True]),
+    "config": st.sampled_from([{"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}},
+                               {"zero_optimization": 5},
                                {"zero_optimization": {"stage": "2"}}, {1: 2}, "missing.json", 7, ["a"]]),
     "fused_grad_gather": st.sampled_from([1, "yes", None]),
 }
@@ -562,7 +565,7 @@ DEEPSPEED_INVALID = {
 @pytest.fixture(scope="module")
 def deepspeed_files(tmp_path_factory):
     root = tmp_path_factory.mktemp("ds")
-    contents = {"good": '{"zero_optimization": {"stage": 1}}', "stage3": '{"zero_optimization": {"stage": 3}}',
+    contents = {"good": '{"zero_optimization": {"stage": 1}}', "stage3": '{"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}',
                 "notjson": "zero_optimization: {stage: 1}", "array": "[1, 2]"}
     for name, text in contents.items():
         (root / f"{name}.json").write_text(text)
@@ -698,10 +701,10 @@ def test_yaml_with_an_invalid_kfac_and_an_invalid_strategy_argument(tmp_path, ca
     assert re.search(bad[other], second, re.S), second
 
 
-def test_yaml_deepspeed_stage_3_is_refused_by_name(tmp_path, capsys, isolated, deepspeed_strategy):
-    path = _yaml(tmp_path, "stage: 3", "damping: 0.1", strategy="lightning_spdkfac.SPDKFACDeepSpeedStrategy")
+def test_yaml_deepspeed_stage_4_is_refused_by_name(tmp_path, capsys, isolated, deepspeed_strategy):
+    path = _yaml(tmp_path, "stage: 4", "damping: 0.1", strategy="lightning_spdkfac.SPDKFACDeepSpeedStrategy")
     seen = _what_the_user_sees(path, tmp_path, capsys)
-    assert re.search(r"stage must be the ZeRO stage 0, 1 or 2, got 3.*use stage 2", seen, re.S), seen
+    assert re.search(r"stage must be the ZeRO stage 0, 1, 2 or 3, got 4.*ZeRO stages 0 to 3", seen, re.S), seen
 
 
 def test_a_constructor_error_in_yaml_reads_as_one_line(tmp_path, capsys, isolated):

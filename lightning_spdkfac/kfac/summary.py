@@ -155,6 +155,11 @@ def format_bytes(n: float) -> str:
     return f"{n:.1f} GiB"  # pragma: no cover
 
 
+def _full_numel(p: nn.Parameter) -> int:
+    """The parameter's entries; DeepSpeed ZeRO-3 leaves a partitioned one empty outside forward (``ds_numel``: all)."""
+    return int(getattr(p, "ds_numel", p.numel()))
+
+
 def _layer_bytes(ly: KFACLayer, factor_size: int, inv_size: int, method: str, async_inverses: bool
                  ) -> tuple[int, int, int, int]:
     a, g = ly.a_shape, ly.g_shape
@@ -190,7 +195,7 @@ def summarize(pre: KFACPreconditioner) -> KFACSummary:
                              None if owners is None else owners[ly.index], acc, why is None,
                              ly.name in pre.capture.layers))
     left = _left_out(pre, counted, unfactored)
-    trainable = sum(p.numel() for p in {id(p): p for p in pre.model.parameters() if p.requires_grad}.values())
+    trainable = sum(_full_numel(p) for p in {id(p): p for p in pre.model.parameters() if p.requires_grad}.values())
     rank = None if owners is None else pre.distributor.rank
     return KFACSummary(tuple(rows), tuple(left), trainable, rank, _workspace(pre, rows, rank, async_inverses),
                        _graft_bytes(pre), summary_line(pre.grad_access, format_bytes))  # (FSDP2 hook: kfac/sharded.py)
@@ -266,7 +271,7 @@ def _left_out(pre: KFACPreconditioner, preconditioned: set[int], unfactored: dic
             seen.add(id(p))
             name = f"{mname}.{pname}" if mname else pname
             why = unfactored.get(id(p)) or _reason(pre, mname, module)
-            out.append(LeftOut(name, type(module).__name__, p.numel(), why))
+            out.append(LeftOut(name, type(module).__name__, _full_numel(p), why))
     return out
 
 

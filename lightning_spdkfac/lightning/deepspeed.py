@@ -1,4 +1,4 @@
-"""``SPDKFACDeepSpeedStrategy``: Lightning's DeepSpeed (ZeRO 0/1/2) with the SPD-KFAC scheduler.
+"""``SPDKFACDeepSpeedStrategy``: Lightning's DeepSpeed (ZeRO 0/1/2/3) with the SPD-KFAC scheduler.
 
 Everything K-FAC does under ``SPDKFACStrategy`` happens here the same way: factor hooks on the
 LightningModule's layers, factor reductions on a process group of their own (launched from the
@@ -6,7 +6,9 @@ hooks while DeepSpeed reduces gradients during backward), inversions placed over
 asynchronous inverse broadcasts. What differs is where the reduced gradients live: at ZeRO 0 in
 ``param.grad``, at ZeRO 1/2 (and under DeepSpeed's bf16 optimizer) as each rank's fragments of a flat
 fp32 buffer, which :class:`~.deepspeed_grads.DeepSpeedGradAccess` assembles with one all-gather and
-writes back (:mod:`.deepspeed_grads`). The arguments, the DeepSpeed config and the machine's fp16 support
+writes back (:mod:`.deepspeed_grads`); at ZeRO 3, where the parameters are partitioned too, as each rank's
+slice of every gradient, which :class:`~.deepspeed_zero3.DeepSpeedZero3GradAccess` assembles the same way,
+gathering the K-FAC layers' parameters for the step (:mod:`.deepspeed_zero3`). The arguments, the DeepSpeed config and the machine's fp16 support
 are checked before DeepSpeed runs (:mod:`.deepspeed_config`).
 
 DeepSpeed calls the optimizer hooks on every micro-batch; K-FAC preconditions on the micro-batch
@@ -43,7 +45,6 @@ from ..vocabulary import (
 )
 from .deepspeed_config import (
     _FP16_PRECISIONS,
-    _STAGE_3,
     _ZERO_STAGES,
     _announce_op_build,
     _check_zero_stage,
@@ -53,6 +54,7 @@ from .deepspeed_config import (
     _refuse_stale_op_lock,
 )
 from .deepspeed_grads import DeepSpeedGradAccess
+from .deepspeed_zero3 import DeepSpeedZero3GradAccess
 from .strategy import (
     SPD_ARGUMENTS,
     SPD_DEFAULTS,
@@ -69,7 +71,7 @@ if TYPE_CHECKING:
     from torch.optim import Optimizer
     from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
-__all__ = ["DeepSpeedGradAccess", "SPDKFACDeepSpeedStrategy", "SPDKFACDeepSpeedStrategyBody"]
+__all__ = ["DeepSpeedGradAccess", "DeepSpeedZero3GradAccess", "SPDKFACDeepSpeedStrategy", "SPDKFACDeepSpeedStrategyBody"]
 
 if TYPE_CHECKING:
     _DeepSpeedBase = DeepSpeedStrategy  # the type checker's view; at run time each flavour adds its namespace's
@@ -79,16 +81,18 @@ else:
 
 @spd_documented
 class SPDKFACDeepSpeedStrategyBody(_SPDKFACStrategyMixin, _DeepSpeedBase):
-    """DeepSpeed ZeRO stage 0, 1 or 2 plus the SPD-KFAC scheduler for the ``KFAC`` callback.
+    """DeepSpeed ZeRO stage 0, 1, 2 or 3 plus the SPD-KFAC scheduler for the ``KFAC`` callback.
 
     Args:
 {spd_arguments}
-        stage: ZeRO stage: 0 (plain data parallel), 1 (optimizer states partitioned) or 2
-            (gradients too). Stage 3 is refused: K-FAC preconditions whole layers.
+        stage: ZeRO stage: 0 (plain data parallel), 1 (optimizer states partitioned), 2
+            (gradients too) or 3 (parameters too: K-FAC gathers the full gradients and parameters of its
+            layers for its step; offload is refused at stage 3).
         config: a DeepSpeed config dict or the path of a JSON file; it overrides ``stage`` and
             the other ZeRO arguments, as in Lightning's ``DeepSpeedStrategy``. Read and checked at
-            construction (a missing or non-JSON file, or ``zero_optimization.stage`` 3, is refused).
-        fused_grad_gather: assemble the full gradients of the K-FAC layers at ZeRO 1/2 with one
+            construction (a missing or non-JSON file, a ZeRO stage other than 0 to 3, or offload at stage 3,
+            is refused).
+        fused_grad_gather: assemble the full gradients of the K-FAC layers at ZeRO 1/2/3 with one
             all-gather of the partitions (True) or with ``deepspeed.utils.safe_get_full_grad`` per parameter.
         timeout: timeout of the process groups, a positive ``datetime.timedelta``; None (default):
             ``comm_timeout_s`` (see SPDKFACStrategy).
@@ -123,10 +127,10 @@ class SPDKFACDeepSpeedStrategyBody(_SPDKFACStrategyMixin, _DeepSpeedBase):
         # Each argument alone first, then the K-FAC options with their combination rules (reported(): see
         # SPDKFACStrategy).
         with val.reported():
-            val.check_int("stage", stage, low=0, accepted="the ZeRO stage 0, 1 or 2")
+            val.check_int("stage", stage, low=0, accepted="the ZeRO stage 0, 1, 2 or 3")
             if stage not in _ZERO_STAGES:
-                raise ValueError(f"stage must be the ZeRO stage 0, 1 or 2, got {stage!r}: SPDKFACDeepSpeedStrategy "
-                                 f"supports ZeRO stages 0, 1 and 2, not stage {stage!r}{_STAGE_3 if stage == 3 else ''}")
+                raise ValueError(f"stage must be the ZeRO stage 0, 1, 2 or 3, got {stage!r}: SPDKFACDeepSpeedStrategy "
+                                 f"supports ZeRO stages 0 to 3, not stage {stage!r}")
             config, origin = _load_config(config)
             if config is not None:
                 _check_zero_stage(config, origin)
@@ -247,6 +251,9 @@ class SPDKFACDeepSpeedStrategyBody(_SPDKFACStrategyMixin, _DeepSpeedBase):
 
     # -------------------------------------------------------------- K-FAC seams
     def make_kfac_grad_access(self) -> GradAccess:
+        # (called once the config is final: at the fit's start, after setup)
+        if (self.config or {}).get("zero_optimization", {}).get("stage", 0) == 3:
+            return DeepSpeedZero3GradAccess(lambda: self.deepspeed_engine, fused=self.fused_grad_gather)
         return DeepSpeedGradAccess(lambda: self.deepspeed_engine, fused=self.fused_grad_gather)
 
     def kfac_final_micro_batch(self) -> bool | None:

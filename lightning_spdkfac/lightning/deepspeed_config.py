@@ -1,6 +1,6 @@
 """What ``SPDKFACDeepSpeedStrategy`` checks before DeepSpeed runs, so that a wrong argument or an unsupported
 machine is refused with a message that names it: the DeepSpeed config (a dict or a JSON file, its ZeRO stage:
-0, 1 or 2), whether the accelerator runs fp16, the one-line notice before DeepSpeed JIT-builds an op, and a
+0 to 3, no offload at stage 3), whether the accelerator runs fp16, the one-line notice before DeepSpeed JIT-builds an op, and a
 stale build lock (a killed build's ``lock`` file, which torch's extension loader would wait on forever)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pytorch_lightning.strategies import DeepSpeedStrategy
 
 from .. import validation as val
 
-_ZERO_STAGES = (0, 1, 2)
+_ZERO_STAGES = (0, 1, 2, 3)
 _FP16_PRECISIONS = ("16-mixed", "16-true")
 
 
@@ -145,7 +145,9 @@ def _deepspeed_fp16_support() -> tuple[bool, str]:
 
     accelerator = get_accelerator()
     return bool(accelerator.is_fp16_supported()), str(accelerator.device_name())
-_STAGE_3 = " (K-FAC preconditions whole layers, which stage 3 partitions; use stage 2)"
+# What K-FAC under ZeRO-3 has not been checked with (DeepSpeedZero3GradAccess reads the optimizer's fp32 gradient
+# slices in memory; offloaded ones live on another device or on NVMe, swapped in and out).
+_STAGE_3_OFFLOADS = ("offload_optimizer", "offload_param")
 
 
 def _load_config(config: object) -> tuple[dict | None, str]:
@@ -179,7 +181,7 @@ def _load_config(config: object) -> tuple[dict | None, str]:
 
 
 def _check_zero_stage(config: dict | None, origin: str = "") -> None:
-    """ZeRO stage 0, 1 or 2 in a DeepSpeed config; ``origin`` names the file it was read from."""
+    """ZeRO stage 0 to 3 (stage 3 without offload) in a DeepSpeed config; ``origin`` names the file it was read from."""
     zero = (config or {}).get("zero_optimization")
     if zero is None:
         return
@@ -190,12 +192,28 @@ def _check_zero_stage(config: dict | None, origin: str = "") -> None:
     stage = zero.get("stage", 0)
     if not val.is_int(stage):
         raise TypeError(
-            f"config['zero_optimization']['stage'] must be the ZeRO stage 0, 1 or 2, got {val.show(stage)}{origin}"
+            f"config['zero_optimization']['stage'] must be the ZeRO stage 0, 1, 2 or 3, got {val.show(stage)}{origin}"
         )
     if stage not in _ZERO_STAGES:
         raise ValueError(
-            f"config['zero_optimization']['stage'] must be 0, 1 or 2: SPDKFACDeepSpeedStrategy supports ZeRO stages "
-            f"0, 1 and 2, but the DeepSpeed config asks for stage {stage!r}{origin}"
-            + (_STAGE_3 if stage == 3 else "")
+            f"config['zero_optimization']['stage'] must be 0, 1, 2 or 3: SPDKFACDeepSpeedStrategy supports ZeRO stages "
+            f"0 to 3, but the DeepSpeed config asks for stage {stage!r}{origin}"
         )
+    if stage == 3:
+        _refuse_stage_3_offload(zero, origin)
 
+
+def _refuse_stage_3_offload(zero: Mapping, origin: str) -> None:
+    """ZeRO-3 with its optimizer states or parameters offloaded: K-FAC's gradient access is not checked there."""
+    for key in _STAGE_3_OFFLOADS:
+        section = zero.get(key)
+        device = section.get("device", "none") if isinstance(section, Mapping) else section
+        if device in (None, "none", False):
+            continue
+        argument = {"offload_optimizer": "offload_optimizer=True", "offload_param": "offload_parameters=True"}[key]
+        raise ValueError(
+            f"config['zero_optimization']['{key}'] must be absent or {{'device': 'none'}} at ZeRO stage 3 under K-FAC, "
+            f"got device {device!r} (Lightning's {argument} sets it){origin}: K-FAC reads and writes the stage-3 "
+            f"optimizer's fp32 gradient slices in place, and offloaded ones are swapped between devices, a path not "
+            f"checked here. Fix: remove '{key}' from the config (or pass {argument.split('=')[0]}=False), or use stage=2"
+        )

@@ -76,7 +76,8 @@ class DeepSpeedGradAccess(GradAccess):
     def _partitioned(p: torch.nn.Parameter) -> TypeGuard[_ZeroParameter]:
         """Does the optimizer read this parameter's gradient from its fp32 fragments?"""
         if hasattr(p, "ds_id"):
-            raise RuntimeError("K-FAC does not support ZeRO stage 3 (partitioned parameters)")
+            raise RuntimeError("a ZeRO stage 3 (partitioned) parameter: its gradients are read by DeepSpeedZero3GradAccess, "
+                               "which SPDKFACDeepSpeedStrategy(stage=3) uses")
         return getattr(p, "_hp_grad", None) is not None or (p.grad is None and hasattr(p, "_hp_mapping"))
 
     def open(self, params: Sequence[torch.nn.Parameter]) -> dict[torch.nn.Parameter, torch.Tensor | None]:
