@@ -1,0 +1,155 @@
+"""FSDP2 through Lightning's ModelParallelStrategy, 2 gloo ranks: K-FAC state through Lightning's distributed
+checkpoint (saved as a directory; resumed on the same world size and on one rank), and the K-FAC bytes each rank
+holds against what the summary reports."""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import pytest
+import torch
+from test_fsdp2 import KW, PER_RANK, _batch, _loss, _model
+
+STATE_KEYS = ("A", "G", "A_inv", "G_inv")
+
+
+def _module_class() -> Any:
+    import pytorch_lightning as pl
+    from torch.distributed.fsdp import fully_shard
+    from torch.utils.data import DataLoader
+
+    class Module(pl.LightningModule):
+        """The 7-row linear case; the batch indexed by the global step (so that a resumed fit sees the same data)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = _model("linear")
+
+        def configure_model(self) -> None:
+            mesh = self.device_mesh["data_parallel"]
+            for layer in (self.net[0], self.net[2]):
+                fully_shard(layer, mesh=mesh)
+            fully_shard(self.net, mesh=mesh)
+
+        def training_step(self, _: Any, __: int) -> torch.Tensor:
+            world, r = self.trainer.world_size, self.trainer.global_rank
+            x, y = _batch("linear", self.trainer.global_step, 2)  # the 2-rank global batch, split over `world`
+            rows = 2 * PER_RANK // world
+            return _loss("linear", self.net(x[r * rows:(r + 1) * rows]), y[r * rows:(r + 1) * rows])
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+        def train_dataloader(self) -> DataLoader:
+            return DataLoader(list(range(100)), batch_size=None, shuffle=False)
+
+    return Module
+
+
+def _trainer(world: int, steps: int, callbacks: list[Any]) -> Any:
+    import pytorch_lightning as pl
+    from pytorch_lightning.strategies import ModelParallelStrategy
+
+    return pl.Trainer(accelerator="cpu", devices=world, max_steps=steps,
+                      strategy=ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1),
+                      callbacks=callbacks, logger=False,
+                      enable_checkpointing=any(type(c).__name__ == "ModelCheckpoint" for c in callbacks), enable_progress_bar=False,
+                      enable_model_summary=False, use_distributed_sampler=False)
+
+
+def _plain(state: dict[str, Any]) -> dict[str, Any]:
+    """The K-FAC state's tensors, by layer and key, cloned; and its step."""
+    layers = {name: {k: v.detach().clone() for k, v in layer.items() if isinstance(v, torch.Tensor)}
+              for name, layer in state["layers"].items()}
+    return {"steps": state["steps"], "layers": layers}
+
+
+def _fit_save_resume(rank: int, world: int, folder: str, mode: str) -> dict[str, Any]:
+    """mode "save": 4 steps, a checkpoint by ModelCheckpoint after step 2 (mid-fit: the owners' K-FAC state gathered
+    on every rank) and one by trainer.save_checkpoint after the fit; "resume": steps 3 and 4 from the step-2 one."""
+    import warnings
+
+    from pytorch_lightning.callbacks import Callback, ModelCheckpoint
+
+    from lightning_spdkfac import KFAC
+
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world))
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    kfac = KFAC(**{k: v for k, v in KW.items() if k != "lr"}, summary=False)
+    out: dict[str, Any] = {}
+
+    class FirstStep(Callback):
+        """The K-FAC state as the resumed fit starts its first step (collective under dpkfac: every rank)."""
+
+        def on_train_batch_start(self, trainer: Any, *_: Any) -> None:
+            if "resumed" not in out:
+                assert kfac.preconditioner is not None
+                out["resumed"] = _plain(kfac.preconditioner.state_dict())
+                out["owned"] = sorted(n for n, ly in kfac.preconditioner.layers.items() if ly.A_inv is not None)
+
+    module = _module_class()()
+    if mode == "save":
+        every = ModelCheckpoint(dirpath=folder, filename="kfac-{step}", every_n_train_steps=2, save_top_k=-1)
+        trainer = _trainer(world, 4, [kfac, every])
+        trainer.fit(module)
+        trainer.save_checkpoint(os.path.join(folder, "final.ckpt"))
+    else:
+        trainer = _trainer(world, 4, [kfac, FirstStep()])
+        trainer.fit(module, ckpt_path=os.path.join(folder, "kfac-step=2.ckpt"))
+    out["weights"] = [p.full_tensor().detach().clone() for p in module.net.parameters()]
+    return out
+
+
+@functools.cache
+def _saved(folder: str) -> list[dict[str, Any]]:
+    from lightning_spdkfac.multiprocess import run_distributed
+
+    return run_distributed(_fit_save_resume, 2, folder, "save", timeout=150)
+
+
+def _meta_state(path: str) -> dict[str, Any]:
+    """The K-FAC state as Lightning wrote it: the callback states are in the directory's meta.pt (rank 0's)."""
+    assert os.path.isdir(path), f"{path}: ModelParallelStrategy writes a distributed checkpoint, a directory"
+    meta = torch.load(os.path.join(path, "meta.pt"), weights_only=False)
+    return _plain(meta["callbacks"]["KFAC"])
+
+
+def _assert_state_equal(got: dict[str, Any], want: dict[str, Any]) -> None:
+    assert got["steps"] == want["steps"]
+    assert sorted(got["layers"]) == sorted(want["layers"])
+    for name, layer in want["layers"].items():
+        for key in STATE_KEYS:
+            assert key in layer and key in got["layers"][name], (name, key)
+            torch.testing.assert_close(got["layers"][name][key], layer[key], rtol=0, atol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("resume_world", [2, 1])
+def test_fsdp2_lightning_checkpoint_round_trip(tmp_path_factory: pytest.TempPathFactory, resume_world: int) -> None:
+    """A 2-rank ModelParallelStrategy fit checkpointed by ModelCheckpoint at step 2 (a distributed checkpoint: a
+    directory, the K-FAC state in its callback states) resumes with fit(ckpt_path=...) on 2 ranks and on 1: K-FAC's
+    factors, inverses and step at the first resumed step equal the checkpoint's, and the resumed fit ends where the
+    uninterrupted one did (1e-6 on the same world size, 1e-5 on one rank: another reduction order)."""
+    from lightning_spdkfac.multiprocess import run_distributed
+
+    folder = str(tmp_path_factory.getbasetemp() / "fsdp2_ckpt")
+    saved = _saved(folder)
+    at2 = _meta_state(os.path.join(folder, "kfac-step=2.ckpt"))
+    assert at2["steps"] == 2 and sorted(at2["layers"]) == ["net.0", "net.2"]
+    _assert_state_equal(_meta_state(os.path.join(folder, "final.ckpt")),
+                        _meta_state(os.path.join(folder, "kfac-step=4.ckpt")))
+    resumed = run_distributed(_fit_save_resume, resume_world, folder, "resume", timeout=150)
+    for got in resumed:
+        _assert_state_equal(got["resumed"], at2)  # the gathered state, on every rank
+    if resume_world == 2:  # dpkfac: each rank inverts its own layers only, and together all of them
+        assert sorted(resumed[0]["owned"] + resumed[1]["owned"]) == ["net.0", "net.2"], resumed
+    tol = dict(rtol=1e-6, atol=1e-7) if resume_world == 2 else dict(rtol=1e-5, atol=1e-6)
+    for got in resumed:
+        for a, b in zip(got["weights"], saved[0]["weights"]):
+            torch.testing.assert_close(a, b, **tol)
+    start = [p.detach() for p in _model("linear").parameters()]
+    assert any(not torch.equal(a, b) for a, b in zip(saved[0]["weights"], start)), "nothing was trained"
