@@ -6,11 +6,16 @@ from __future__ import annotations
 
 import functools
 import os
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import yaml
+from helpers.processes import finish_cli, start_cli
 from test_fsdp2 import KW, PER_RANK, _batch, _loss, _model
+
+from lightning_spdkfac.multiprocess import free_port
 
 STATE_KEYS = ("A", "G", "A_inv", "G_inv")
 
@@ -153,3 +158,62 @@ def test_fsdp2_lightning_checkpoint_round_trip(tmp_path_factory: pytest.TempPath
             torch.testing.assert_close(a, b, **tol)
     start = [p.detach() for p in _model("linear").parameters()]
     assert any(not torch.equal(a, b) for a, b in zip(saved[0]["weights"], start)), "nothing was trained"
+
+
+REPO = Path(__file__).resolve().parents[1]
+FSDP2_CONFIG = REPO / "configs" / "digits_fsdp2.yaml"
+_SHORT = ("--trainer.max_steps=6", "--trainer.max_epochs=1", "--trainer.limit_val_batches=2",
+          "--trainer.logger=false", "--kfac.factor_update_steps=1", "--kfac.inv_update_steps=2")
+
+
+def _check_run(root: Path, world: int) -> None:
+    saved = yaml.safe_load((root / "config.yaml").read_text())  # what rank 0 ran with
+    assert saved["trainer"]["strategy"]["class_path"].endswith("ModelParallelStrategy")
+    assert saved["model"]["init_args"]["shard"] is True
+    state = _meta_state(str(root / "ckpt" / "last.ckpt"))  # the K-FAC state in the distributed checkpoint
+    assert state["steps"] == 6 and sorted(state["layers"]) == ["net.0", "net.2", "net.6", "net.8"]
+    for layer in state["layers"].values():
+        assert all(torch.isfinite(layer[k]).all() for k in STATE_KEYS)
+
+
+def _with_checkpoint(root: Path) -> list[str]:
+    return [f"--trainer.default_root_dir={root}", "--trainer.enable_checkpointing=true",
+            "--trainer.callbacks+=pytorch_lightning.callbacks.ModelCheckpoint",
+            f"--trainer.callbacks.dirpath={root / 'ckpt'}", "--trainer.callbacks.save_last=true"]
+
+
+def test_fsdp2_config_one_process(tmp_path: Path, isolated: None) -> None:
+    """configs/digits_fsdp2.yaml (DigitsCNN sharding itself with fully_shard in configure_model, ModelParallelStrategy,
+    the KFAC callback) trains 6 steps through the spdkfac CLI on one process, and its checkpoint (a directory) holds
+    the K-FAC state of every layer."""
+    from lightning_spdkfac.cli import main
+
+    root = tmp_path / "run"
+    port = str(free_port())
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    code = main(["fit", "--config", str(FSDP2_CONFIG), "--trainer.devices=1", "--trainer.strategy.init_args.data_parallel_size=1", *_SHORT, *_with_checkpoint(root)])
+    assert code == 0
+    _check_run(root, 1)
+
+
+def test_digits_shard_needs_a_data_parallel_mesh() -> None:
+    """DigitsCNN(shard=True) outside ModelParallelStrategy (no device mesh) is refused naming the strategy to use."""
+    from lightning_spdkfac.demo import DigitsCNN
+
+    with pytest.raises(ValueError, match=r"shard=True.*ModelParallelStrategy\(data_parallel_size=.*shard=False"):
+        DigitsCNN(shard=True).configure_model()
+    DigitsCNN().configure_model()  # shard=False: nothing to do
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_fsdp2_config_two_processes(tmp_path: Path) -> None:
+    """The same config as a user runs it, `spdkfac fit --config configs/digits_fsdp2.yaml`: Lightning's launcher starts
+    the second rank; FSDP2 over 2 gloo ranks, owner-based K-FAC (the summary says so)."""
+    root = tmp_path / "run"
+    proc = start_cli(["fit", "--config", str(FSDP2_CONFIG), *_SHORT, *_with_checkpoint(root)],
+                     env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "PYTHONPATH": str(REPO)})
+    done = finish_cli(proc, 240)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "FSDP2: exact sharded preconditioning, owner-based" in done.stdout + done.stderr
+    _check_run(root, 2)
