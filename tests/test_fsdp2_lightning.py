@@ -217,3 +217,93 @@ def test_fsdp2_config_two_processes(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-4000:]
     assert "FSDP2: exact sharded preconditioning, owner-based" in done.stdout + done.stderr
     _check_run(root, 2)
+
+
+def _held_bytes(pre: Any) -> int:
+    """What the layers of ``pre`` hold, from the tensors themselves: accumulators, running factors, inverses."""
+    total = 0
+    for layer in pre.layers.values():
+        for name in ("xx", "x_sum", "dd", "group_rows", "A", "G", "A_inv", "G_inv"):
+            t = getattr(layer, name)
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+    return total
+
+
+def _mlp() -> torch.nn.Sequential:
+    from torch import nn
+
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 24), nn.Tanh(), nn.Linear(24, 31), nn.Tanh(), nn.Linear(31, 17), nn.Tanh(),
+                         nn.Linear(17, 3))
+
+
+def _memory_ranked(rank: int, world: int) -> dict[str, Any]:
+    """Per rank, the K-FAC bytes held after 3 factor steps under FSDP2 (owner-based) and under DDP with the default
+    schedule (spd: every rank holds every layer), each as the layers' tensors hold it and as the summary says."""
+    import torch.distributed as dist
+    from test_fsdp2 import _shard, _train
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from lightning_spdkfac.comm.scheduler import SPDDistributor
+    from lightning_spdkfac.comm.spd_options import SPDOptions
+    from lightning_spdkfac.kfac import KFACPreconditioner
+    from lightning_spdkfac.kfac.summary import format_bytes
+
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {}
+    ddp_model = _mlp()
+    pre = KFACPreconditioner(ddp_model, distributor=SPDDistributor(SPDOptions.from_schedule("spd"),
+                                                                   process_group=dist.new_group()), **KW)
+    _train("linear", ddp_model, DDP(ddp_model), pre, rank, world, range(3))
+    out["ddp"] = (_held_bytes(pre), pre.summary().total_bytes)
+    pre.remove_hooks()
+    model = _mlp()
+    _shard(model)
+    pre = KFACPreconditioner(model, **KW)
+    _train("linear", model, model, pre, rank, world, range(3))
+    summary = pre.summary()
+    out["fsdp"] = (_held_bytes(pre), summary.total_bytes)
+    out["text"] = str(summary)
+    out["owned"] = sorted(n for n, ly in pre.layers.items() if ly.A is not None)
+    out["format"] = format_bytes(summary.total_bytes)
+    pre.remove_hooks()
+    # The same run keeping the other ranks' accumulators between steps: bitwise the same weights.
+    from lightning_spdkfac.kfac import sharded
+
+    kept = _mlp()
+    _shard(kept)
+    free, sharded.free_foreign_accumulators = sharded.free_foreign_accumulators, lambda *_: None  # type: ignore[assignment]
+    try:
+        pre = KFACPreconditioner(kept, **KW)
+        _train("linear", kept, kept, pre, rank, world, range(3))
+        out["kept"] = _held_bytes(pre)
+        pre.remove_hooks()
+    finally:
+        sharded.free_foreign_accumulators = free
+    out["same"] = all(torch.equal(a.full_tensor(), b.full_tensor()) for a, b in zip(model.parameters(), kept.parameters()))
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_fsdp2_memory_per_rank_matches_the_summary() -> None:
+    """On 2 ranks under FSDP2 the K-FAC bytes each rank holds between steps (summed from its layers' tensors) are what
+    its summary reports and prints, each rank holds its own layers' state only (the other layers' accumulators are
+    dropped after the reduce, the weights bitwise those of keeping them), and it is below DDP K-FAC's (the default
+    schedule, every layer on every rank), whose summary matches its tensors too."""
+    from lightning_spdkfac.multiprocess import run_distributed
+
+    results = run_distributed(_memory_ranked, 2, timeout=90)
+    for rank, got in enumerate(results):
+        held, reported = got["fsdp"]
+        assert held == reported, (rank, held, reported)
+        assert f"K-FAC memory on rank {rank} (dpkfac: its own layers): {got['format']} held between steps" in got["text"]
+        ddp_held, ddp_reported = got["ddp"]
+        assert ddp_held == ddp_reported, (rank, ddp_held, ddp_reported)
+        assert held < ddp_held, (rank, held, ddp_held)
+        assert got["same"], "dropping the other ranks' accumulators changed the training"
+        assert got["kept"] > held  # (what dropping them saves between steps)
+    assert sorted(results[0]["owned"] + results[1]["owned"]) == ["0", "2", "4", "6"]
+    assert results[0]["owned"] and results[1]["owned"]
+    # Each layer's state (its accumulators included) on one rank only: together they hold what one DDP rank holds.
+    assert results[0]["fsdp"][0] + results[1]["fsdp"][0] == results[0]["ddp"][0]
