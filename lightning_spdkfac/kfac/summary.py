@@ -12,8 +12,8 @@ The bytes are those the preconditioner allocates (tests/test_summary.py checks t
 * under ``schedule="dpkfac"`` a rank holds the running factors and inverses of the layers it owns only (the
   accumulators of every layer: each rank collects its own statistics); the totals are this rank's. On FSDP2's
   owner-based path (kfac/sharded.py) the other ranks' layers' accumulators are dropped once their factors were
-  reduced: they count in the factor update's workspace (held from the first forward of a factor step to its
-  reduce), not between steps.
+  reduced: they count in the workspace of the factor update and of the inversions (held from the first forward
+  of a factor step until it preconditions), not between steps.
 
 Those are the steady state (:attr:`KFACSummary.steady_bytes`): what is held between steps. A step allocates more
 for a while (:attr:`KFACSummary.peak_bytes`, the most an inverse step holds at once), from the same layouts:
@@ -220,13 +220,14 @@ def _workspace(pre: KFACPreconditioner, rows: list[LayerRow], rank: int | None, 
     f_size = torch.empty(0, dtype=pre.factor_dtype).element_size()
     i_size = torch.empty(0, dtype=pre.inv_dtype).element_size()
     mine = [ly for ly, r in zip(layers, rows) if r.owner is None or rank is None or r.owner == rank]
-    # The factor update: |F| and its mask (the subnormal flush), one factor at a time; and the accumulators of the
-    # other ranks' layers where they are dropped between steps (held until the step's reduce).
-    factors = max((numel(s) * (f_size + 1) for ly in mine for s in (ly.a_shape, ly.g_shape)), default=0)
-    factors += sum(r.accumulator_bytes for r in rows if r.accumulators_dropped and r.owner != rank)
+    # The factor update: |F| and its mask (the subnormal flush), one factor at a time. Where the other ranks' layers'
+    # accumulators are dropped between steps (FSDP2's owner path), they are held from a factor step's first forward
+    # until the step preconditions, after the inversions: counted in both.
+    foreign = sum(r.accumulator_bytes for r in rows if r.accumulators_dropped and r.owner != rank)
+    factors = max((numel(s) * (f_size + 1) for ly in mine for s in (ly.a_shape, ly.g_shape)), default=0) + foreign
     cpu = all(ly.helper.params()[0].device.type == "cpu" for ly in mine)
     inverses = inversion_workspace([s for ly in mine for s in (ly.a_shape, ly.g_shape)], pre.inverse_method,
-                                   pre.inv_dtype, cpu=cpu)
+                                   pre.inv_dtype, cpu=cpu) + foreign
     held = most = 0
     for ly in layers:  # every layer: under dpkfac each rank receives every P
         weight = ly.helper.params()[0]
