@@ -24,6 +24,7 @@ QUICK = {
     "async_placement": ("async_placement.json", None),
     "damping_conventions": ("damping_conventions.jsonl", None),
     "factor_approx": ("factor_approx.json", None),
+    "fsdp2": ("fsdp2.json", "transformers"),
     "hf_models": ("results.json", "transformers"),
     "iteration_time": ("iteration_time.json", None),
     "overhead": ("overhead.json", None),

@@ -29,6 +29,7 @@ COVERED = {
     "digits_sgd.yaml": "test_demo.py::test_kfac_gets_ahead_of_sgd_in_epochs",
     "digits_spdkfac.yaml": "test_strategy_digits.py::test_two_processes_match_the_single_process_accuracy",
     "digits_deepspeed.yaml": "test_deepspeed_digits.py::test_bf16_zero2_trains_digits_to_95_percent",
+    "digits_fsdp2.yaml": "test_fsdp2_lightning.py::test_fsdp2_config_two_processes",
     "multinode.yaml": "test_configs.py::test_multinode_template_runs_on_one_cpu_process",
     **{f"schedules/{p.name}": "test_configs.py::test_schedule_fragments_run_on_two_processes" for p in FRAGMENTS},
 }

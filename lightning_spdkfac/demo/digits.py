@@ -178,6 +178,10 @@ class DigitsCNN(pl.LightningModule):
         gamma: factor of the "step" schedule.
         channels: output channels of the two convolutions.
         hidden: width of the hidden linear layer.
+        shard: shard the model with FSDP2 in ``configure_model`` (``fully_shard`` on each layer with parameters,
+            then on the whole network, over the strategy's data-parallel mesh): for
+            ``ModelParallelStrategy(tensor_parallel_size=1)`` (configs/digits_fsdp2.yaml); K-FAC then runs
+            owner-based on the DTensor gradients (docs/guide/fsdp.md).
     """
 
     def __init__(
@@ -192,9 +196,11 @@ class DigitsCNN(pl.LightningModule):
         gamma: float = 0.1,
         channels: tuple[int, int] = (16, 32),
         hidden: int = 64,
+        shard: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
+        self.shard = shard
         c1, c2 = channels
         self.net = nn.Sequential(
             nn.Conv2d(1, c1, 3, padding=1),
@@ -208,6 +214,25 @@ class DigitsCNN(pl.LightningModule):
             nn.Linear(hidden, NUM_CLASSES),
         )
         self.val_acc = MulticlassAccuracy(num_classes=NUM_CLASSES, average="micro")
+
+    def configure_model(self) -> None:
+        if not self.shard:
+            return
+        mesh = self.device_mesh
+        if mesh is None or "data_parallel" not in (mesh.mesh_dim_names or ()):
+            strategy = type(getattr(self._trainer, "strategy", None)).__name__
+            raise ValueError(f"DigitsCNN(shard=True) shards with FSDP2 over the strategy's data-parallel mesh, and "
+                             f"the strategy ({strategy}) gave none: use Trainer(strategy="
+                             "ModelParallelStrategy(data_parallel_size=..., tensor_parallel_size=1)) "
+                             "(configs/digits_fsdp2.yaml), or shard=False")
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        if isinstance(self.net, FSDPModule):  # (a second fit of the same model: sharded already)
+            return
+        for layer in self.net:
+            if any(True for _ in layer.parameters(recurse=False)):
+                fully_shard(layer, mesh=mesh["data_parallel"])
+        fully_shard(self.net, mesh=mesh["data_parallel"])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)

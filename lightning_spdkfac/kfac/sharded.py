@@ -39,8 +39,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FSDP2GradAccess", "OwnerShardedAccess", "fsdp2_setup", "grad_sums", "is_dtensor", "lean_access",
-           "precondition_owned", "refuse_late_sharding"]
+__all__ = ["FSDP2GradAccess", "OwnerShardedAccess", "free_foreign_accumulators", "frees_accumulators", "fsdp2_setup",
+           "grad_sums", "is_dtensor", "lean_access", "precondition_owned", "refuse_late_sharding"]
 
 SETUP_MESSAGE = "FSDP2: exact sharded preconditioning, owner-based"
 FIX = ("build the model with FSDP2 (torch.distributed.fsdp.fully_shard, or Lightning's ModelParallelStrategy with "
@@ -339,6 +339,23 @@ def lean_access(layers: Sequence[Any], owners: tuple[int, ...] | None, grad_acce
     return OwnerShardedAccess(owner_of, group)
 
 
+def frees_accumulators(grad_access: GradAccess) -> bool:
+    """Whether the step drops the other ranks' layers' accumulators after their factors were reduced (the summary
+    then counts them in the factor update's workspace, not between steps)."""
+    return isinstance(grad_access, OwnerShardedAccess)
+
+
+def free_foreign_accumulators(layers: Iterable[Any], access: OwnerShardedAccess) -> None:
+    """Drop the step's sums (xx, dd, x_sum) of the layers another rank owns: their factors were reduced to the owner
+    before the step preconditions, and the step forgets what was collected at its end; the next factor step's first
+    call allocates them again and overwrites them (so the factors are bitwise those of keeping them). Between steps
+    a rank then holds its own layers' K-FAC state only."""
+    for layer in layers:
+        params = layer.helper.params()
+        if params and access.owner_of.get(params[0], access.rank) != access.rank:
+            layer.xx = layer.dd = layer.x_sum = None
+
+
 def guard_grad(access: GradAccess, grads: Any, p: nn.Parameter) -> torch.Tensor | None:
     """The gradient the non-finite guard checks for ``p``: under the owner-based path the DTensor shard on every rank
     (so every rank checks alike, summed over the mesh), else the tensor the step reads."""
@@ -346,12 +363,14 @@ def guard_grad(access: GradAccess, grads: Any, p: nn.Parameter) -> torch.Tensor 
 
 
 def precondition_owned(part: Any, k: int) -> None:
-    """The step's preconditioning under :class:`OwnerShardedAccess` (in place of ``Preconditioning.precondition``; ``part`` is that part): each owner
-    computes P = L^-1 g R^-1 of its layers from their full gradients, one all-reduce gives every rank each layer's
-    ``<P, g>`` and whether it was preconditioned, the KL scale is computed alike everywhere (the layer order and
-    values of DDP's sum), and the scaled rows are scattered back into each rank's shards."""
+    """The step's preconditioning under :class:`OwnerShardedAccess` (in place of ``Preconditioning.precondition``;
+    ``part`` is that part): each owner computes P = L^-1 g R^-1 of its layers from their full gradients, one
+    all-reduce gives every rank each layer's ``<P, g>`` and whether it was preconditioned, the KL scale is computed
+    alike everywhere (the layer order and values of DDP's sum), and the scaled rows are scattered back into each
+    rank's shards."""
     pre = part.core
     access: OwnerShardedAccess = pre.grad_access
+    free_foreign_accumulators(pre.layers.values(), access)
     if not pre.grads_finite:  # (the guard's verdict is every rank's: it sums the shards over the mesh)
         return
     todo = [layer for layer in pre.layers.values()  # decided on what every rank sees alike

@@ -10,7 +10,10 @@ The bytes are those the preconditioner allocates (tests/test_summary.py checks t
 * inverses: A and G inverted (or their eigen payloads), in ``inv_dtype``;
 * async: with ``async_inverses``, the inverses being computed while the held ones are used (one more set);
 * under ``schedule="dpkfac"`` a rank holds the running factors and inverses of the layers it owns only (the
-  accumulators of every layer: each rank collects its own statistics); the totals are this rank's.
+  accumulators of every layer: each rank collects its own statistics); the totals are this rank's. On FSDP2's
+  owner-based path (kfac/sharded.py) the other ranks' layers' accumulators are dropped once their factors were
+  reduced: they count in the workspace of the factor update and of the inversions (held from the first forward
+  of a factor step until it preconditions), not between steps.
 
 Those are the steady state (:attr:`KFACSummary.steady_bytes`): what is held between steps. A step allocates more
 for a while (:attr:`KFACSummary.peak_bytes`, the most an inverse step holds at once), from the same layouts:
@@ -41,7 +44,7 @@ from torch import nn
 
 from ..factor_shapes import FactorShape, describe, inverse_shape, numel, preconditioned_shape
 from .inverse_memory import inversion_workspace
-from .sharded import summary_line
+from .sharded import frees_accumulators, summary_line
 
 # Why the trainable rest of a partly frozen layer is left to the optimizer (summary and setup warning).
 FROZEN_PART = ("some of its parameters are frozen: K-FAC preconditions a layer's weight and bias together, so the "
@@ -74,10 +77,10 @@ class LayerRow:
     owner: int | None  # schedule="dpkfac": the rank that holds its factors and inverses
 
     def held_bytes(self, rank: int | None) -> int:
-        """Bytes this block takes on ``rank`` (every rank without dpkfac)."""
+        """Bytes this block takes on ``rank`` between steps (every rank without dpkfac)."""
         if self.owner is None or rank is None or self.owner == rank:
             return self.factor_bytes + self.inverse_bytes + self.async_bytes
-        return self.accumulator_bytes
+        return 0 if self.accumulators_dropped else self.accumulator_bytes
 
     accumulator_bytes: int = 0  # (included in factor_bytes) the step's sums, held on every rank
     # False: the block produced no factors though its weight got a gradient (measured; its parameters are listed
@@ -85,6 +88,8 @@ class LayerRow:
     factored: bool = True
     # True: its calls come (also) from functions given its weight (kfac/capture.py): F.linear, matmul, an expert stack
     captured: bool = False
+    # FSDP2's owner-based path: on a rank that does not own the block, its accumulators are dropped after the reduce
+    accumulators_dropped: bool = False
 
 
 @dataclass(frozen=True)
@@ -177,6 +182,7 @@ def summarize(pre: KFACPreconditioner) -> KFACSummary:
     i_size = torch.empty(0, dtype=pre.inv_dtype).element_size()
     owners = pre.distributor.layer_owners
     async_inverses = pre.distributor.use_async_inverses()
+    dropped = frees_accumulators(pre.grad_access)
     rows = []
     counted: set[int] = set()
     unfactored: dict[int, str] = {}  # parameter id -> why its block produced no factors (kfac/coverage.py)
@@ -193,7 +199,7 @@ def summarize(pre: KFACPreconditioner) -> KFACSummary:
         fb, ib, ab, acc = _layer_bytes(ly, f_size, i_size, pre.inverse_method, async_inverses)
         rows.append(LayerRow(ly.name, type(ly.helper.owner()).__name__, ly.a_shape, ly.g_shape, params, fb, ib, ab,
                              None if owners is None else owners[ly.index], acc, why is None,
-                             ly.name in pre.capture.layers))
+                             ly.name in pre.capture.layers, dropped))
     left = _left_out(pre, counted, unfactored)
     trainable = sum(_full_numel(p) for p in {id(p): p for p in pre.model.parameters() if p.requires_grad}.values())
     rank = None if owners is None else pre.distributor.rank
@@ -219,11 +225,14 @@ def _workspace(pre: KFACPreconditioner, rows: list[LayerRow], rank: int | None, 
     f_size = torch.empty(0, dtype=pre.factor_dtype).element_size()
     i_size = torch.empty(0, dtype=pre.inv_dtype).element_size()
     mine = [ly for ly, r in zip(layers, rows) if r.owner is None or rank is None or r.owner == rank]
-    # The factor update: |F| and its mask (the subnormal flush), one factor at a time.
-    factors = max((numel(s) * (f_size + 1) for ly in mine for s in (ly.a_shape, ly.g_shape)), default=0)
+    # The factor update: |F| and its mask (the subnormal flush), one factor at a time. Where the other ranks' layers'
+    # accumulators are dropped between steps (FSDP2's owner path), they are held from a factor step's first forward
+    # until the step preconditions, after the inversions: counted in both.
+    foreign = sum(r.accumulator_bytes for r in rows if r.accumulators_dropped and r.owner != rank)
+    factors = max((numel(s) * (f_size + 1) for ly in mine for s in (ly.a_shape, ly.g_shape)), default=0) + foreign
     cpu = all(ly.helper.params()[0].device.type == "cpu" for ly in mine)
     inverses = inversion_workspace([s for ly in mine for s in (ly.a_shape, ly.g_shape)], pre.inverse_method,
-                                   pre.inv_dtype, cpu=cpu)
+                                   pre.inv_dtype, cpu=cpu) + foreign
     held = most = 0
     for ly in layers:  # every layer: under dpkfac each rank receives every P
         weight = ly.helper.params()[0]
