@@ -34,8 +34,10 @@ CAPTURING = ("used through a function (e.g. F.linear(x, module.weight)): its for
              "got a gradient; K-FAC follows its weight through functions from the next factor step on (capture='auto')")
 CAPTURE_MISSED = ("used through an operation K-FAC's function capture cannot follow (not F.linear, matmul, F.conv*d, "
                   "F.embedding or grouped_mm on the weight, its transpose or one expert's slice: e.g. a fused kernel, a "
-                  "custom autograd Function, einsum): left to the optimizer unpreconditioned; call the module, or use "
-                  "skip_layers to silence this")
+                  "custom autograd Function, einsum), or through a function outside the forward of its module and the "
+                  "modules above it (followed there only in a LightningModule's training_step under the KFAC callback "
+                  "and inside `with pre.capture.scope():`): left to the optimizer unpreconditioned; call the module, "
+                  "move the use into a forward or under pre.capture.scope(), or use skip_layers to silence this")
 CAPTURE_COMPILED = ("used through a function inside a torch.compile'd region: function capture does not run under "
                     "torch.compile (a mode pushed at a graph break cannot be traced), so its uses there are not followed; "
                     "call the module there, or leave this block eager")
