@@ -39,6 +39,9 @@ GraftingName = Literal["sgd", "adam"]
 # How K-FAC sets its step size beyond the KL clip (kfac/step_size.py): the exact quadratic model's alpha along the
 # optimizer's update, or its (alpha, mu) on the plane of the update and the previous one.
 StepSizeName = Literal["quadratic", "quadratic_momentum"]
+# What K-FAC's direction is (kfac/eigenbasis.py): the damped Kronecker inverse applied to the gradient ("kfac"), or
+# Adam's per-entry second moment in the Kronecker eigenbasis of the factors ("eigen_adam", EKFAC/SOAP-style).
+UpdateName = Literal["kfac", "eigen_adam"]
 
 SCHEDULES: tuple[ScheduleName, ...] = typing.get_args(ScheduleName)
 SCHEDULE_CHOICES: tuple[ScheduleChoice, ...] = typing.get_args(ScheduleChoice)
@@ -49,6 +52,7 @@ FACTOR_APPROXES: tuple[FactorApproxName, ...] = typing.get_args(FactorApproxName
 INVERSE_METHODS: tuple[InverseMethodName, ...] = typing.get_args(InverseMethodName)
 GRAFTINGS: tuple[GraftingName, ...] = typing.get_args(GraftingName)
 STEP_SIZES: tuple[StepSizeName, ...] = typing.get_args(StepSizeName)
+UPDATES: tuple[UpdateName, ...] = typing.get_args(UpdateName)
 # The placements that balance load by cost and so can replicate small factors (``small_factor``).
 LOAD_BALANCED_PLACEMENTS: tuple[PlacementName, ...] = ("lbp", "lbp_channel")
 

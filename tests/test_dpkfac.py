@@ -26,6 +26,8 @@ CONFIGS = {
     "no_pipelining": dict(options=dict(pipelining=False, fusion="layerwise")),
     "async": dict(options=dict(profile_steps=(1, 3)), kfac=dict(async_inverses=True)),
     "eigen": dict(options=dict(profile_steps=(1, 3)), kfac=dict(inverse_method="eigen")),
+    # the eigenbasis mode: each layer's moment on its owner, gathered into every rank's checkpoint
+    "eigen_adam": dict(options=dict(profile_steps=(1, 3)), kfac=dict(update="eigen_adam")),
 }
 
 
@@ -84,12 +86,16 @@ def test_dpkfac_replicas_agree_bitwise_and_equal_one_process(job, name):
     for other in params[1:]:
         for a, b in zip(params[0], other, strict=True):
             assert torch.equal(a, b), f"{name}: the replicas differ"
-    # The joint batch of any world size is the same data: compare with one process on it.
+    # The joint batch of any world size is the same data: compare with one process on it. Not for the eigenbasis
+    # mode: this model's factors are rank-deficient (a 129-wide A from 8-16 examples a step), so their null space is a
+    # degenerate eigenspace whose basis is set by rounding, and a per-entry moment in it (Adam's, SOAP's) depends on
+    # that basis; one process and the reduced factors round differently (tests/test_eigenbasis.py holds its math).
     model = make_model()
     pre = KFACPreconditioner(model, **{**KFAC_KW, **CONFIGS[name].get("kfac", {})})
     sgd_kfac_steps(model, pre, data, STEPS, world)
     for a, b in zip(params[0], model.parameters(), strict=True):
-        torch.testing.assert_close(a, b.detach(), rtol=1e-4, atol=1e-6, msg=f"{name} vs one process")
+        if name != "eigen_adam":
+            torch.testing.assert_close(a, b.detach(), rtol=1e-4, atol=1e-6, msg=f"{name} vs one process")
     plan = results[0][name]["plan"]
     assert all(r[name]["plan"] == plan for r in results)  # every rank planned the same
     owners = plan["layer_owners"]
@@ -109,10 +115,20 @@ def test_dpkfac_replicas_agree_bitwise_and_equal_one_process(job, name):
         assert state["layers"].keys() == ref["layers"].keys()
         for layer, entry in ref["layers"].items():
             for key, value in entry.items():
-                if name == "eigen" and key.endswith("_inv"):  # eigenvectors are defined up to sign
+                if name == "eigen_adam":  # (another trajectory than one process's, see above: the layout only)
+                    assert state["layers"][layer][key].shape == value.shape
+                    continue
+                if name.startswith("eigen") and key.endswith("_inv"):  # eigenvectors are defined up to sign
                     assert state["layers"][layer][key].shape == value.shape
                     continue
                 torch.testing.assert_close(state["layers"][layer][key].cpu(), value, rtol=1e-4, atol=1e-6)
+        if name == "eigen_adam":  # every owner's moments, gathered: the same complete set on every rank
+            moments = results[0][name]["state"]["eigen_moments"]
+            assert set(state["eigen_moments"]) == set(ref["eigen_moments"]) == set(pre.layers)
+            for layer, entry in moments.items():
+                assert state["eigen_moments"][layer]["t"] == entry["t"] == ref["eigen_moments"][layer]["t"]
+                assert torch.equal(state["eigen_moments"][layer]["v"].cpu(), entry["v"].cpu())
+    assert ("eigen_moments" in ref) == (name == "eigen_adam")
     assert max(r[name]["phases"]["precondition_comm_wait"] for r in results) > 0
 
 

@@ -615,8 +615,9 @@ def test_constructing_the_strategies_needs_no_process_group(monkeypatch):
     from lightning_spdkfac import SPDKFACDeepSpeedStrategy
 
     assert SPDKFACDeepSpeedStrategy(stage=1, schedule="spd").spd_options.fusion == "dtf"
-    with pytest.raises(ValueError, match="stage must be the ZeRO stage 0, 1 or 2, got 3"):
-        SPDKFACDeepSpeedStrategy(stage=3)
+    assert SPDKFACDeepSpeedStrategy(stage=3).config["zero_optimization"]["stage"] == 3
+    with pytest.raises(ValueError, match="stage must be the ZeRO stage 0, 1, 2 or 3, got 4"):
+        SPDKFACDeepSpeedStrategy(stage=4)
 
 
 # ---------------------------------------------------------------------------- through LightningCLI YAML

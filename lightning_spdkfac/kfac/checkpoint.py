@@ -131,6 +131,10 @@ class CheckpointState:
             extra["grafting_moments"] = moments
         if self.step_size is not None:  # step_size="quadratic..." (kfac/step_size.py): alpha, mu, the last update
             extra["step_size"] = self.step_size.state_dict()
+        eigen = self.preconditioning.eigen_moments
+        if eigen is not None:  # update="eigen_adam" (kfac/eigenbasis.py): the moments in the saved inverses' basis
+            extra["eigen_moments"] = eigen.saved(core.layers, None if core.owners is None else
+                                                 core.sharing().gather_layers, core.inv_dtype)
         if core.options.inverse_method != "cholesky":  # a cholesky state is what it was before the option
             extra["inverse_method"] = core.options.inverse_method
             extra["inverse_damping"] = {name: held[ly.index][4] for name, ly in core.layers.items()
@@ -182,6 +186,7 @@ class CheckpointState:
         owners = core.distributor.layer_owners
         for name, layer in core.layers.items():
             layer.A, layer.G, layer.A_inv, layer.G_inv = loaded.get(name, (None, None, None, None))
+            layer.inv_version += 1
             layer.inv_damping = float(dampings[name]) if name in dampings else None
             if owners is not None and owners[layer.index] != core.distributor.rank:  # another rank's layer
                 layer.A = layer.G = layer.A_inv = layer.G_inv = layer.inv_damping = None
@@ -204,6 +209,10 @@ class CheckpointState:
             st = moments[core.layers[name].index] = AdamGraftState()
             st.v = entry["v"].to(device=core.layers[name].helper.params()[0].device, dtype=torch.float64).clone()
             st.t = int(entry["t"])
+        if self.preconditioning.eigen_moments is not None:
+            self.preconditioning.eigen_moments.load(
+                state.get("eigen_moments") or {}, core.layers,
+                lambda ly: owners is None or owners[ly.index] == core.distributor.rank, core.inv_dtype)
         if self.step_size is not None and "step_size" in state:
             self.step_size.load_state_dict(state["step_size"], dict(core.model.named_parameters()))
         core.steps = int(state["steps"])
@@ -253,6 +262,7 @@ class CheckpointState:
         if dims is not None:
             self._check_sides_without_factors(dims, layers, mismatch)
         self._check_graft_moments(state.get("grafting_moments"), corrupt)
+        self._check_graft_moments(state.get("eigen_moments"), corrupt, "eigen_moments")
         if mismatch or corrupt:
             what = " and ".join(w for w, p in (("does not match this model", mismatch), ("is corrupt", corrupt)) if p)
             lines = mismatch + corrupt
@@ -262,23 +272,24 @@ class CheckpointState:
             )
         return factors
 
-    def _check_graft_moments(self, moments: Any, corrupt: list[str]) -> None:
-        """``grafting_moments`` (optional): layer name -> {"v": finite non-negative out x a_dim tensor, "t": count}."""
+    def _check_graft_moments(self, moments: Any, corrupt: list[str], key: str = "grafting_moments") -> None:
+        """``grafting_moments`` or ``eigen_moments`` (optional): layer name -> {"v": a finite non-negative tensor of
+        the gradient matrix's shape, "t": count}."""
         if moments is None:
             return
         if not isinstance(moments, Mapping):
-            corrupt.append(f"'grafting_moments' must be a dict of layer name -> moments, got a {type(moments).__name__}")
+            corrupt.append(f"{key!r} must be a dict of layer name -> moments, got a {type(moments).__name__}")
             return
         for name, entry in moments.items():
             layer = self.core.layers.get(name) if isinstance(name, str) else None
             if layer is None:
-                corrupt.append(f"'grafting_moments' names {name!r}, not a K-FAC layer of this model")
+                corrupt.append(f"{key!r} names {name!r}, not a K-FAC layer of this model")
                 continue
             v, t = (entry.get("v"), entry.get("t")) if isinstance(entry, Mapping) else (None, None)
             want = preconditioned_shape(*layer_shapes(layer))  # the gradient matrix's shape
             if (not isinstance(v, torch.Tensor) or tuple(v.shape) != want or not _is_count(t)
                     or not bool(torch.isfinite(v).all()) or bool((v < 0).any())):
-                corrupt.append(f"layer {name!r}: its grafting moments must be {{'v': a finite non-negative "
+                corrupt.append(f"layer {name!r}: its {key} must be {{'v': a finite non-negative "
                                f"{' x '.join(map(str, want))} tensor, 't': a count}}, got {entry!r:.120}")
 
     def _check_layer_names(self, dims: dict[str, FactorPair] | None, layers: Mapping[Any, Any],

@@ -581,8 +581,8 @@ def eigen_precondition(grad: torch.Tensor, A_eig: torch.Tensor, G_eig: torch.Ten
     With ``damping`` 0, denominators below 1e-10 of the largest are raised to it (and a zero block
     leaves the rotated gradient as it is), so the result stays finite.
     """
-    QA, eA = _split_payload(A_eig)
-    QG, eG = _split_payload(G_eig)
+    QA, eA = split_payload(A_eig)
+    QG, eG = split_payload(G_eig)
     denom = eG.unsqueeze(-1) * eA.unsqueeze(-2) + damping
     if damping <= 0.0:
         denom = torch.maximum(denom, denom.amax() * EIGH_FLOOR)
@@ -593,7 +593,7 @@ def eigen_precondition(grad: torch.Tensor, A_eig: torch.Tensor, G_eig: torch.Ten
     return r if QA is None else r @ QA.transpose(-1, -2)
 
 
-def _split_payload(p: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+def split_payload(p: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
     """(eigenvectors or None for a diagonal factor, eigenvalues) of an eigen payload in any layout."""
     if p.dim() == 1:
         return None, p

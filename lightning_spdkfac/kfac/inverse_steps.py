@@ -88,6 +88,7 @@ class Inverter:
         def on_ready(index: int, which: str, inverse: torch.Tensor) -> None:
             layer = by_index[index]
             setattr(layer, f"{which}_inv", inverse)
+            layer.inv_version += 1
             arrived.add((index, which))
             if (index, "A") in arrived and (index, "G") in arrived:
                 # Both inverses are here: precondition this layer now, while others still arrive.
@@ -150,6 +151,7 @@ class Inverter:
             report()
         for index, which, inverse in results:
             setattr(flight.layers[index], f"{which}_inv", inverse)
+            flight.layers[index].inv_version += 1
         for layer in flight.layers.values():
             layer.inv_damping = flight.damping
 

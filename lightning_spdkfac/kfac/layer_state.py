@@ -54,6 +54,9 @@ class KFACLayer:
     G_inv: torch.Tensor | None = None
     # "eigen": the damping resolved at the step that computed A_inv and G_inv (used until the next one).
     inv_damping: float | None = None
+    # Counts the times A_inv / G_inv were replaced (an inverse step, a swap of async inverses, a load): the eigenbasis
+    # mode carries its moments into a new basis when this changed (kfac/eigenbasis.py).
+    inv_version: int = 0
     handles: list[RemovableHandle] = field(default_factory=list)
     # Whether autograd accumulated a gradient into the weight since the last step (a post-accumulate hook: a
     # gradient left over or set by hand does not count); the coverage check reads it (kfac/coverage.py).

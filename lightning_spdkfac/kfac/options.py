@@ -26,10 +26,12 @@ from ..vocabulary import (
     GRAFTINGS,
     INVERSE_METHODS,
     STEP_SIZES,
+    UPDATES,
     FactorApproxName,
     GraftingName,
     InverseMethodName,
     StepSizeName,
+    UpdateName,
 )
 
 FACTOR_DTYPES = ("float32", "float64", "bfloat16", "float16")
@@ -119,6 +121,14 @@ class KFACOptions:
             ``True`` follows every layer from the first step; ``False`` never (such layers are named in a warning
             and in the summary). Expert stacks and routers holding a bare weight (kfac/experts.py) are always
             followed.
+        update: K-FAC's direction: ``"kfac"`` (the default) applies the damped inverse of each block to the
+            gradient; ``"eigen_adam"`` rotates the gradient into the Kronecker eigenbasis of the factors, divides each
+            entry by the root of its running second moment there (EKFAC/SOAP-style) and rotates back
+            (kfac/eigenbasis.py, docs/math.md "The eigenbasis mode"). It needs the factors' eigendecompositions:
+            ``inverse_method`` is ``"eigen"`` under it. Its direction has Adam's per-entry scale, so the base optimizer
+            is run at an Adam-like learning rate (SGD with momentum, or Muon).
+        eigen_beta2: ``update="eigen_adam"``: the decay of the running second moment, in [0, 1).
+        eigen_eps: ``update="eigen_adam"``: added to the root of the second moment (> 0).
     """
 
     # The defaults are the winners of benchmarks/time_to_accuracy.py (docs/results/time-to-accuracy.md): the
@@ -147,6 +157,9 @@ class KFACOptions:
     step_size_damping: float | None = None
     adapt_damping: bool = False
     capture: bool | str = "auto"
+    update: UpdateName = "kfac"
+    eigen_beta2: float = 0.95
+    eigen_eps: float = 1e-8
 
     def __post_init__(self) -> None:
         # A schedule is called once with step 0 here (probe): one that cannot be called with the step, raises or
@@ -179,6 +192,11 @@ class KFACOptions:
         if self.adapt_damping and callable(self.damping):
             raise ValueError("adapt_damping=True adapts the damping from its starting value: damping must be a number, "
                              "not a schedule (pass a number, or adapt_damping=False to keep the schedule)")
+        val.check_choice("update", self.update, UPDATES)
+        val.check_real("eigen_beta2", self.eigen_beta2, val.DECAY)
+        val.check_real("eigen_eps", self.eigen_eps, val.POSITIVE)
+        if self.update == "eigen_adam":  # its basis is the factors' eigendecompositions, computed as eigen payloads
+            object.__setattr__(self, "inverse_method", "eigen")
         if self.memory_limit is not None:
             object.__setattr__(self, "memory_limit", parse_bytes("memory_limit", self.memory_limit))
         object.__setattr__(self, "skip_layers", patterns("skip_layers", self.skip_layers))

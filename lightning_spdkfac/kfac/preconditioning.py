@@ -13,6 +13,7 @@ import torch
 from .. import validation as val
 from . import factors
 from .core import Core
+from .eigenbasis import EigenMoments
 from .gradients import check_grad_shape
 from .grafting import DEFAULT_BETA2, DEFAULT_EPS, AdamGraftState, graft
 from .inverse import eigen_precondition
@@ -45,6 +46,9 @@ class Preconditioning:
         self.graft_states: dict[int, AdamGraftState] = {}
         self._graft_hparams = (DEFAULT_BETA2, DEFAULT_EPS)
         self.skipped_precondition_steps = 0  # steps left unpreconditioned: non-finite gradients
+        # update="eigen_adam": each layer's second moment in its Kronecker eigenbasis (kfac/eigenbasis.py).
+        o = core.options
+        self.eigen_moments = EigenMoments(o.eigen_beta2, o.eigen_eps) if o.update == "eigen_adam" else None
 
     def precondition_layer(self, layer: KFACLayer) -> None:
         """P = G_inv [dW, db] A_inv (or its eigen form) for one layer, kept until the KL clip of the step is known."""
@@ -63,11 +67,7 @@ class Preconditioning:
         # The last dim: n for an n x n inverse, an (n+1) x n eigen payload and a diagonal one alike.
         check_grad_shape(layer, "gradient matrix", tuple(g.shape[-2:]), (layer.G_inv.shape[-1], layer.A_inv.shape[-1]))
         gi = g.to(core.inv_dtype)
-        if core.eigen:
-            assert layer.inv_damping is not None  # set with the payloads
-            p = eigen_precondition(gi, layer.A_inv, layer.G_inv, layer.inv_damping)
-        else:
-            p = factors.apply_inverses(layer.G_inv, gi, layer.A_inv)
+        p = self.direction(layer, gi)
         if self._write_through(g):
             # P goes to the gradient now and the step keeps p.g only: P of every layer at once, as many bytes as the
             # layers' weights, is not held until the end of the step (the summary's peak). The KL clip's scale, known
@@ -79,6 +79,17 @@ class Preconditioning:
         self._preconditioned[layer.index] = (layer, p, gi)
         if core.owners is not None:  # its broadcast starts now, while the next layer is worked on
             core.sharing().offer(layer.index, p)
+
+    def direction(self, layer: KFACLayer, gi: torch.Tensor) -> torch.Tensor:
+        """P of the layer's gradient matrix ``gi`` (in inv_dtype): G_inv gi A_inv, its eigen form, or the eigenbasis
+        mode's (kfac/eigenbasis.py); the layer holds both inverses."""
+        assert layer.A_inv is not None and layer.G_inv is not None
+        if self.eigen_moments is not None:
+            return self.eigen_moments.direction(layer, gi)
+        if self.core.eigen:
+            assert layer.inv_damping is not None  # set with the payloads
+            return eigen_precondition(gi, layer.A_inv, layer.G_inv, layer.inv_damping)
+        return factors.apply_inverses(layer.G_inv, gi, layer.A_inv)
 
     def _write_through(self, g: torch.Tensor) -> bool:
         """Whether a layer's P is written to its gradient as soon as it is computed: on one process (distributed

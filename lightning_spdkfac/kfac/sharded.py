@@ -378,7 +378,7 @@ def precondition_owned(part: Any, k: int) -> None:
             and all(p.grad is not None for p in layer.helper.params())]
     if not todo:
         return
-    vec, precs = _precondition_mine(pre, access, todo)
+    vec, precs = _precondition_mine(part, access, todo)
     dist.all_reduce(vec, group=access.group)
     n = len(todo)
     flags = (vec[n:] > 0.5).tolist()  # (one host read: which layers' rows are scattered decides the collectives)
@@ -395,14 +395,13 @@ def precondition_owned(part: Any, k: int) -> None:
     _scatter_rows(pre, access, done)
 
 
-def _precondition_mine(pre: Any, access: OwnerShardedAccess,
+def _precondition_mine(part: Any, access: OwnerShardedAccess,
                        todo: list[Any]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
     """P of the layers this rank owns (and has inverses for), and the ``[<P, g>..., preconditioned?...]`` vector of
     every layer of ``todo`` with this rank's entries filled (on the gradients' device: NCCL reduces device tensors)."""
-    from . import factors
     from .gradients import check_grad_shape
-    from .inverse import eigen_precondition
 
+    pre = part.core
     first = todo[0].helper.params()[0].grad
     assert first is not None
     n = len(todo)
@@ -412,13 +411,9 @@ def _precondition_mine(pre: Any, access: OwnerShardedAccess,
         if access.owner_of[layer.helper.params()[0]] != access.rank or layer.A_inv is None:
             continue
         g = layer.helper.grad_matrix(pre.grads)
-        check_grad_shape(layer, "gradient matrix", tuple(g.shape[-2:]),
-                              (layer.G_inv.shape[-1], layer.A_inv.shape[-1]))
+        check_grad_shape(layer, "gradient matrix", tuple(g.shape[-2:]), (layer.G_inv.shape[-1], layer.A_inv.shape[-1]))
         gi = g.to(pre.inv_dtype)
-        if pre.eigen:
-            p = eigen_precondition(gi, layer.A_inv, layer.G_inv, layer.inv_damping)
-        else:
-            p = factors.apply_inverses(layer.G_inv, gi, layer.A_inv)
+        p = part.direction(layer, gi)
         precs[layer.index] = p
         if pre.kl_clip is not None:
             vec[i] = torch.vdot(p.flatten(), gi.flatten()).double()

@@ -125,7 +125,7 @@ class KFACSummary:
     trainable: int  # trainable parameters of the model (each once)
     rank: int | None  # the rank the totals are for (dpkfac), None: every rank holds everything
     workspace: Workspace = Workspace()
-    graft_bytes: int = 0  # grafting="adam": the gradient moments held between steps (every layer)
+    graft_bytes: int = 0  # grafting="adam" / update="eigen_adam": the moments held between steps
     sharding: str | None = None  # FSDP2 (kfac/sharded.py): how the sharded gradients are preconditioned
 
     @property
@@ -263,11 +263,21 @@ def _workspace(pre: KFACPreconditioner, rows: list[LayerRow], rank: int | None, 
 
 
 def _graft_bytes(pre: KFACPreconditioner) -> int:
-    """grafting="adam": the second moment of each layer's gradient matrix, in float64, held between steps."""
-    if pre.options.grafting != "adam":
-        return 0
-    return sum(numel(preconditioned_shape(ly.a_shape, ly.g_shape)) * 8 for ly in pre.layers.values()
-               if ly.trainable())
+    """The moments held between steps: grafting="adam"'s second moment of each layer's gradient matrix (float64, every
+    layer), and update="eigen_adam"'s second moment in the eigenbasis (inv_dtype) with a copy of the basis it is in
+    (the dense sides' eigenvectors; kfac/eigenbasis.py), on the rank that preconditions the layer."""
+    total = 0
+    if pre.options.grafting == "adam":
+        total += sum(numel(preconditioned_shape(ly.a_shape, ly.g_shape)) * 8 for ly in pre.layers.values()
+                     if ly.trainable())
+    if pre.options.update == "eigen_adam":
+        i_size = torch.empty(0, dtype=pre.inv_dtype).element_size()
+        owners, rank = pre.distributor.layer_owners, pre.distributor.rank
+        for ly in pre.layers.values():
+            if ly.trainable() and (owners is None or owners[ly.index] == rank):
+                bases = sum(numel(s) for s in (ly.a_shape, ly.g_shape) if len(s) != 1)
+                total += (numel(preconditioned_shape(ly.a_shape, ly.g_shape)) + bases) * i_size
+    return total
 
 
 def _left_out(pre: KFACPreconditioner, preconditioned: set[int], unfactored: dict[int, str]) -> list[LeftOut]:

@@ -37,7 +37,7 @@ from ..kfac.options import KFACOptions
 from ..kfac.preconditioner import KFACPreconditioner
 from ..kfac.step_size import LOSS_PARTS_HELP
 from ..telemetry import PHASES, WindowStats
-from ..vocabulary import FactorApproxName, GraftingName, InverseMethodName, StepSizeName
+from ..vocabulary import FactorApproxName, GraftingName, InverseMethodName, StepSizeName, UpdateName
 from .protocol import KFACStrategy, model_parallel
 from .run_report import KFACRunRecord, kfac_line, possible_phases, thread_note
 from .step_scope import StepScope
@@ -142,6 +142,9 @@ class KFACCallbackBody(_CallbackBase):
         adapt_damping: Levenberg-Marquardt adaptation of ``damping`` from the quadratic model's reduction ratio at
             each measurement (default False); needs ``kfac_loss_parts`` like ``step_size``.
         capture: following weights used through functions: ``"auto"`` (default), True, False (KFACOptions' docs).
+        update: ``"kfac"`` (default) or ``"eigen_adam"``, the eigenbasis mode (docs/math.md "The eigenbasis mode").
+        eigen_beta2: the eigenbasis mode's moment decay in [0, 1) (default 0.95).
+        eigen_eps: the eigenbasis mode's epsilon (> 0, default 1e-8).
         summary: print the K-FAC summary (each block's factor layout and bytes; every trainable parameter left
             to the optimizer, with the reason) on rank 0 when the fit starts, and one line of what K-FAC added
             when training ends (its ms per step and share of the step, inverse steps, fallbacks: the line the
@@ -208,6 +211,9 @@ class KFACCallbackBody(_CallbackBase):
         step_size_damping: float | None = _D.step_size_damping,
         adapt_damping: bool = _D.adapt_damping,
         capture: bool | str = _D.capture,
+        update: UpdateName = _D.update,
+        eigen_beta2: float = _D.eigen_beta2,
+        eigen_eps: float = _D.eigen_eps,
     ) -> None:
         super().__init__()
         # Every argument is checked here (TypeError: wrong type, ValueError: a value that is not
@@ -223,6 +229,7 @@ class KFACCallbackBody(_CallbackBase):
             grafting=grafting, max_factor_side=max_factor_side, memory_limit=memory_limit,
             step_size=step_size, step_size_every=step_size_every, step_size_clip=step_size_clip,
             step_size_damping=step_size_damping, adapt_damping=adapt_damping, capture=capture,
+            update=update, eigen_beta2=eigen_beta2, eigen_eps=eigen_eps,
         )
         self.summary = val.check_bool("summary", summary)
         self.log_step_time = val.check_bool("log_step_time", log_step_time)
