@@ -135,7 +135,7 @@ def test_corrupt_moments_are_refused_by_name() -> None:
     _train(pre, net, range(2))
     state = pre.state_dict()
     state["eigen_moments"]["0"]["v"] = -state["eigen_moments"]["0"]["v"] - 1
-    with pytest.raises(ValueError, match="'0': its eigen_moments must be"):
+    with pytest.raises(ValueError, match="'0': its eigen moments must be"):
         KFACPreconditioner(_net(), update="eigen_adam", lr=0.1).load_state_dict(state)
 
 

@@ -131,7 +131,7 @@ def test_a_fallback_on_a_grouped_factor_names_the_range_of_its_block_dampings():
     shown = f"{low:.3g}-{high:.3g} over its 2 blocks"
     assert low != high
     with pytest.warns(UserWarning) as record:
-        pre._update_inverses(0)
+        pre.inverter.update(0)
     texts = [str(w.message) for w in record if "Cholesky of the damped A factor failed" in str(w.message)]
     assert len(texts) == 1 and "layer '0'" in texts[0], [str(w.message) for w in record]
     assert f"(damping {damping:g}, {shown} on this factor)" in texts[0], texts[0]

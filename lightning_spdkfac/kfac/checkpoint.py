@@ -289,7 +289,7 @@ class CheckpointState:
             want = preconditioned_shape(*layer_shapes(layer))  # the gradient matrix's shape
             if (not isinstance(v, torch.Tensor) or tuple(v.shape) != want or not _is_count(t)
                     or not bool(torch.isfinite(v).all()) or bool((v < 0).any())):
-                corrupt.append(f"layer {name!r}: its {key} must be {{'v': a finite non-negative "
+                corrupt.append(f"layer {name!r}: its {key.replace('_', ' ')} must be {{'v': a finite non-negative "
                                f"{' x '.join(map(str, want))} tensor, 't': a count}}, got {entry!r:.120}")
 
     def _check_layer_names(self, dims: dict[str, FactorPair] | None, layers: Mapping[Any, Any],
