@@ -17,7 +17,6 @@ import torch
 
 from .. import validation as val
 from ..telemetry import capped_threads
-from . import factors as fx
 from .core import Core
 from .distributor import PendingInverses, Task
 from .inverse import (
@@ -176,9 +175,7 @@ class Inverter:
                      flight: _InFlight | None = None) -> Callable[[list[Task]], list[torch.Tensor]]:
         """The distributor's ``invert_fn`` for inverse_method="cholesky": damped inverses, pi-balanced split.
         ``report`` takes each fallback report (run now, or kept for the swap of ``flight``'s inverses)."""
-        floor = self.core.options.damping_floor
-        # (on this thread: the factors are read before any launch)
-        split = self._factor_dampings(todo, damping) if floor is None else self._factor_dampings(todo, damping, floor)
+        split = self._factor_dampings(todo, damping)  # (on this thread: the factors are read before any launch)
 
         def invert(tasks: list[Task]) -> list[torch.Tensor]:
             dampings = [split[(index, which)] for index, which, _ in tasks]
@@ -220,23 +217,15 @@ class Inverter:
             self.core.warn_once(name, f"{kind}-{fb.level}", f"K-FAC layer {name!r}: " + describe(fb, which))
 
     @staticmethod
-    def _factor_dampings(layers: list[KFACLayer], damping: float,
-                         floor: float | None = None) -> dict[tuple[int, str], torch.Tensor]:
-        """(layer index, "A"/"G") -> the damping added to that factor: the pi-balanced split of ``damping``, or, with
-        ``floor`` (``damping_floor``), of ``max(damping, floor * mean eigenvalue of A * mean eigenvalue of G)`` per
-        block: the block's damping relative to its own scale, so that a weak damping cannot leave the smallest
-        eigenvalues of a large block to take the whole step.
+    def _factor_dampings(layers: list[KFACLayer], damping: float) -> dict[tuple[int, str], torch.Tensor]:
+        """(layer index, "A"/"G") -> the damping added to that factor: the pi-balanced split of ``damping``.
 
         Every rank holds the same reduced factors, so every rank computes the same split; no host sync.
         """
         out: dict[tuple[int, str], torch.Tensor] = {}
         for ly in layers:
             assert ly.A is not None and ly.G is not None  # set together
-            d: float | torch.Tensor = damping
-            if floor is not None:
-                scale = fx.mean_eigenvalue(ly.A) * fx.mean_eigenvalue(ly.G) * floor
-                d = torch.where(torch.isfinite(scale), scale, torch.zeros_like(scale)).clamp(min=damping)
-            out[(ly.index, "A")], out[(ly.index, "G")] = pi_split(ly.A, ly.G, d)
+            out[(ly.index, "A")], out[(ly.index, "G")] = pi_split(ly.A, ly.G, damping)
         return out
 
 

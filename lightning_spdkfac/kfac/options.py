@@ -129,10 +129,6 @@ class KFACOptions:
             is run at an Adam-like learning rate (SGD with momentum, or Muon).
         eigen_beta2: ``update="eigen_adam"``: the decay of the running second moment, in [0, 1).
         eigen_eps: ``update="eigen_adam"``: added to the root of the second moment (> 0).
-        damping_floor: None (the default), or rho > 0: each block is damped by at least rho times the product of its
-            factors' mean eigenvalues (``max(damping, rho tr(A)/n_A tr(G)/n_G)``, then pi-balanced), so that a damping
-            far below the block's own scale cannot let its smallest eigenvalues take the whole step
-            (inverse_method="cholesky"; docs/math.md "Damping that cannot stall").
     """
 
     # The defaults are the winners of benchmarks/time_to_accuracy.py (docs/results/time-to-accuracy.md): the
@@ -164,7 +160,6 @@ class KFACOptions:
     update: UpdateName = "kfac"
     eigen_beta2: float = 0.95
     eigen_eps: float = 1e-8
-    damping_floor: float | None = None
 
     def __post_init__(self) -> None:
         # A schedule is called once with step 0 here (probe): one that cannot be called with the step, raises or
@@ -200,11 +195,6 @@ class KFACOptions:
         val.check_choice("update", self.update, UPDATES)
         val.check_real("eigen_beta2", self.eigen_beta2, val.DECAY)
         val.check_real("eigen_eps", self.eigen_eps, val.POSITIVE)
-        val.check_real("damping_floor", self.damping_floor, val.POSITIVE, optional=True)
-        if self.damping_floor is not None and (self.update == "eigen_adam" or self.inverse_method == "eigen"):
-            raise ValueError(f"damping_floor={self.damping_floor!r} works on the Cholesky inverses' pi-balanced split: "
-                             "it needs inverse_method='cholesky' and update='kfac' (update='eigen_adam' already scales "
-                             "its damping to each block); set damping_floor=None or use the Cholesky inverses")
         if self.update == "eigen_adam":  # its basis is the factors' eigendecompositions, computed as eigen payloads
             object.__setattr__(self, "inverse_method", "eigen")
         if self.memory_limit is not None:

@@ -39,7 +39,7 @@ from ..kfac.step_size import LOSS_PARTS_HELP
 from ..telemetry import PHASES, WindowStats
 from ..vocabulary import FactorApproxName, GraftingName, InverseMethodName, StepSizeName, UpdateName
 from .protocol import KFACStrategy, model_parallel
-from .run_report import KFACRunRecord, kfac_line, possible_phases, start_profiler, thread_note
+from .run_report import KFACRunRecord, kfac_line, possible_phases, thread_note
 from .step_scope import StepScope
 from .trainer_rules import _logs_written_this_step, _refuse_uninitialized_lazy_layers, _steps_before, _where
 
@@ -145,7 +145,6 @@ class KFACCallbackBody(_CallbackBase):
         update: ``"kfac"`` (default) or ``"eigen_adam"``, the eigenbasis mode (docs/math.md "The eigenbasis mode").
         eigen_beta2: the eigenbasis mode's moment decay in [0, 1) (default 0.95).
         eigen_eps: the eigenbasis mode's epsilon (> 0, default 1e-8).
-        damping_floor: None (default) or rho: each block damped by at least rho tr(A)/n_A tr(G)/n_G (KFACOptions' docs).
         summary: print the K-FAC summary (each block's factor layout and bytes; every trainable parameter left
             to the optimizer, with the reason) on rank 0 when the fit starts, and one line of what K-FAC added
             when training ends (its ms per step and share of the step, inverse steps, fallbacks: the line the
@@ -215,7 +214,6 @@ class KFACCallbackBody(_CallbackBase):
         update: UpdateName = _D.update,
         eigen_beta2: float = _D.eigen_beta2,
         eigen_eps: float = _D.eigen_eps,
-        damping_floor: float | None = _D.damping_floor,
     ) -> None:
         super().__init__()
         # Every argument is checked here (TypeError: wrong type, ValueError: a value that is not
@@ -231,7 +229,7 @@ class KFACCallbackBody(_CallbackBase):
             grafting=grafting, max_factor_side=max_factor_side, memory_limit=memory_limit,
             step_size=step_size, step_size_every=step_size_every, step_size_clip=step_size_clip,
             step_size_damping=step_size_damping, adapt_damping=adapt_damping, capture=capture,
-            update=update, eigen_beta2=eigen_beta2, eigen_eps=eigen_eps, damping_floor=damping_floor,
+            update=update, eigen_beta2=eigen_beta2, eigen_eps=eigen_eps,
         )
         self.summary = val.check_bool("summary", summary)
         self.log_step_time = val.check_bool("log_step_time", log_step_time)
@@ -397,7 +395,7 @@ class KFACCallbackBody(_CallbackBase):
         if self._t_step_start is None:  # first micro-batch of an optimizer step
             self._t_step_start = time.perf_counter()
             if self.trace_step is not None and self.preconditioner.steps == self.trace_step:
-                self._profiler = start_profiler()
+                self._start_trace()
         self.preconditioner.registry.register_unfrozen()  # layers frozen at setup that train now, before the forward
         self.preconditioner.final_micro_batch = self._final_micro_batch(trainer)  # (pipelining waits for the last)
         # Lightning's StochasticWeightAveraging recomputes BatchNorm statistics in an epoch of forwards without
@@ -421,6 +419,15 @@ class KFACCallbackBody(_CallbackBase):
             prof = self._profiler
             if prof is not None:
                 self._stop_trace(trainer, prof)
+
+    def _start_trace(self) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(ProfilerActivity.CUDA)
+        self._profiler = prof = profile(activities=activities)
+        prof.__enter__()
 
     def _stop_trace(self, trainer: pl.Trainer, prof: profile) -> None:
         self._profiler = None

@@ -129,16 +129,3 @@ def kfac_line(record: KFACRunRecord | None) -> str:
     return (f"{n} steps, {kfac_ms:.2f} ms per step in K-FAC ({share}{phases or 'no phase timed'}); "
             f"inverse steps {record.inverse_steps} of {n} ({100.0 * record.inverse_steps / n:.0f}%)"
             + (f"; {counters}" if counters else "") + (f"; {record.auto}" if record.auto else ""))
-
-
-def start_profiler() -> Any:
-    """A torch profiler recording the CPU (and CUDA, where there is one), already entered (the callback's
-    ``trace_step``)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU]
-    if torch.cuda.is_available():
-        activities.append(ProfilerActivity.CUDA)
-    prof = profile(activities=activities)
-    prof.__enter__()
-    return prof
