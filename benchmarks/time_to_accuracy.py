@@ -25,6 +25,12 @@ Workloads (the package's demo models and data, nothing downloaded):
   imported: 2 layers x 64, the 50257-token tied head, byte data, 10 optimizer steps an "epoch"), 4 epochs (40
   steps, about a minute a run on one thread; ``--budget 8`` is configs/hf_gpt2*.yaml's 80). Target: tuned
   AdamW's median final val loss, as for ``transformer``.
+* ``gpt2_long`` (issue 37): ``gpt2``'s model and data with 20 steps an epoch, 20 epochs: 400 optimizer steps,
+  validated every 20, so that the target (tuned AdamW's, as for ``gpt2``) is not on a plateau and methods that
+  differ by less than an epoch of ``gpt2`` can be told apart (about 7 CPU-minutes a run on one thread).
+* ``resnet18w`` (issue 37): ResNet-18's widths (64-128-256-512, BasicBlocks, BatchNorm), one block a stage and a
+  stride-2 stem, on the ResNet's CIFAR-shaped digits, 4 epochs; target val acc 0.97. On one CPU thread
+  ``torch.optim.Muon`` cannot run it: its bfloat16 Newton-Schulz takes about 11 s for one 512 x 4608 filter.
 
 Baselines (``--optimizers``): SGD, AdamW, Muon, SOAP, Shampoo (benchmarks/_tta_optimizers.py). The protocol
 (baseline sweeps, winners, the K-FAC phase), what counts as diverged and what is timed:
