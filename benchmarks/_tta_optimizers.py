@@ -78,9 +78,13 @@ def split_muon_params(module: nn.Module, params: Iterable[nn.Parameter] | None =
 class MuonWithAdamW(torch.optim.Optimizer):
     """``torch.optim.Muon`` on some parameters and ``torch.optim.AdamW`` on the others, as one optimizer.
 
-    ``param_groups`` are the two inner optimizers' group dicts themselves (Muon's first), so an lr scheduler on
-    this optimizer drives both. Parameters with more than 2 dimensions (convolution filters) are given to Muon as
-    2-D views ``(out, -1)`` of their storage; their gradients are viewed the same way before each step.
+    ``param_groups`` are AdamW's group dicts themselves and, for Muon, one dict per Muon group holding the
+    *parameters themselves* (what a caller looking a parameter up by identity, as K-FAC's KL clip does for its
+    lr, must find) with the group's hyperparameters; :meth:`step` copies those hyperparameters (the lr an lr
+    scheduler set, the weight decay) into Muon's own groups before stepping, so one schedule drives both.
+    Parameters with more than 2 dimensions (convolution filters) are given to Muon as 2-D views ``(out, -1)``
+    of their storage (``torch.optim.Muon`` takes matrices only); their gradients are viewed the same way
+    before each step.
 
     Args:
         muon_groups: param groups (dicts with ``params`` and optionally ``weight_decay``) for Muon.
@@ -93,6 +97,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
     def __init__(self, muon_groups: list[dict], adamw_groups: list[dict], lr: float, weight_decay: float,
                  betas: tuple[float, float] = (0.9, 0.999), adjust_lr_fn: str = "match_rms_adamw") -> None:
         self._views: list[tuple[nn.Parameter, torch.Tensor]] = []
+        muon_groups = [{**g, "params": list(g["params"])} for g in muon_groups]
         mgroups = []
         for g in muon_groups:
             ps = []
@@ -109,10 +114,15 @@ class MuonWithAdamW(torch.optim.Optimizer):
         self.muon = torch.optim.Muon(mgroups, lr=lr, weight_decay=weight_decay, adjust_lr_fn=adjust_lr_fn) \
             if mgroups else None
         self.adamw = torch.optim.AdamW(agroups, lr=lr, weight_decay=weight_decay, betas=betas) if agroups else None
-        inner = [o for o in (self.muon, self.adamw) if o is not None]
-        if not inner:
+        if self.muon is None and self.adamw is None:
             raise ValueError("MuonWithAdamW got no parameters")
-        super().__init__([g for o in inner for g in o.param_groups], {"lr": lr})
+        # Muon's groups as the outer optimizer shows them: the original parameters (not the 2-D views)
+        originals = [[p for p in g["params"] if p.dim() >= 2] for g in muon_groups]
+        self._muon_outer = [{**inner, "params": ps} for inner, ps in
+                            zip(self.muon.param_groups if self.muon else [], [o for o in originals if o], strict=True)]
+        super().__init__([*self._muon_outer, *(self.adamw.param_groups if self.adamw else [])], {"lr": lr})
+        # torch.optim.Optimizer.__init__ re-makes the dicts it is given: keep the ones it holds
+        self._muon_outer = self.param_groups[:len(self._muon_outer)]
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:  # noqa: D102
@@ -122,18 +132,17 @@ class MuonWithAdamW(torch.optim.Optimizer):
                 loss = closure()
         for p, v in self._views:
             v.grad = None if p.grad is None else p.grad.view(v.shape)
+        for outer, inner in zip(self._muon_outer, self.muon.param_groups if self.muon else [], strict=True):
+            inner.update({k: v for k, v in outer.items() if k != "params"})  # the scheduler's lr, and the rest
         for o in (self.muon, self.adamw):
             if o is not None:
                 o.step()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: D102
-        super().zero_grad(set_to_none)
-        for p, _ in self._views:
-            if set_to_none:
-                p.grad = None
-            elif p.grad is not None:
-                p.grad.zero_()
+        super().zero_grad(set_to_none)  # the parameters themselves, filters included
+        for _, v in self._views:  # the views' gradients are views of the filters' (set again at every step)
+            v.grad = None
 
 
 def build_optimizer(module: nn.Module, name: str, lr: float, weight_decay: float,

@@ -25,6 +25,12 @@ Workloads (the package's demo models and data, nothing downloaded):
   imported: 2 layers x 64, the 50257-token tied head, byte data, 10 optimizer steps an "epoch"), 4 epochs (40
   steps, about a minute a run on one thread; ``--budget 8`` is configs/hf_gpt2*.yaml's 80). Target: tuned
   AdamW's median final val loss, as for ``transformer``.
+* ``gpt2_long`` (issue 37): ``gpt2``'s model and data with 20 steps an epoch, 20 epochs: 400 optimizer steps,
+  validated every 20, so that the target (tuned AdamW's, as for ``gpt2``) is not on a plateau and methods that
+  differ by less than an epoch of ``gpt2`` can be told apart (about 7 CPU-minutes a run on one thread).
+* ``resnet18w`` (issue 37): ResNet-18's widths (64-128-256-512, BasicBlocks, BatchNorm), one block a stage and a
+  stride-2 stem, on the ResNet's CIFAR-shaped digits, 4 epochs; target val acc 0.97. On one CPU thread
+  ``torch.optim.Muon`` cannot run it: its bfloat16 Newton-Schulz takes about 11 s for one 512 x 4608 filter.
 
 Baselines (``--optimizers``): SGD, AdamW, Muon, SOAP, Shampoo (benchmarks/_tta_optimizers.py). The protocol
 (baseline sweeps, winners, the K-FAC phase), what counts as diverged and what is timed:
@@ -69,9 +75,10 @@ from lightning_spdkfac.kfac.options import KFACOptions
 DEFAULT_DAMPING = KFACOptions().damping  # what KFAC() uses
 DAMPINGS = (1e-4, 1e-3, 1e-2, 1e-1)
 LR_FACTORS = (1 / 3, 1.0, 3.0)
-# Keys of a --candidates entry that are not K-FAC options: the lr as a factor of the best baseline's, and the
-# base optimizer ("sgd" or "adamw"; default: the best baseline's).
-CANDIDATE_KEYS = ("lr_factor", "optimizer")
+# Keys of a --candidates entry that are not K-FAC options: the lr as a factor of the best SGD/AdamW baseline's (or,
+# with "lr_from", of that swept optimizer's winner, e.g. "muon"), and the base optimizer (any of
+# BASELINE_OPTIMIZERS; default: the best SGD/AdamW baseline).
+CANDIDATE_KEYS = ("lr_factor", "optimizer", "lr_from")
 # The K-FAC phase's optional rows (--kfac-rows); the baseline re-runs and K-FAC() at its defaults always run.
 KFAC_ROWS = ("reduce", "damping")
 
@@ -128,6 +135,17 @@ class BenchResNet(_ClassifierLossParts, ResNetCIFAR):
 
     def configure_optimizers(self) -> Any:
         return cosine_optimizer(self, self.opt_name, self.hparams.lr, WEIGHT_DECAY[self.opt_name])
+
+
+class BenchResNet18W(BenchResNet):
+    """Issue 37's CNN: ResNet-18's widths (64-128-256-512, BasicBlocks, BatchNorm) with one block per stage and a
+    stride-2 stem (32x32 inputs, stages at 16/8/4/2 pixels), so that the convolutions, not K-FAC's factor work,
+    set a step's cost and a run of a few epochs fits a CPU."""
+
+    def __init__(self, opt_name: str, lr: float, seed: int = 0) -> None:
+        ResNetCIFAR.__init__(self, lr=lr, widths=(64, 128, 256, 512), blocks=(1, 1, 1, 1), stem_stride=2,
+                             batch_norm=True)
+        self.opt_name = opt_name
 
 
 class DigitsAutoencoder(pl.LightningModule):
@@ -338,6 +356,12 @@ def gpt2_data(seed: int) -> pl.LightningDataModule:
     return bench_data(seed)
 
 
+def gpt2_long_data(seed: int) -> pl.LightningDataModule:
+    """examples/hf_gpt2.py's ``bench_data`` with 20 optimizer steps an epoch (validation every 20 steps), the rest
+    (16 x 64 bytes a step, 32 fixed validation windows, the split) unchanged."""
+    return StdlibTextDataModule(**{**gpt2_data(seed).hparams, "batches_per_epoch": 20})
+
+
 def depthwise(opt_name: str, lr: float, seed: int = 0) -> pl.LightningModule:
     return DepthwiseCNN(opt_name, lr, seed)
 
@@ -418,6 +442,22 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
              lrs={"sgd": [0.3, 1.0, 3.0], "adamw": [3e-3, 1e-2, 3e-2],
                   **dict.fromkeys(("muon", "soap", "shampoo"), [3e-3, 1e-2, 3e-2])},
              quick_budget=1, quick_lrs={"sgd": [1.0], "adamw": [1e-2]}, target_from="adamw"),
+    # Issue 37: the same GPT-2 and data, long enough that the target is not on a plateau: 20 epochs of 20 steps (400
+    # optimizer steps, validation every 20), warmup 10 then cosine over the 400. Target: tuned AdamW's median final
+    # val loss. Grids of 4-5 half-decade points around "gpt2"'s winners (AdamW 1e-2, Muon 3e-2 at its edge), so that
+    # --widen can show a winner inside its grid.
+    Workload("gpt2_long", "transformers GPT-2 2x64, vocab 50257, tied head, 400 steps, val every 20, val loss", gpt2,
+             gpt2_long_data, "val_loss", "min", math.nan, budget=20,
+             lrs={"sgd": [0.3, 1.0, 3.0], "adamw": [1e-3, 3e-3, 1e-2, 3e-2],
+                  "muon": [3e-3, 1e-2, 3e-2, 1e-1], **dict.fromkeys(("soap", "shampoo"), [1e-3, 3e-3, 1e-2, 3e-2])},
+             quick_budget=1, quick_lrs={"sgd": [1.0], "adamw": [1e-2]}, target_from="adamw"),
+    # Issue 37: a ResNet-18-width CNN (BenchResNet18W: 64-128-256-512, one BasicBlock a stage, stride-2 stem) on the
+    # CIFAR-shaped digits, 4 epochs of 23 steps (batch 64), validation every epoch; target val acc 0.97 as "resnet".
+    Workload("resnet18w", "ResNet-18-width CNN (64-128-256-512, 1 block a stage) on CIFAR-shaped digits, val acc",
+             BenchResNet18W, small_images_data, "val_acc", "max", 0.97, budget=4,
+             lrs={"sgd": [0.025, 0.05, 0.1, 0.2, 0.4], "adamw": [2.5e-4, 5e-4, 1e-3, 2e-3, 4e-3],
+                  "muon": [1e-3, 3e-3, 1e-2, 3e-2], **dict.fromkeys(("soap", "shampoo"), [3e-4, 1e-3, 3e-3, 1e-2])},
+             quick_budget=1, quick_lrs={"sgd": [0.1], "adamw": [1e-3]}),
 )}
 
 
@@ -615,9 +655,11 @@ def run_workload(w: Workload, seeds: list[int], quick: bool, budget: int | None,
                  candidates: dict[str, dict] | None = None, recorded: dict[str, Any] | None = None,
                  sweep_seeds: list[int] | None = None, optimizers: list[str] | None = None,
                  kfac_phase: bool = True, widen: int = 0, extra_lrs: dict[str, list[float]] | None = None,
-                 runs_log: str | None = None, kfac_rows: tuple[str, ...] = KFAC_ROWS) -> dict:
+                 runs_log: str | None = None, kfac_rows: tuple[str, ...] = KFAC_ROWS, reruns: bool = True) -> dict:
     """Sweep the baselines (``optimizers`` not in ``recorded``), widen edge winners' grids up to ``widen`` times,
-    then (``kfac_phase``) run K-FAC on the best SGD/AdamW baseline beside re-runs of it and of the best of all."""
+    then (``kfac_phase``) run K-FAC on the best SGD/AdamW baseline beside re-runs of it and of the best of all
+    (``reruns=False``: no re-runs, K-FAC is compared with the winners' sweep runs, for a machine that cannot
+    afford them)."""
     candidates = candidates or {}
     sweep_seeds = seeds if sweep_seeds is None else sweep_seeds
     epochs = budget or (w.quick_budget if quick else w.budget)
@@ -730,15 +772,25 @@ def run_workload(w: Workload, seeds: list[int], quick: bool, budget: int | None,
     kfac_default = {"log_step_time": False}
     kfac_reduce = {"log_step_time": False, "factor_approx": "reduce"}
     grid = [(d, f) for f in lr_factors for d in dampings if not (d == DEFAULT_DAMPING and f == 1.0)]
+
+    def cand_lr(opts: dict[str, Any]) -> float:
+        src = opts.get("lr_from")
+        if src is not None and src not in winners:
+            raise SystemExit(f"[{w.name}] a candidate's lr_from {src!r} was not swept (swept: {sorted(winners)})")
+        return (winners[src]["lr"] if src is not None else best_lr) * opts.get("lr_factor", 1.0)
+
+    for opts in candidates.values():  # an lr_from that was not swept stops here, before any K-FAC run
+        cand_lr(opts)
     for seed in seeds:
-        do(best_opt, best_lr, seed, None, f"rerun {best_opt}")
-        if best_all != best_opt:
+        if reruns:
+            do(best_opt, best_lr, seed, None, f"rerun {best_opt}")
+        if best_all != best_opt and reruns:
             do(best_all, winners[best_all]["lr"], seed, None, f"rerun {best_all}")
         do(best_opt, best_lr, seed, kfac_default, "kfac defaults")
         if "reduce" in kfac_rows:
             do(best_opt, best_lr, seed, kfac_reduce, "kfac reduce")
         for cname, opts in candidates.items():
-            do(opts.get("optimizer", best_opt), best_lr * opts.get("lr_factor", 1.0), seed,
+            do(opts.get("optimizer", best_opt), cand_lr(opts), seed,
                candidate_kfac_options(opts), f"kfac {cname}")
         if seed in sweep_seeds and "damping" in kfac_rows:
             for d, f in grid:
@@ -747,12 +799,14 @@ def run_workload(w: Workload, seeds: list[int], quick: bool, budget: int | None,
     def pick(tag: str, lr: float | None = None) -> list[dict]:
         return [r for r in runs if r["tag"] == tag and (lr is None or math.isclose(r["lr"], lr))]
 
-    rerun = summarize(w, pick(f"rerun {best_opt}"))
-    rerun_all = summarize(w, pick(f"rerun {best_all}"))
+    # without re-runs the winners' sweep runs stand in for them (the ratios "..._rerun" are then over those)
+    rerun = summarize(w, pick(f"rerun {best_opt}")) if reruns else winners[best_opt]
+    rerun_all = summarize(w, pick(f"rerun {best_all}")) if reruns else winners[best_all]
     kd = summarize(w, pick("kfac defaults"))
     main_rows = [row(f"{o} (tuned)", winners[o]["lr"], winners[o]) for o in winners]
-    main_rows.append(row(f"{best_opt} re-run", best_lr, rerun))
-    if best_all != best_opt:
+    if reruns:
+        main_rows.append(row(f"{best_opt} re-run", best_lr, rerun))
+    if best_all != best_opt and reruns:
         main_rows.append(row(f"{best_all} re-run (best of all)", winners[best_all]["lr"], rerun_all))
     main_rows.append(row(f"K-FAC() on {best_opt}", best_lr, kd, DEFAULT_DAMPING))
     # the K-FAC rows compared with the baselines: name -> summary (ratios "kfac_<name>_over_...")
@@ -762,7 +816,7 @@ def run_workload(w: Workload, seeds: list[int], quick: bool, budget: int | None,
         main_rows.append(row(f"K-FAC(reduce) on {best_opt}", best_lr, kr, DEFAULT_DAMPING))
     for c, opts in candidates.items():
         kfac_sums[c] = summarize(w, pick(f"kfac {c}"))
-        main_rows.append(row(f"K-FAC {c} on {opts.get('optimizer', best_opt)}", best_lr * opts.get("lr_factor", 1.0),
+        main_rows.append(row(f"K-FAC {c} on {opts.get('optimizer', best_opt)}", cand_lr(opts),
                              kfac_sums[c], opts.get("damping", DEFAULT_DAMPING)))
     damping_rows = []
     if "damping" in kfac_rows:
@@ -782,7 +836,8 @@ def run_workload(w: Workload, seeds: list[int], quick: bool, budget: int | None,
     for k, s in kfac_sums.items():
         ratios[f"kfac_{k}_over_best_baseline_rerun"] = ratio(s, rerun)
         ratios[f"kfac_{k}_over_best_overall_rerun"] = ratio(s, rerun_all)
-    lines += ["-- tuned baselines and K-FAC (library defaults) on the best SGD/AdamW one:",
+    lines += ["-- tuned baselines and K-FAC (library defaults) on the best SGD/AdamW one"
+              + ("" if reruns else " (no re-runs: ratios are over the winners' sweep runs)") + ":",
               format_table(main_rows, COLUMNS)]
     fmt = {k: (f"{v:.2f}" if v is not None else "n/a (target not reached by the median seed)") for k, v in ratios.items()}
     lines.append(f"   ratio K-FAC() / best tuned SGD/AdamW (median time to target): "
@@ -803,7 +858,7 @@ def run_workload(w: Workload, seeds: list[int], quick: bool, budget: int | None,
     result.update(rerun=rerun, rerun_best_overall=rerun_all, kfac_defaults=kd, kfac_reduce=kfac_sums.get("reduce"),
                   kfac_tuned=kfac_sums.get("tuned"), candidates={c: kfac_sums[c] for c in candidates},
                   candidate_options=candidates, kfac_defaults_options=KFACOptions().__dict__, kfac_rows=list(kfac_rows),
-                  damping_sweep=damping_rows, ratios=ratios, damping_sweep_seeds=sweep_seeds,
+                  damping_sweep=damping_rows, ratios=ratios, damping_sweep_seeds=sweep_seeds, reruns=reruns,
                   table="\n".join(lines), runs=runs)
     return result
 
@@ -946,10 +1001,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kfac-rows", default=",".join(KFAC_ROWS),
                    help="the K-FAC phase's optional rows, of reduce,damping, or none (the baseline re-runs and "
                         "K-FAC() at its defaults always run)")
+    p.add_argument("--no-rerun", action="store_true",
+                   help="the K-FAC phase without re-running the winning baselines beside it: K-FAC is compared with "
+                        "their sweep runs (same seeds; for a machine that cannot afford the re-runs)")
     p.add_argument("--plot-from", default=None, metavar="RESULTS_JSON,...",
                    help="run nothing: plot and print the workloads of earlier results.json files into --out")
     p.add_argument("--candidates", default=None, metavar="JSON",
-                   help='further K-FAC rows: {"name": {KFAC option: value, ..., "lr_factor": x}, ...}')
+                   help='further K-FAC rows: {"name": {KFAC option: value, ..., "lr_factor": x, "optimizer": base, '
+                        '"lr_from": swept optimizer whose winning lr lr_factor multiplies}, ...}')
     args = parse(p, argv, QUICK)
     split = lambda text: [x.strip() for x in (text or "").split(",") if x.strip()]  # noqa: E731
     args.workloads, args.optimizers = split(args.workloads), split(args.optimizers)
@@ -1001,7 +1060,8 @@ def main(argv: list[str] | None = None) -> None:
                            args.budget.get(name) or (recorded and recorded["epochs"]), log, args.candidates,
                            recorded, args.sweep_seeds, optimizers=args.optimizers, kfac_phase=not args.no_kfac,
                            widen=0 if args.quick else args.widen, extra_lrs=args.lrs,
-                           runs_log=os.path.join(out, "runs.jsonl"), kfac_rows=tuple(args.kfac_rows))
+                           runs_log=os.path.join(out, "runs.jsonl"), kfac_rows=tuple(args.kfac_rows),
+                           reruns=not args.no_rerun)
         res["wall_seconds"] = round(time.perf_counter() - t_w, 1)
         payload["workloads"].append(res)
         payload["wall_seconds"] = round(time.perf_counter() - t_all, 1)

@@ -78,9 +78,14 @@ def test_optimizer_builds_and_steps(bench, name):
     assert moved == set(before), f"{name} left {set(before) - moved} unchanged"
     assert all(torch.isfinite(p).all() for p in m.parameters())
     assert math.isclose(o.param_groups[0]["lr"], 1e-2 / 4)
-    if name == "muon":  # one optimizer, the two inner ones' groups: the schedule drives both
+    if name == "muon":  # one optimizer over both inner ones: the schedule drives both
         assert o.muon is not None and o.adamw is not None
-        assert all(g in o.param_groups for g in (*o.muon.param_groups, *o.adamw.param_groups))
+        assert all(g in o.param_groups for g in o.adamw.param_groups)
+        # Muon's inner groups hold 2-D views of the filters; they took the lr of the last step (1 / 3 of the peak)
+        assert all(math.isclose(g["lr"], 1e-2 / 3) for g in o.muon.param_groups)
+        # the outer groups hold every parameter itself, once (K-FAC finds a layer's lr by the weight's identity)
+        outer = [p for g in o.param_groups for p in g["params"]]
+        assert len(outer) == len({id(p) for p in outer}) and {id(p) for p in outer} == {id(p) for p in m.parameters()}
         o.zero_grad()
         assert m.conv.weight.grad is None  # a flattened filter's own gradient is cleared too
     if name in ("soap", "shampoo"):
@@ -98,7 +103,8 @@ def _one_batch(w, seed: int = 0):
     return next(iter(data.train_dataloader()))
 
 
-@pytest.mark.parametrize("workload", ["digits", "resnet", "textlm", "transformer", "autoencoder", "depthwise", "gpt2"])
+@pytest.mark.parametrize("workload", ["digits", "resnet", "textlm", "transformer", "autoencoder", "depthwise", "gpt2",
+                                      "gpt2_long", "resnet18w"])
 def test_kfac_loss_parts_is_the_training_loss(bench, workload):
     tta, _ = bench
     w = tta.WORKLOADS[workload]
@@ -124,7 +130,8 @@ def test_kfac_loss_parts_is_the_training_loss(bench, workload):
         assert not torch.equal(loss(forward()), ours)
 
 
-@pytest.mark.parametrize(("workload", "opt_name", "steps"), [("depthwise", "shampoo", 2), ("gpt2", "muon", 1)])
+@pytest.mark.parametrize(("workload", "opt_name", "steps"), [("depthwise", "shampoo", 2), ("gpt2", "muon", 1),
+                                                          ("resnet18w", "muon", 2), ("gpt2_long", "soap", 1)])
 def test_new_workloads_train(bench, workload, opt_name, steps):
     """The minimal equivalent of --quick on the new workloads: optimizer steps and one validation batch through
     Lightning, with the workload's schedule, finite losses (heavyball on 4-D filters and BatchNorm; Muon + AdamW
@@ -247,3 +254,55 @@ def test_a_non_empty_out_folder_is_refused_before_any_run(monkeypatch, tmp_path)
     with pytest.raises(SystemExit, match="exists and is not empty"):
         tta.main(["--workloads", "digits", "--out", str(tmp_path)])
     assert (tmp_path / "runs.jsonl").read_text() == "{}\n"
+
+
+def test_candidate_lr_from_and_no_reruns(bench, monkeypatch):
+    """Issue 37: a candidate's ``lr_from`` takes its lr from that optimizer's sweep winner (K-FAC on Muon at Muon's
+    tuned lr, not AdamW's); ``reruns=False`` runs no baseline again and compares K-FAC with the winners' sweep runs."""
+    tta, _ = bench
+    calls: list[dict] = []
+    monkeypatch.setattr(tta, "run_one", _stub_run_one(tta, calls))
+    w = tta.Workload("toy", "toy", None, None, "val_acc", "max", 0.9, budget=8,
+                     lrs={"sgd": [0.1], "adamw": [3e-3, 1e-2, 3e-2], "muon": [1e-3, 3e-3, 1e-2]}, quick_budget=2)
+    cands = {"on_muon": {"optimizer": "muon", "lr_from": "muon", "lr_factor": 0.5}}
+    res = tta.run_workload(w, [0], False, None, lambda m: None, candidates=cands, optimizers=["adamw", "muon"],
+                           widen=0, kfac_rows=(), reruns=False)
+    # the stub's optima: adamw 1e-2, muon 3e-3 (inside both grids)
+    assert math.isclose(res["winners"]["muon"]["lr"], 3e-3) and math.isclose(res["winners"]["adamw"]["lr"], 1e-2)
+    kfac = [(c["opt"], round(c["lr"], 9)) for c in calls if c["kfac"] == {"log_step_time": False}]
+    assert kfac == [("sgd", 0.1), ("adamw", 1e-2), ("muon", 1.5e-3)]  # a K-FAC warm-up, defaults, the candidate
+    plain = [c for c in calls if c["kfac"] is None]
+    assert len(plain) == 6 + 3  # the sweep, and untimed warm-ups of adamw, muon and sgd; no re-run
+    assert res["reruns"] is False and res["rerun"] == res["winners"]["adamw"]
+    assert "no re-runs" in res["table"]
+    # lr_from names an optimizer that was not swept: a clear error before any K-FAC run
+    calls.clear()
+    with pytest.raises(SystemExit, match="lr_from 'soap' was not swept"):
+        tta.run_workload(w, [0], False, None, lambda m: None, candidates={"x": {"lr_from": "soap"}},
+                         optimizers=["adamw", "muon"], widen=0, kfac_rows=())
+    assert [c["opt"] for c in calls if c["kfac"]] == ["sgd"]  # the untimed K-FAC warm-up only
+
+
+def test_issue37_workloads(bench):
+    """gpt2_long: GPT-2's model with 20 steps an epoch (validation every 20), at least 400 steps, AdamW's target;
+    resnet18w: ResNet-18's widths with BasicBlocks and BatchNorm on 3x32x32 inputs. Every baseline has a grid of at
+    least 3 points (the quick budgets are one epoch)."""
+    tta, opt = bench
+    from lightning_spdkfac.demo.cifar import BasicBlock
+
+    g = tta.WORKLOADS["gpt2_long"]
+    data = g.data(0)
+    assert data.batches_per_epoch == 20 and g.budget * data.batches_per_epoch >= 400
+    assert g.target_from == "adamw" and g.mode == "min" and g.quick_budget == 1
+    ref = tta.gpt2_data(0)  # the "gpt2" workload's data but for the epoch length
+    assert {k: v for k, v in data.hparams.items() if k != "batches_per_epoch"} == \
+        {k: v for k, v in ref.hparams.items() if k != "batches_per_epoch"}
+    r = tta.WORKLOADS["resnet18w"]
+    m = r.model("sgd", 0.1, 0)
+    blocks = [b for b in m.modules() if isinstance(b, BasicBlock)]
+    assert [b.conv2.out_channels for b in blocks] == [64, 128, 256, 512]
+    assert sum(isinstance(x, nn.BatchNorm2d) for x in m.modules()) >= 2 * len(blocks)
+    assert m(torch.randn(2, 3, 32, 32)).shape == (2, 10) and r.quick_budget == 1
+    for w in (g, r):
+        assert set(w.lrs) == set(opt.BASELINE_OPTIMIZERS)
+        assert all(len(w.lrs[o]) >= 3 for o in ("sgd", "adamw", "muon", "soap"))
