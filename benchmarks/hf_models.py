@@ -42,13 +42,14 @@ The measurements (issues 26 and 35), each printed and written to a fresh folder 
     ratio is printed.
 
 ``--kfac-kw KEY=VALUE`` (repeatable; VALUE read as a Python literal, else a string) passes extra arguments to every
-KFACPreconditioner of ``coverage`` and ``moe-step``, and to the second timing of ``capture-cost``.
+KFACPreconditioner of ``coverage``, ``step-time`` and ``moe-step``, and to the second timing of ``capture-cost``.
 
     python benchmarks/hf_models.py                       # all (about 12 minutes on 1 thread)
     python benchmarks/hf_models.py --only coverage --quick
     python benchmarks/hf_models.py --only coverage --models swin_like,eva_like --kfac-kw capture=True
     python benchmarks/hf_models.py --only moe-step --only capture-cost
     python benchmarks/hf_models.py --only max-side       # what a dense factor side costs (the default's basis)
+    python benchmarks/hf_models.py --only step-time --kfac-kw update=eigen_adam   # the eigenbasis mode's step
 """
 
 from __future__ import annotations
@@ -462,7 +463,8 @@ def _kfac_flops(pre: KFACPreconditioner, rows: int) -> dict[str, float]:
     return {"precondition": p, "factors": f, "inverses": i}
 
 
-def step_time(reps: int, batch: int, tokens: int, layers: int, width: int = 768, vocab: int = 50257) -> dict:
+def step_time(reps: int, batch: int, tokens: int, layers: int, width: int = 768, vocab: int = 50257,
+              kfac_kw: dict | None = None) -> dict:
     tf = _tf()
     set_threads(1)
     torch.manual_seed(0)
@@ -477,7 +479,8 @@ def step_time(reps: int, batch: int, tokens: int, layers: int, width: int = 768,
     opt_k = torch.optim.AdamW(kfac_model.parameters(), lr=1e-4)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        pre = KFACPreconditioner(kfac_model)  # the library defaults: factors every 5 steps, inverses every 50
+        # the library defaults (factors every 5 steps, inverses every 50), with --kfac-kw's arguments
+        pre = KFACPreconditioner(kfac_model, **(kfac_kw or {}))
     o = pre.options
 
     def adamw() -> None:
@@ -736,8 +739,8 @@ def main(argv: list[str] | None = None) -> None:
     if "max-side" in only:
         results["max_side"] = max_side([512, 1024] if args.quick else [1024, 2048, 4096, 4608, 8192])
     if "step-time" in only:
-        results["step_time"] = (step_time(1, 1, 16, 1, width=128, vocab=1000) if args.quick
-                                else step_time(args.reps, 8, 256, 2))
+        results["step_time"] = (step_time(1, 1, 16, 1, width=128, vocab=1000, kfac_kw=kfac_kw) if args.quick
+                                else step_time(args.reps, 8, 256, 2, kfac_kw=kfac_kw))
     if "moe-step" in only:
         results["moe_step"] = moe_step(1 if args.quick else args.reps, 2 if args.quick else 8,
                                        16 if args.quick else 64, experts_implementation=args.experts_implementation,
