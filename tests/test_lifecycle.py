@@ -241,7 +241,7 @@ YAML_ERRORS = [
     (DDP, "comm_timeout_s: 0", "ValueError: comm_timeout_s must be a number > 0, got 0.0"),
     (DDP, "profile_steps: [5, 3]", "ValueError: profile_steps must be two integers"),
     (DDP, "schedule: mpd\nreplan_every: 10", "ValueError: replan_every must be None unless pipelining=True"),
-    (DEEPSPEED, "stage: 3", "ValueError: stage must be the ZeRO stage 0, 1 or 2, got 3"),
+    (DEEPSPEED, "stage: 4", "ValueError: stage must be the ZeRO stage 0, 1, 2 or 3, got 4"),
 ]
 
 

@@ -283,7 +283,9 @@ def _sgd_with_schedule(module: pl.LightningModule) -> dict[str, Any]:
             raise ValueError("lr_schedule='cosine' needs a finite run: set trainer.max_epochs or max_steps")
         total = 0
     total = max(1, int(total))
-    per_epoch = max(1, math.ceil(trainer.num_training_batches / trainer.accumulate_grad_batches))
+    # (DeepSpeed calls this in its setup, where a run bounded by max_steps has not counted its batches yet: inf)
+    batches = trainer.num_training_batches
+    per_epoch = max(1, math.ceil(batches / trainer.accumulate_grad_batches)) if math.isfinite(batches) else total
     warmup = int(round(h.warmup_epochs * per_epoch))
     schedule, step_epochs, gamma = h.lr_schedule, h.step_epochs, h.gamma
 
