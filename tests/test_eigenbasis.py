@@ -56,8 +56,8 @@ class Reference:
         r = K.T @ _vec(M)
         self.t += 1
         self.v = BETA2 * self.v + (1 - BETA2) * r * r
-        root = (self.v / (1 - BETA2 ** self.t)).sqrt()
-        u = r / (root + DAMPING * root.square().mean().sqrt() + EPS)  # damping relative to the block's rms
+        v_hat = self.v / (1 - BETA2 ** self.t)
+        u = r / (v_hat.sqrt() + DAMPING * v_hat.mean().sqrt() + EPS)  # damping relative to the block's rms
         return _unvec(K @ u, g, a)
 
 

@@ -115,11 +115,11 @@ class EigenMoments:
                 None if qg is None else qg.clone())
         st.t += 1
         st.v.mul_(self.beta2).addcmul_(r, r, value=1.0 - self.beta2)
-        root = (st.v / (1.0 - self.beta2 ** st.t)).sqrt_()
+        v_hat = st.v / (1.0 - self.beta2 ** st.t)
         # The damping, relative to the block's root-mean-square second moment: an entry whose moment is far below the
         # block's (a direction the data has not spanned, where R holds only rounding) is not blown up to O(1).
-        floor = root.square().mean(dim=(-2, -1), keepdim=True).sqrt_().mul_(damping).add_(self.eps)
-        return rotate_back(r / root.add_(floor), qa, qg)  # (not in place: with two diagonal sides r is the gradient)
+        floor = v_hat.mean(dim=(-2, -1), keepdim=True).sqrt_().mul_(damping).add_(self.eps)
+        return rotate_back(r / v_hat.sqrt_().add_(floor), qa, qg)  # (not in place: with two diagonal sides r is the gradient)
 
     def forget(self, keep: set[int] | None = None) -> None:
         """Drop every moment (``keep``: but those of these layer indices)."""
