@@ -221,15 +221,18 @@ def test_harness_counts_each_kind_of_read():
         buf.copy_(torch.tensor([1.0, 2.0]))  # a host tensor into a (device) buffer
         torch.tensor([1.0]).to("cpu")
         buf.copy_(torch.ones(2))  # not a host tensor: no read
+        buf[0] = 3.0  # a Python number set into a (device) tensor
+        buf[1] = torch.ones(())  # a tensor value: no read
+        buf[0].fill_(3.0)  # idem
         torch.ones(2).to("cpu")  # idem
     kinds = sorted(e.kind for e in audit.events)
     assert kinds == sorted(["tolist", "numpy", "cpu", "__int__", "__index__", "torch.equal", "torch.tensor(device=)",
                             "torch.as_tensor(device=)", "linalg.eigh", "copy_(host tensor)",
-                            "to(host tensor)"]), kinds
+                            "to(host tensor)", "__setitem__(Python number)"]), kinds
 
 
 def test_harness_restores_torch_and_refuses_to_nest():
-    before = {n: getattr(torch.Tensor, n) for n in ("item", "tolist", "__bool__", "cpu", "copy_", "to")}
+    before = {n: getattr(torch.Tensor, n) for n in ("item", "tolist", "__bool__", "cpu", "copy_", "to", "__setitem__")}
     fns = (torch.tensor, torch.linalg.eigh, dist.all_reduce, dist.distributed_c10d.broadcast, dist.Work.wait,
            nn.Module.register_forward_hook, torch.Tensor.register_hook)
     with SyncAudit() as audit:

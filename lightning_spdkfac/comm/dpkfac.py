@@ -173,7 +173,7 @@ class GradientBroadcaster(CollectiveExecutor):
                                       device=value.device if value is not None else self.device)
                     if value is not None:
                         buf[:-1].copy_(value.reshape(-1))
-                        buf[-1] = 1.0
+                        buf[-1].fill_(1.0)  # (a fill: a Python scalar set into a CUDA tensor is a host copy)
                 else:
                     buf = torch.empty(size + 1, dtype=self.dtype, device=self.device)
                 work = None

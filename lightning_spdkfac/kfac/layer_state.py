@@ -115,11 +115,11 @@ class KFACLayer:
         parts: tuple[tuple[torch.Tensor, torch.Tensor], ...]
         if A.dim() == 1:
             parts = ((A[:n], xx),)
-            A[n] = 1.0
+            A[n].fill_(1.0)  # (a fill, not `A[n] = 1.0`: a Python scalar set into a CUDA tensor is a host copy)
         else:
             assert x_mean is not None  # kept for every A with a bias that is not diagonal (keeps_x_sum)
             parts = ((A[..., :n, :n], xx), (A[..., :n, n], x_mean), (A[..., n, :n], x_mean))
-            A[..., n, n] = 1.0  # the mean of the constant 1s, in every step's factor
+            A[..., n, n].fill_(1.0)  # the mean of the constant 1s, in every step's factor (a kernel, no host copy)
         for running, new in parts:
             if weight == 1.0:
                 running.copy_(new)

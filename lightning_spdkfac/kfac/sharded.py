@@ -417,7 +417,7 @@ def _precondition_mine(part: Any, access: OwnerShardedAccess,
         precs[layer.index] = p
         if pre.kl_clip is not None:
             vec[i] = torch.vdot(p.flatten(), gi.flatten()).double()
-        vec[n + i] = 1.0
+        vec[n + i].fill_(1.0)  # (a fill: setting a Python scalar into a CUDA tensor copies from the host)
     return vec, precs
 
 

@@ -23,6 +23,9 @@ that a test's own ``loss.item()`` is not counted (it only adds to :attr:`SyncAud
 - a *host tensor* (made by ``torch.tensor / as_tensor / frombuffer / from_numpy`` without a device) copied
   with ``dst.copy_(host)`` or moved with ``host.to(<device>)``: on a GPU a host-to-device copy from pageable
   memory, which synchronises the stream (kind ``copy_(host tensor)`` / ``to(host tensor)``);
+- ``tensor[index] = <Python number>`` (``Tensor.__setitem__`` with an int, float or bool value): the number
+  becomes a host tensor copied into the device tensor, a blocking copy on a GPU (seen by the GPU check on an H200:
+  ``A[..., n, n] = 1.0`` synchronised once per layer and factor step; ``.fill_(1.0)`` on the view is a kernel);
 - ``torch.linalg.eigh / eigvalsh / cholesky / inv`` (not the ``_ex`` variants): on a GPU they check the
   LAPACK info on the host (a sync) before returning;
 - ``Work.wait(timeout=...)`` (``torch.distributed.Work``): with a timeout, NCCL's work busy-waits on the
@@ -271,6 +274,7 @@ class SyncAudit:
         for name in HOST_MAKERS:
             self._patch(torch, name, functools.partial(_device_copy, kind=f"torch.{name}(device=)"))
         self._patch(torch.Tensor, "copy_", _host_copy)
+        self._patch(torch.Tensor, "__setitem__", _scalar_setitem)
         self._patch(torch.Tensor, "to", _host_to)
         self._patch(dist.Work, "wait", _timed_wait)
         from torch.distributed import distributed_c10d as c10d
@@ -419,6 +423,17 @@ def _host_copy(original: Callable[..., Any]) -> Callable[..., Any]:
         return original(self, src, *args, **kwargs)
 
     return copy_
+
+
+def _scalar_setitem(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def setitem(self: Any, index: Any, value: Any) -> Any:
+        audit = _active()
+        if audit is not None and isinstance(value, (bool, int, float)):
+            audit._record_read("__setitem__(Python number)")
+        return original(self, index, value)
+
+    return setitem
 
 
 def _to_device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
