@@ -152,8 +152,20 @@ class FactorStatistics:
 
         return eager(grad_hook)
 
+    def _rows_dtype(self, layer: KFACLayer, helper: LayerHelper, t: torch.Tensor, side: str) -> torch.dtype:
+        """The dtype of a call's factor rows: 16-bit ones kept as they are where the Gram sum takes them into float32
+        exactly (factors.half_rows: CUDA tensor cores) and the helper sums them with the generic Gram (not an expert
+        stack's or an embedding's own); otherwise factor_dtype."""
+        dtype = self.core.factor_dtype
+        if layer.reduce or not factors.half_rows(t, dtype, layer.a_shape if side == "A" else layer.g_shape):
+            return dtype
+        kind = type(helper)
+        generic = (kind.factor_rows is LayerHelper.factor_rows and kind.add_gram is LayerHelper.add_gram
+                   if side == "A" else kind.add_g_gram is LayerHelper.add_g_gram)
+        return t.dtype if generic else dtype
+
     def _accumulate_a(self, layer: KFACLayer, helper: LayerHelper, x: torch.Tensor) -> None:
-        a = helper.factor_rows(x.detach(), layer.reduce, self.core.factor_dtype)
+        a = helper.factor_rows(x.detach(), layer.reduce, self._rows_dtype(layer, helper, x, "A"))
         first = layer.a_calls == 0
         shape = layer.xx_shape()
         if first:
@@ -178,7 +190,7 @@ class FactorStatistics:
         if layer.reduce:
             d = helper.g_reduced(grad_output, self.core.factor_dtype)
         else:
-            d = helper.g_rows(grad_output).to(self.core.factor_dtype)
+            d = helper.g_rows(grad_output).to(self._rows_dtype(layer, helper, grad_output, "G"))
         first = layer.g_calls == 0
         if first and (layer.dd is None or layer.dd.shape != layer.g_shape or layer.dd.device != d.device):
             layer.dd = torch.empty(layer.g_shape, dtype=self.core.factor_dtype, device=d.device)

@@ -8,9 +8,40 @@ as ``weight.view(out, -1)`` orders them) and every function here returns the fac
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..factor_shapes import FactorShape
+
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@functools.cache
+def mixed_gemm(device_type: str) -> bool:
+    """Whether this torch multiplies 16-bit matrices into a float32 result on ``device_type`` (``torch.mm(...,
+    out_dtype=torch.float32)``, CUDA in torch >= 2.8): the tensor-core GEMM with float32 accumulation."""
+    if device_type != "cuda":
+        return False
+    try:
+        for dtype in HALF_DTYPES:
+            one = torch.ones(1, 1, 1, dtype=dtype, device=device_type)
+            mm = torch.mm(one[0], one[0], out_dtype=torch.float32)
+            bmm = torch.bmm(one, one, out_dtype=torch.float32)
+            if mm.dtype != torch.float32 or bmm.dtype != torch.float32:
+                return False
+        return True
+    except (TypeError, RuntimeError, NotImplementedError):
+        return False
+
+
+def half_rows(x: torch.Tensor, factor_dtype: torch.dtype, shape: FactorShape) -> bool:
+    """Whether the rows of ``x`` can go into a ``factor_dtype`` Gram sum in their own 16-bit dtype (bf16/fp16
+    activations or output gradients under autocast, on CUDA, a dense or grouped float32 factor): a product of two
+    16-bit floats is exact in float32, and the tensor-core GEMM accumulates in float32, so the sum is the one of the
+    rows cast to float32 first (in another order of additions), several times faster than float32 GEMMs."""
+    return (x.dtype in HALF_DTYPES and factor_dtype == torch.float32 and len(shape) != 1
+            and x.device.type == "cuda" and mixed_gemm(x.device.type))
 
 
 def fill_runs(dst: torch.Tensor, values: list[float]) -> torch.Tensor:
@@ -32,7 +63,19 @@ def grouped_rows(rows: torch.Tensor, groups: int) -> torch.Tensor:
 
 def gram(acc: torch.Tensor, rows: torch.Tensor, shape: FactorShape, first: bool) -> None:
     """``acc = rows^T rows`` (``first``) or ``acc += rows^T rows``, in place, in ``shape``'s layout: the full
-    Gram matrix, its diagonal (the column sums of squares), or one Gram matrix per group."""
+    Gram matrix, its diagonal (the column sums of squares), or one Gram matrix per group. 16-bit rows into a float32
+    ``acc`` (:func:`half_rows`): float32 products and sums from the tensor cores."""
+    if rows.dtype != acc.dtype and rows.dtype in HALF_DTYPES and len(shape) != 1:
+        if len(shape) == 2:
+            prod = torch.mm(rows.T, rows, out_dtype=acc.dtype)
+        else:
+            r = grouped_rows(rows, shape[0])
+            prod = torch.bmm(r.transpose(1, 2), r, out_dtype=acc.dtype)
+        if first:
+            acc.copy_(prod)
+        else:
+            acc.add_(prod)
+        return
     if len(shape) == 2:
         if first:
             torch.mm(rows.T, rows, out=acc)
@@ -53,8 +96,9 @@ def gram(acc: torch.Tensor, rows: torch.Tensor, shape: FactorShape, first: bool)
 
 
 def column_sums(rows: torch.Tensor, shape: FactorShape) -> torch.Tensor:
-    """The sum of the rows (the bias column of A): ``n`` (dense, diagonal) or ``b x n`` (grouped)."""
-    s = rows.sum(0)
+    """The sum of the rows (the bias column of A): ``n`` (dense, diagonal) or ``b x n`` (grouped); float32 for 16-bit
+    rows (:func:`half_rows`)."""
+    s = rows.sum(0, dtype=torch.float32) if rows.dtype in HALF_DTYPES else rows.sum(0)
     return s.reshape(shape[0], s.shape[0] // shape[0]) if len(shape) == 3 else s
 
 
