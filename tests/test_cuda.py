@@ -9,7 +9,8 @@ Without CUDA every test here skips, saying so.
   DP-KFAC) schedules on a one-process NCCL group, and on two processes sharing the GPU over gloo (NCCL refuses
   two ranks on one device), against one process on the joint batch;
 * DeepSpeed ZeRO-1/2 on one GPU with K-FAC equal to DDP with K-FAC;
-* bf16 autocast with float32 factors against float64 references of the captured bf16 activations;
+* bf16 and fp16 autocast with float32 factors against float64 references of the captured 16-bit activations (their Gram
+  sums on the tensor cores, float32 accumulation: factors.half_rows);
 * ``KFACPreconditioner.state_bytes()`` against ``torch.cuda`` allocator deltas;
 * no host synchronization in the forward/backward hooks: K-FAC steps at the defaults and every step with
   asynchronous inverses, their forward and backward under ``torch.cuda.set_sync_debug_mode("error")``.
@@ -264,9 +265,14 @@ def train_all_on_rank(rank: int, world: int, names: list[str]) -> dict:
     return {name: train_schedule(rank, world, name) for name in names}
 
 
-def one_process_reference(world: int) -> list[torch.Tensor]:
+def one_process_reference(world: int, name: str) -> list[torch.Tensor]:
+    """The schedule's run on one process: the same preconditioning, with the one-step-stale inverses of an
+    asynchronous schedule where ``name`` has ``async_inverses`` (on CUDA they run on a side stream and are
+    swapped in at the next step, on one process as on several)."""
     model = dist_net().cuda()
-    sgd_kfac_steps(model, KFACPreconditioner(model, **KFAC_KW), cuda_data, STEPS, world)
+    async_inverses = SCHEDULES[name].get("async_inverses", False)
+    sgd_kfac_steps(model, KFACPreconditioner(model, async_inverses=async_inverses, **KFAC_KW), cuda_data, STEPS,
+                   world)
     return [p.detach().cpu() for p in model.parameters()]
 
 
@@ -290,20 +296,19 @@ def test_schedule_on_a_one_process_nccl_group_equals_the_local_run(nccl_group, n
     params, facts = train_schedule(0, 1, name)
     assert facts == {"backend": "nccl", "state_on_cuda": True, "skipped": 0}
     dist.destroy_process_group()  # the reference runs without any process group
-    _close(params, one_process_reference(1), f"{name} on NCCL vs one process")
+    _close(params, one_process_reference(1, name), f"{name} on NCCL vs one process")
 
 
 def test_schedules_on_two_processes_sharing_the_gpu_equal_one_process(cuda):
     """gloo with CUDA tensors: NCCL refuses two ranks on one device ("Duplicate GPU detected")."""
     names = list(GLOO_SCHEDULES)
     results = run_distributed(train_all_on_rank, 2, names, timeout=300, start_method="spawn")
-    reference = one_process_reference(2)
     for name in names:
         (p0, f0), (p1, f1) = results[0][name], results[1][name]
         assert f0 == f1 == {"backend": "gloo", "state_on_cuda": True, "skipped": 0}, name
         for a, b in zip(p0, p1, strict=True):
             assert torch.equal(a, b), f"{name}: the replicas differ"
-        _close(p0, reference, f"{name} on 2 processes vs one process")
+        _close(p0, one_process_reference(2, name), f"{name} on 2 processes vs one process")
 
 
 # ----------------------------------------------------------------------------- 3. DeepSpeed ZeRO on one GPU
@@ -331,12 +336,12 @@ def lightning_fit(rank: int, world: int, stage: int | None) -> dict:
     t = trainer(accelerator="gpu", max_steps=DS_STEPS, devices=world, strategy=strategy, callbacks=[cb],
                 use_distributed_sampler=False)
     t.fit(model)
-    pre = cb.preconditioner
+    state = cb.state_dict()  # (the preconditioner itself is released when the fit ends; its state is kept)
     engine = getattr(t.strategy, "deepspeed_engine", None)
     return dict(
         params=[p.detach().float().cpu() for p in model.net.parameters()],
-        kfac_steps=pre.steps,
-        factors_on_cuda=all(ly.A is not None and ly.A.is_cuda for ly in pre.layers.values()),
+        kfac_steps=state["steps"],
+        factors_on_cuda=bool(state["layers"]) and all(ly["A"].is_cuda for ly in state["layers"].values()),
         optimizer=type(engine.optimizer).__name__ if engine is not None else None,
     )
 
@@ -364,7 +369,38 @@ def test_deepspeed_zero_on_one_gpu_equals_ddp(cuda, stage, ddp_on_gpu):
 # ----------------------------------------------------------------------------- 4. bf16 autocast
 
 
-def test_bf16_autocast_keeps_float32_factors_equal_to_the_reference(cuda):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_rows_go_into_float32_grams_on_the_tensor_cores(cuda, dtype):
+    """factors.gram with 16-bit rows into float32 (the path autocast takes) against the float64 Gram of the same
+    numbers. The products are exact in float32 and the sums float32, but the tensor cores add in their own order and
+    blocks: on an H200 the largest error was 3.2e-6 (bf16) and 6.6e-6 (fp16) of the largest entry for one Gram
+    (torch.mm), 2.3e-5 for fp16 groups (torch.bmm), against 5e-7 and 3e-6 for float32 GEMMs of the rows cast first;
+    the bound is 1e-4 (the statistical noise in a factor, and its damping, are orders of magnitude larger)."""
+    from lightning_spdkfac.kfac import factors
+
+    if not factors.mixed_gemm("cuda"):
+        pytest.skip(f"torch {torch.__version__} has no torch.mm(..., out_dtype=float32) for 16-bit CUDA matrices")
+    torch.manual_seed(0)
+    rows = (torch.randn(4096, 384, device=cuda) * torch.linspace(0.1, 3, 384, device=cuda)).to(dtype)
+    ref = rows.double().T @ rows.double()
+    for shape in [(384, 384), (3, 128, 128)]:
+        acc = torch.empty(shape, device=cuda)
+        fp32 = torch.empty(shape, device=cuda)
+        for first in (True, False):  # a first call, then one more added
+            factors.gram(acc, rows, shape, first)
+            factors.gram(fp32, rows.float(), shape, first)
+        want = 2 * (ref if len(shape) == 2 else torch.stack([ref[i * 128:(i + 1) * 128, i * 128:(i + 1) * 128]
+                                                            for i in range(3)]))
+        assert acc.dtype == torch.float32
+        err, err32 = (acc.double() - want).abs().max().item(), (fp32.double() - want).abs().max().item()
+        assert err <= 1e-4 * want.abs().max().item(), (shape, err, err32, want.abs().max().item())
+    sums = factors.column_sums(rows, (384, 384))
+    assert sums.dtype == torch.float32
+    torch.testing.assert_close(sums.double(), rows.double().sum(0), rtol=1e-5, atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_autocast_keeps_float32_factors_equal_to_the_reference(cuda, dtype):
     torch.manual_seed(5)
     model = small_net(torch.float32).to(cuda)
     damping = 0.1
@@ -374,14 +410,14 @@ def test_bf16_autocast_keeps_float32_factors_equal_to_the_reference(cuda):
     cuda_modules = dict(model.named_modules())
     x = torch.randn(16, 2, 6, 6).to(cuda)
     model.zero_grad(set_to_none=True)
-    with torch.autocast("cuda", dtype=torch.bfloat16):
+    with torch.autocast("cuda", dtype=dtype):
         loss = sq_loss(model(x))
     loss.float().backward()
     grads = {n: grad_matrix(cuda_modules[n]).cpu() for n in LAYERS}
     pre.step()
     # The path is the mixed-precision one: the layers ran in bf16, their gradients (fp32 weights) are fp32.
-    assert all(rec.outputs[n][0].dtype == torch.bfloat16 for n in LAYERS)
-    assert all(rec.gouts[n][0].dtype == torch.bfloat16 for n in LAYERS)
+    assert all(rec.outputs[n][0].dtype == dtype for n in LAYERS)
+    assert all(rec.gouts[n][0].dtype == dtype for n in LAYERS)
     for n in LAYERS:
         A, G = host_factors(rec, n, check=False)  # (from the bf16 activations and output gradients themselves)
         ly = pre.layers[n]
