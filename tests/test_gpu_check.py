@@ -95,6 +95,25 @@ def test_dry_mode_builds_every_model_steps_every_config_and_writes_the_report(gp
     assert {k: now[k] for k in legacy} == {k: found[k] for k in legacy}
 
 
+def test_time_a_section_leaves_unspent_goes_to_the_later_ones_within_the_budget(gpu_check):
+    order = ["smoke", "tests", "cnn", "transformer", "overhead"]
+    shares = {n: gpu_check.BUDGETS[n] for n in order}
+    for spent_share in (1.0, 0.4, 0.0):  # each section spends all, 40% or none of what it was given
+        left, given = gpu_check.DEFAULT_BUDGET, {}
+        for i, name in enumerate(order):
+            given[name] = gpu_check.section_budget(name, order[i + 1:], left, 1.0)
+            assert given[name] >= min(shares[name], left - 5) - 1e-9  # never less than its own share
+            left -= given[name] * spent_share
+        assert left >= 5 - 1e-9  # the run ends within --budget, with its margin
+        if spent_share == 1.0:
+            assert sum(given.values()) <= gpu_check.DEFAULT_BUDGET - 5 + 1e-9
+        else:  # what the earlier sections left went to the later ones, in proportion to their shares
+            assert given["cnn"] > shares["cnn"] and given["transformer"] > shares["transformer"]
+            assert given["transformer"] / given["cnn"] > 1.0
+    # a late start: the budget is cut to what is left, later sections keep their shares where they can
+    assert gpu_check.section_budget("cnn", ["transformer", "overhead"], 60, 1.0) <= 55
+
+
 def test_a_run_without_cuda_that_is_not_dry_fails_after_the_smoke_section(gpu_check, tmp_path, no_cuda, capsys):
     code = gpu_check.main(["--out", str(tmp_path)])
     assert code == 2
