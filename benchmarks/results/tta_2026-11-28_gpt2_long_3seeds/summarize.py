@@ -8,7 +8,12 @@ configuration's time is the median over its seeds of the CPU seconds (validation
 at or under the target; a seed that never reaches it counts as not reached.
 
     python benchmarks/results/tta_2026-11-28_gpt2_long_3seeds/summarize.py
+    python benchmarks/results/tta_2026-11-28_gpt2_long_3seeds/summarize.py --dir benchmarks/results/tta_2026-11-28_transformer_3seeds
+
+``--dir``: another folder of ``runs*.jsonl`` of one workload (its val loss the metric, AdamW its target's
+optimizer), without the earlier seed-0 records; the baselines are whichever of AdamW, Muon and SOAP it holds.
 """
+import argparse
 import glob
 import json
 import os
@@ -19,9 +24,11 @@ OLD = os.path.join(HERE, "..", "tta_2026-11-28_issue37_partial")
 RENAME = {"sweep adamw": "adamw", "sweep muon": "muon", "kfac defaults": "kfac on adamw", "kfac on_muon": "kfac on muon"}
 
 
-def records() -> list[dict]:
-    paths = sorted(glob.glob(os.path.join(HERE, "runs*.jsonl")))
-    paths += [os.path.join(OLD, "gpt2_long_baselines", "runs.jsonl"), os.path.join(OLD, "gpt2_long_kfac_runs.jsonl")]
+def records(folder: str) -> list[dict]:
+    paths = sorted(glob.glob(os.path.join(folder, "runs*.jsonl")))
+    if os.path.abspath(folder) == HERE:
+        paths += [os.path.join(OLD, "gpt2_long_baselines", "runs.jsonl"),
+                  os.path.join(OLD, "gpt2_long_kfac_runs.jsonl")]
     out = []
     for path in paths:
         if os.path.exists(path):
@@ -39,7 +46,9 @@ def hit(r: dict, target: float) -> dict | None:
 
 
 def main() -> None:
-    rs = records()
+    p = argparse.ArgumentParser()
+    p.add_argument("--dir", default=HERE, help="the folder of runs*.jsonl (default: this one)")
+    rs = records(p.parse_args().dir)
     by: dict[tuple[str, float], dict[int, dict]] = {}
     for r in rs:
         by.setdefault((r["tag"], r["lr"]), {})[r["seed"]] = r  # a later record of the same run replaces it
@@ -72,7 +81,7 @@ def main() -> None:
     # validation, where the harness's rule, the time to target, would separate them by timing noise alone); its
     # time is the median over the seeds it was run with (3 for the winners).
     base = {}
-    for t in ("adamw", "muon"):
+    for t in [t for t in ("adamw", "muon", "soap") if any(tg == t for tg, _ in by)]:
         lrs = {lr: v[0]["final_metric"] for (tg, lr), v in by.items() if tg == t and 0 in v}
         win = min(lrs, key=lrs.get)
         base[t] = next(m for tg, lr, m in rows if tg == t and lr == win)
