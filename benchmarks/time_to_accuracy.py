@@ -70,9 +70,19 @@ from lightning_spdkfac import KFAC
 from lightning_spdkfac.demo import DigitsCNN, DigitsDataModule
 from lightning_spdkfac.demo.cifar import ResNetCIFAR, SmallImagesDataModule
 from lightning_spdkfac.demo.textlm import StdlibTextDataModule, TinyGPT
+from lightning_spdkfac.kfac import auto_damping
 from lightning_spdkfac.kfac.options import KFACOptions
 
-DEFAULT_DAMPING = KFACOptions().damping  # what KFAC() uses
+
+def default_damping(optimizer: str, opts: dict[str, Any] | None = None) -> float:
+    """The damping ``KFAC()`` (``damping="auto"``) uses on this baseline optimizer (kfac/auto_damping.py)."""
+    opts = opts or {}
+    if "damping" in opts:
+        return opts["damping"]
+    adam = optimizer in ("adamw",) and opts.get("update", "kfac") == "kfac"
+    return auto_damping.ADAM_TYPE_DAMPING if adam else auto_damping.DEFAULT_DAMPING
+
+
 DAMPINGS = (1e-4, 1e-3, 1e-2, 1e-1)
 LR_FACTORS = (1 / 3, 1.0, 3.0)
 # Keys of a --candidates entry that are not K-FAC options: the lr as a factor of the best SGD/AdamW baseline's (or,
@@ -771,7 +781,7 @@ def run_workload(w: Workload, seeds: list[int], quick: bool, budget: int | None,
     #    baselines when it is another one), candidate configurations (--candidates), and the damping sweep
     kfac_default = {"log_step_time": False}
     kfac_reduce = {"log_step_time": False, "factor_approx": "reduce"}
-    grid = [(d, f) for f in lr_factors for d in dampings if not (d == DEFAULT_DAMPING and f == 1.0)]
+    grid = [(d, f) for f in lr_factors for d in dampings if not (d == default_damping(best_opt) and f == 1.0)]
 
     def cand_lr(opts: dict[str, Any]) -> float:
         src = opts.get("lr_from")
@@ -808,21 +818,21 @@ def run_workload(w: Workload, seeds: list[int], quick: bool, budget: int | None,
         main_rows.append(row(f"{best_opt} re-run", best_lr, rerun))
     if best_all != best_opt and reruns:
         main_rows.append(row(f"{best_all} re-run (best of all)", winners[best_all]["lr"], rerun_all))
-    main_rows.append(row(f"K-FAC() on {best_opt}", best_lr, kd, DEFAULT_DAMPING))
+    main_rows.append(row(f"K-FAC() on {best_opt}", best_lr, kd, default_damping(best_opt)))
     # the K-FAC rows compared with the baselines: name -> summary (ratios "kfac_<name>_over_...")
     kfac_sums: dict[str, dict] = {"defaults": kd}
     if "reduce" in kfac_rows:
         kfac_sums["reduce"] = kr = summarize(w, pick("kfac reduce"))
-        main_rows.append(row(f"K-FAC(reduce) on {best_opt}", best_lr, kr, DEFAULT_DAMPING))
+        main_rows.append(row(f"K-FAC(reduce) on {best_opt}", best_lr, kr, default_damping(best_opt)))
     for c, opts in candidates.items():
         kfac_sums[c] = summarize(w, pick(f"kfac {c}"))
         main_rows.append(row(f"K-FAC {c} on {opts.get('optimizer', best_opt)}", cand_lr(opts),
-                             kfac_sums[c], opts.get("damping", DEFAULT_DAMPING)))
+                             kfac_sums[c], default_damping(opts.get("optimizer", best_opt), opts)))
     damping_rows = []
     if "damping" in kfac_rows:
         for f in lr_factors:
             for d in dampings:
-                rs = (pick("kfac defaults") if (d == DEFAULT_DAMPING and f == 1.0)
+                rs = (pick("kfac defaults") if (d == default_damping(best_opt) and f == 1.0)
                       else pick(f"kfac damping {d:g}", best_lr * f))
                 damping_rows.append({"damping": d, "lr_factor": f, "lr": best_lr * f, **summarize(w, rs),
                                      "divergent_seeds": [r["seed"] for r in rs if r["diverged"]]})

@@ -18,6 +18,7 @@ from torch import nn
 
 from .. import validation as val
 from ..telemetry import StepTimer
+from .auto_damping import DEFAULT_DAMPING
 from .distributor import Distributor, OwnerHeld
 from .gradients import GradAccess
 from .layer_state import KFACLayer
@@ -72,7 +73,8 @@ class Core:
                      grad_access: GradAccess) -> Core:
         o = options
         return cls(model=model, options=o, distributor=distributor, grad_access=grad_access, timer=StepTimer(),
-                   damping=o.damping, factor_decay=o.factor_decay, kl_clip=o.kl_clip, lr=o.lr,
+                   damping=DEFAULT_DAMPING if o.damping == "auto" else o.damping,  # ("auto": see step())
+                   factor_decay=o.factor_decay, kl_clip=o.kl_clip, lr=o.lr,
                    factor_update_steps=o.factor_update_steps, inv_update_steps=o.inv_update_steps,
                    skip_layers=tuple(re.compile(p) for p in o.skip_layers),
                    factor_dtype=o.factor_dtype, inv_dtype=o.inv_dtype,  # type: ignore[arg-type]

@@ -16,7 +16,7 @@ import re
 import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -48,7 +48,10 @@ class KFACOptions:
             G + sqrt(damping)/pi I, so that every direction of the block is damped by at least
             ``damping`` (not ``damping**2``); see docs/math.md. A number or a schedule (a callable of
             the optimizer step: called once with step 0 here, so that one that fails fails at construction, and
-            checked again at every step; so are ``factor_decay``, ``kl_clip`` and ``lr``).
+            checked again at every step; so are ``factor_decay``, ``kl_clip`` and ``lr``), or ``"auto"`` (the
+            default): 1e-3 under an Adam-type optimizer, 3e-2 under any other and in the eigenbasis mode, chosen by
+            the first optimizer that steps (:mod:`lightning_spdkfac.kfac.auto_damping` has the rule and the
+            measurements behind it).
         factor_decay: running-average decay of the factors, in [0, 1); 0 uses the current batch alone.
         kl_clip: KL-clip bound (> 0), or None to turn clipping off.
         lr: the learning rate the KL clip assumes: a number or a callable of the step, or None (the
@@ -132,10 +135,10 @@ class KFACOptions:
     """
 
     # The defaults are the winners of benchmarks/time_to_accuracy.py (docs/results/time-to-accuracy.md): the
-    # pi-balanced damping trains at every damping 1e-4..1e-1 there; factors every 5 steps and inverses
+    # damping by the optimizer (kfac/auto_damping.py); factors every 5 steps and inverses
     # every 50 reached the targets sooner in seconds than every 1/10 (same epochs, a cheaper step). The
     # paper's every-step timing setting is a configuration of the schedule benchmarks, not a default.
-    damping: val.HParam = 3e-2
+    damping: val.HParam | Literal["auto"] = "auto"
     factor_decay: val.HParam = 0.95
     kl_clip: val.HParam | None = 1e-3
     lr: val.HParam | None = None
@@ -164,7 +167,9 @@ class KFACOptions:
     def __post_init__(self) -> None:
         # A schedule is called once with step 0 here (probe): one that cannot be called with the step, raises or
         # returns something out of range fails at construction (a YAML config's, a plain loop's), not at a step.
-        val.check_schedule("damping", self.damping, val.NONNEGATIVE, probe=True)
+        if self.damping != "auto":  # (resolved by the optimizer that steps: kfac/auto_damping.py)
+            val.check_schedule("damping", self.damping, val.NONNEGATIVE, " (or 'auto', the default: 1e-3 under an "
+                               "Adam-type optimizer, else 3e-2)", probe=True)
         val.check_schedule("factor_decay", self.factor_decay, val.DECAY, probe=True)
         val.check_schedule("kl_clip", self.kl_clip, val.POSITIVE, " (use kl_clip=None to turn clipping off)",
                            probe=True, optional=True)

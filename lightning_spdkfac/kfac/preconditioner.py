@@ -33,6 +33,7 @@ from torch import nn
 
 from .. import validation as val
 from ..factor_shapes import describe
+from . import auto_damping
 from .checkpoint import STATE_VERSION, CheckpointState
 from .core import Core
 from .coverage import Coverage
@@ -91,6 +92,8 @@ class KFACPreconditioner:
             default is one process. See :mod:`lightning_spdkfac.kfac.distributor`.
         grad_access: where the reduced gradients are read and written; the default is
             ``param.grad`` in place. See :mod:`lightning_spdkfac.kfac.gradients`.
+        optimizer: the optimizer that will step, to resolve ``damping="auto"`` (the default) now; without it, the
+            first :meth:`step` resolves it from the optimizer passed there (:mod:`~lightning_spdkfac.kfac.auto_damping`).
         **overrides: any ``KFACOptions`` field by name, applied on top of ``options``
             (``KFACPreconditioner(model, damping=1e-2)``).
 
@@ -113,6 +116,7 @@ class KFACPreconditioner:
         grad_scaler: torch.amp.GradScaler | None = None,
         distributor: Distributor | None = None,
         grad_access: GradAccess | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
         **overrides: Any,
     ):
         if not isinstance(model, nn.Module):
@@ -156,6 +160,10 @@ class KFACPreconditioner:
                                                o.step_size_damping, o.adapt_damping, self._set_damping)
         self.checkpoint = CheckpointState(core, self.registry, self.statistics, self.inverter, self.preconditioning,
                                           self.guard, self.step_size)
+        # damping="auto": what it resolved to and why (None until resolved; kfac/auto_damping.py)
+        self.damping_choice: str | None = None
+        if optimizer is not None:
+            self.choose_damping(optimizer)
         core.distributor.begin_step(core.steps)
 
     # What users, the callback and the summary read (and some set) on the preconditioner: each is a part's own.
@@ -300,6 +308,17 @@ class KFACPreconditioner:
         self.step_size.prepare(self.model, optimizer, self.steps, damping, loss_parts,
                                self.grad_access.loss_scale(), self.distributor.average_scalars, self._hooks_paused)
 
+    def choose_damping(self, optimizer: torch.optim.Optimizer | None) -> None:
+        """Resolve ``damping="auto"`` by ``optimizer`` (once; None: no optimizer, 3e-2). A damping the
+        Levenberg-Marquardt rule restored from a checkpoint (``adapt_damping``) is kept."""
+        if self.options.damping != "auto" or self.damping_choice is not None:
+            return
+        value, why = auto_damping.resolve(optimizer, self.options.update)
+        if self.step_size is not None and self.step_size.damping is not None:
+            value, why = self.step_size.damping, "adapted (adapt_damping), restored from the checkpoint"
+        self.core.damping = value
+        self.damping_choice = f"{value:g} ({why})"
+
     def _set_damping(self, value: float) -> None:
         """adapt_damping: the Levenberg-Marquardt rule's new damping, used from the next inversion on."""
         self.core.damping = value
@@ -330,6 +349,8 @@ class KFACPreconditioner:
                 minimizes; needed on the steps that measure the quadratic model (every ``step_size_every``).
         """
         core = self.core
+        if self.options.damping == "auto" and self.damping_choice is None:
+            self.choose_damping(optimizer)
         self.registry.register_unfrozen()  # (layers frozen at setup that train now, where no forward hook saw them first)
         self.preconditioning.select(optimizer)
         if self.step_size is not None:

@@ -60,8 +60,8 @@ class KFACCallbackBody(_CallbackBase):
 
     Args:
         damping: the Tikhonov damping of each layer's Kronecker block (>= 0), split between A and G by
-            pi-balancing so that every direction of the block is damped by at least ``damping`` (see
-            :class:`~lightning_spdkfac.kfac.options.KFACOptions`, docs/math.md). This and the next three
+            pi-balancing so that every direction of the block is damped by at least ``damping``; ``"auto"`` (the
+            default): 1e-3 under an Adam-type optimizer, else 3e-2 (KFACOptions, docs/math.md). This and the next three
             are numbers or schedules: callables of the optimizer step index (in YAML, the
             import path of a function such as ``mypkg.schedules.damping``). A schedule is called
             once with step 0 at construction, and must accept one argument and return a number in
@@ -184,7 +184,7 @@ class KFACCallbackBody(_CallbackBase):
 
     def __init__(
         self,
-        damping: float | Callable[[int], float] = _D.damping,
+        damping: float | Callable[[int], float] | Literal["auto"] = _D.damping,
         factor_decay: float | Callable[[int], float] = _D.factor_decay,
         kl_clip: float | Callable[[int], float] | None = _D.kl_clip,
         lr: float | Callable[[int], float] | None = _D.lr,
