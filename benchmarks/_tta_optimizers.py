@@ -145,6 +145,17 @@ class MuonWithAdamW(torch.optim.Optimizer):
             v.grad = None
 
 
+def optimizer_class(name: str) -> type:
+    """The class :func:`build_optimizer` builds for ``name`` (heavyball imported for SOAP and Shampoo)."""
+    if name in ("soap", "shampoo"):
+        hb = heavyball_module()
+        return hb.SOAP if name == "soap" else hb.KLShampoo
+    classes = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW, "muon": MuonWithAdamW}
+    if name not in classes:
+        raise ValueError(f"unknown optimizer {name!r}; known: {BASELINE_OPTIMIZERS}")
+    return classes[name]
+
+
 def build_optimizer(module: nn.Module, name: str, lr: float, weight_decay: float,
                     groups: list[dict] | None = None, betas: tuple[float, float] | None = None,
                     momentum: float = 0.9) -> torch.optim.Optimizer:
@@ -166,8 +177,6 @@ def build_optimizer(module: nn.Module, name: str, lr: float, weight_decay: float
             ag.append({**g, "params": a})
         return MuonWithAdamW(mg, ag, lr=lr, weight_decay=weight_decay, **({"betas": betas} if betas else {}))
     if name in ("soap", "shampoo"):
-        hb = heavyball_module()
-        cls = hb.SOAP if name == "soap" else hb.KLShampoo
-        return cls([g for g in groups if g["params"]], lr=lr, weight_decay=weight_decay, compile_step=False,
-                   **({"betas": betas} if betas else {}))
+        return optimizer_class(name)([g for g in groups if g["params"]], lr=lr, weight_decay=weight_decay,
+                                     compile_step=False, **({"betas": betas} if betas else {}))
     raise ValueError(f"unknown optimizer {name!r}; known: {BASELINE_OPTIMIZERS}")

@@ -62,7 +62,7 @@ import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
 from _common import bench_parser, env_info, format_table, out_dir, parse, pyplot, save_png, set_threads
-from _tta_optimizers import BASELINE_OPTIMIZERS, KFAC_BASE_OPTIMIZERS, build_optimizer
+from _tta_optimizers import BASELINE_OPTIMIZERS, KFAC_BASE_OPTIMIZERS, build_optimizer, optimizer_class
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 
@@ -79,8 +79,7 @@ def default_damping(optimizer: str, opts: dict[str, Any] | None = None) -> float
     opts = opts or {}
     if "damping" in opts:
         return opts["damping"]
-    adam = optimizer in ("adamw",) and opts.get("update", "kfac") == "kfac"
-    return auto_damping.ADAM_TYPE_DAMPING if adam else auto_damping.DEFAULT_DAMPING
+    return auto_damping.resolve_class(optimizer_class(optimizer), opts.get("update", "kfac"))[0]
 
 
 DAMPINGS = (1e-4, 1e-3, 1e-2, 1e-1)

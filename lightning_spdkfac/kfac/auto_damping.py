@@ -41,22 +41,30 @@ def unwrap(optimizer: Any) -> Any:
 
 
 def is_adam_type(optimizer: Any) -> bool:
-    """Does ``optimizer`` (unwrapped) normalise each coordinate by a running second moment? Muon (and classes that
-    combine Muon with AdamW) do not count: Muon orthogonalises instead."""
-    inner = unwrap(optimizer)
-    name = type(inner).__name__.lower()
+    """Does ``optimizer`` (unwrapped) normalise each coordinate by a running second moment? (:func:`is_adam_class`)"""
+    return is_adam_class(type(unwrap(optimizer)))
+
+
+def is_adam_class(cls: type) -> bool:
+    """Is ``cls`` an Adam-type optimizer class? Muon (and classes that combine Muon with AdamW) do not count: Muon
+    orthogonalises instead."""
+    name = cls.__name__.lower()
     if "muon" in name:
         return False
-    return isinstance(inner, _ADAM_TYPES) or "adam" in name
+    return issubclass(cls, _ADAM_TYPES) or "adam" in name
 
 
 def resolve(optimizer: Any, update: str) -> tuple[float, str]:
     """The damping ``"auto"`` stands for under ``optimizer`` (None: none seen) and ``update``, and why."""
+    return resolve_class(None if optimizer is None else type(unwrap(optimizer)), update)
+
+
+def resolve_class(cls: type | None, update: str) -> tuple[float, str]:
+    """:func:`resolve` for an optimizer class (None: no optimizer), before any instance exists."""
     if update != "kfac":
         return DEFAULT_DAMPING, f"update={update!r}"
-    if optimizer is None:
+    if cls is None:
         return DEFAULT_DAMPING, "no optimizer given to step()"
-    name = type(unwrap(optimizer)).__name__
-    if is_adam_type(optimizer):
-        return ADAM_TYPE_DAMPING, f"{name}, an Adam-type optimizer"
-    return DEFAULT_DAMPING, name
+    if is_adam_class(cls):
+        return ADAM_TYPE_DAMPING, f"{cls.__name__}, an Adam-type optimizer"
+    return DEFAULT_DAMPING, cls.__name__

@@ -349,8 +349,7 @@ class KFACPreconditioner:
                 minimizes; needed on the steps that measure the quadratic model (every ``step_size_every``).
         """
         core = self.core
-        if self.options.damping == "auto" and self.damping_choice is None:
-            self.choose_damping(optimizer)
+        self.choose_damping(optimizer)  # (damping="auto": once, at the first step)
         self.registry.register_unfrozen()  # (layers frozen at setup that train now, where no forward hook saw them first)
         self.preconditioning.select(optimizer)
         if self.step_size is not None:
